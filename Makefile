@@ -1,0 +1,33 @@
+# The two commands of the README: `make demo` and `make test`. Each sets up the virtual
+# environment from nothing on a fresh machine (and reuses it when pyproject.toml is unchanged).
+
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-stamp
+PYTEST_ARGS ?=
+
+.PHONY: install demo test lint bench clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e '.[test]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/python experiments/demo.py
+
+lint: $(STAMP)
+	$(BIN)/ruff check gac_jax tests benchmarks experiments
+
+test: $(STAMP) lint
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/transforms.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis

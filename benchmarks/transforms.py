@@ -1,0 +1,110 @@
+"""Cost of GAC + ESS scaling relative to optax.adamw's update, on a >= 50M-float tree.
+
+    python benchmarks/transforms.py [--floats 50e6] [--repeats 15] [--reference-dtype bfloat16]
+
+Measures, in one run with interleaved repetitions (so machine noise hits every variant):
+  adamw       optax.adamw(...).update                       (the yardstick)
+  gac+ess     chain(gradient_alignment_control, scale_by_ess).update
+  full chain  chain(gradient_alignment_control, adamw, scale_by_ess).update
+and prints medians and the ratios gac+ess / adamw and (full chain - adamw) / adamw.
+Every step is jitted with the optimizer state donated, as in a real train step; compile
+time is excluded (one warm-up call each).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import gac_jax
+
+
+def transformer_like_tree(total_floats: float, width: int = 1024) -> dict[str, jax.Array]:
+    """Leaves shaped like a decoder's (attention, MLP, norms), totalling >= total_floats."""
+    per_layer = 4 * width * width + 3 * width * (3 * width) + 2 * width
+    layers = int(np.ceil(total_floats / per_layer))
+    tree, key = {}, jax.random.key(0)
+    for i in range(layers):
+        for name, shape in (
+            ("q", (width, width)),
+            ("k", (width, width)),
+            ("v", (width, width)),
+            ("o", (width, width)),
+            ("gate", (width, 3 * width)),
+            ("up", (width, 3 * width)),
+            ("down", (3 * width, width)),
+            ("norm1", (width,)),
+            ("norm2", (width,)),
+        ):
+            key, sub = jax.random.split(key)
+            tree[f"layer{i}/{name}"] = 0.02 * jax.random.normal(sub, shape, jnp.float32)
+    return tree
+
+
+def make_step(tx: optax.GradientTransformationExtraArgs):
+    def step(grads, state, params, log_w):
+        return tx.update(grads, state, params, log_importance_weights=log_w)
+
+    return jax.jit(step, donate_argnums=(1,))
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--floats", type=float, default=50e6)
+    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--reference-dtype", default=None)
+    parser.add_argument("--scope", default="global", choices=["global", "per_leaf"])
+    args = parser.parse_args()
+
+    params = transformer_like_tree(args.floats)
+    n = sum(x.size for x in jax.tree.leaves(params))
+    grads = jax.tree.map(lambda p: 0.5 * p + 1e-3, params)
+    log_w = jnp.linspace(-2.0, 2.0, 64)
+    gac = gac_jax.gradient_alignment_control(
+        0.2, 0.8, reference_dtype=args.reference_dtype, scope=args.scope
+    )
+    ess = gac_jax.scale_by_ess(rho_base=1.0)
+    adamw = optax.adamw(1e-3)
+    variants = {
+        "adamw": adamw,
+        "gac+ess": optax.chain(gac, ess),
+        "full chain": optax.chain(gac, adamw, ess),
+    }
+    steps = {name: make_step(tx) for name, tx in variants.items()}
+    # Fresh buffers per leaf: init may hand out one cached zeros buffer to several leaves.
+    states = {name: jax.tree.map(jnp.copy, tx.init(params)) for name, tx in variants.items()}
+    times = {name: [] for name in variants}
+    for name in variants:  # Warm-up: compile, and one real step so the reference is nonzero.
+        for _ in range(2):
+            out, states[name] = steps[name](grads, states[name], params, log_w)
+        jax.block_until_ready(out)
+    for _ in range(args.repeats):
+        for name in variants:
+            start = time.perf_counter()
+            out, states[name] = steps[name](grads, states[name], params, log_w)
+            jax.block_until_ready((out, states[name]))
+            times[name].append(time.perf_counter() - start)
+
+    medians = {name: statistics.median(t) for name, t in times.items()}
+    print(f"tree: {len(params)} leaves, {n / 1e6:.1f}M floats; backend {jax.default_backend()}")
+    print(f"GAC scope={args.scope}, reference dtype={args.reference_dtype or 'float32'}")
+    for name, median in medians.items():
+        spread = (min(times[name]), max(times[name]))
+        print(
+            f"  {name:<11} median {1e3 * median:8.1f} ms   "
+            f"(min {1e3 * spread[0]:.1f}, max {1e3 * spread[1]:.1f})"
+        )
+    standalone = medians["gac+ess"] / medians["adamw"]
+    incremental = (medians["full chain"] - medians["adamw"]) / medians["adamw"]
+    print(f"ratio gac+ess / adamw:                 {standalone:.3f}")
+    print(f"ratio (full chain - adamw) / adamw:    {incremental:.3f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,30 @@
+"""Stateful optax transformations for asynchronous RL: GAC and VCPO's ESS step scaling.
+
+They import only jax and optax, so any optax training loop can use them.
+"""
+
+from gac_jax.transforms.alignment import (
+    REGIME_NAMES,
+    REGIME_NONFINITE,
+    REGIME_PASS,
+    REGIME_PROJECT,
+    REGIME_SKIP,
+    GradientAlignmentControlState,
+    gradient_alignment_control,
+    gradient_alignment_monitor,
+)
+from gac_jax.transforms.ess_scaling import ScaleByEssState, ess_step_scale, scale_by_ess
+
+__all__ = [
+    "REGIME_NAMES",
+    "REGIME_NONFINITE",
+    "REGIME_PASS",
+    "REGIME_PROJECT",
+    "REGIME_SKIP",
+    "GradientAlignmentControlState",
+    "ScaleByEssState",
+    "ess_step_scale",
+    "gradient_alignment_control",
+    "gradient_alignment_monitor",
+    "scale_by_ess",
+]

@@ -1,0 +1,48 @@
+"""Argument checks for transformation factories.
+
+Hyperparameters may arrive as traced arrays through `optax.inject_hyperparams`; those
+cannot be inspected in Python, so only concrete numbers are checked. Strings and other
+static choices are always checked.
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Iterable
+
+import numpy as np
+
+
+def concrete_number(value) -> float | None:
+    """The value as a Python float if it is a concrete scalar, else None (e.g. a tracer)."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, numbers.Real):
+        return float(value)
+    try:
+        array = np.asarray(value)  # Raises for tracers.
+    except Exception:  # noqa: BLE001 - any failure means "not concrete"
+        return None
+    if array.shape == () and np.issubdtype(array.dtype, np.number):
+        return float(array)
+    return None
+
+
+def check_range(name: str, value, low: float, high: float, *, low_open=False, high_open=False):
+    """Raises ValueError if a concrete `value` lies outside the interval [low, high]."""
+    number = concrete_number(value)
+    if number is None:
+        return
+    too_low = number <= low if low_open else number < low
+    too_high = number >= high if high_open else number > high
+    if too_low or too_high or np.isnan(number):
+        left = "(" if low_open else "["
+        right = ")" if high_open else "]"
+        raise ValueError(f"{name}={value!r} is outside {left}{low}, {high}{right}.")
+
+
+def check_choice(name: str, value, choices: Iterable[str]):
+    """Raises ValueError if `value` is not one of `choices`."""
+    choices = tuple(choices)
+    if value not in choices:
+        raise ValueError(f"{name}={value!r} is not one of {choices}.")

@@ -1,0 +1,359 @@
+r"""Gradient Alignment Control (GAC), arXiv 2603.01501, as an optax transformation.
+
+Asynchronous RL trains on rollouts from an older policy. Xu et al. observe that the
+consecutive policy gradients of such runs stay aligned (cosine near 1), unlike the
+near-orthogonal gradients of synchronous training, and that this "stale-aligned" drift
+precedes collapse. GAC measures
+
+.. math::
+
+    c_t = \cos(g_t, r_{t-1}) = \frac{\langle g_t, r_{t-1} \rangle}{\|g_t\| \, \|r_{t-1}\|}
+
+over the whole flattened parameter tree (or per leaf), with `r` a reference direction (the
+previous gradient by default), and controls the step with two thresholds
+`tau_low < tau_high`:
+
+* `c_t <= tau_low`: pass `g_t` unchanged (negative alignment is never touched);
+* `tau_low < c_t <= tau_high`: project, removing the component along `r` (all of it, or
+  just enough that the cosine falls to `tau_low`);
+* `c_t > tau_high`: skip the step (a zero update), if skipping is on; otherwise project.
+
+Place it before the optimizer: `optax.chain(clip, gradient_alignment_control(), adamw(...))`.
+
+Cost: one fused reduction pass over (g, r) for the three inner products, and one fused
+elementwise pass that writes the update and the new reference. Everything else is O(number
+of leaves) scalar work.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from optax import GradientTransformationExtraArgs
+
+from gac_jax.numerics import safe_divide
+from gac_jax.transforms._validation import check_choice, check_range, concrete_number
+
+REGIME_PASS = 0
+REGIME_PROJECT = 1
+REGIME_SKIP = 2
+REGIME_NONFINITE = 3
+REGIME_NAMES = ("pass", "project", "skip", "nonfinite")
+
+PROJECTIONS = ("partial", "full")
+REFERENCES = ("gradient", "update", "ema")
+SCOPES = ("global", "per_leaf")
+THRESHOLD_MODES = ("fixed", "adaptive")
+
+
+class GradientAlignmentControlState(NamedTuple):
+    """State of `gradient_alignment_control` (and of `gradient_alignment_monitor`)."""
+
+    gac_count: jax.Array  # int32 []: updates seen, finite or not.
+    gac_reference: optax.Updates  # tree like the params: r_{t-1}, in `reference_dtype`.
+    gac_cosine: jax.Array  # f32 []: c_t = cos(g_t, r_{t-1}) over the whole tree, before control.
+    gac_cosine_after: jax.Array  # f32 []: cos(emitted update, r_{t-1}) over the whole tree.
+    gac_regime: jax.Array  # int32 []: 0 pass, 1 project, 2 skip, 3 non-finite (most severe leaf).
+    gac_pass_count: jax.Array  # int32 []: steps whose regime was pass.
+    gac_project_count: jax.Array  # int32 []: steps with at least one projected leaf, none skipped.
+    gac_skip_count: jax.Array  # int32 []: steps with at least one skipped leaf.
+    gac_nonfinite_count: jax.Array  # int32 []: steps with a non-finite gradient.
+    gac_cosine_mean: jax.Array  # f32 []: EMA of c_t over steps with a usable reference.
+    gac_cosine_var: jax.Array  # f32 []: EMA variance of c_t, same steps.
+    gac_stats_count: jax.Array  # int32 []: steps that entered the two EMAs above.
+    gac_tau_low: jax.Array  # f32 []: lower threshold in force at the last step.
+    gac_tau_high: jax.Array  # f32 []: upper threshold in force at the last step.
+
+
+class _Alignment(NamedTuple):
+    """Inner products of a gradient with the reference, per control unit (tree or leaf)."""
+
+    dot: jax.Array  # f32 [U]: <g, r>.
+    grad_sq: jax.Array  # f32 [U]: |g|^2.
+    ref_sq: jax.Array  # f32 [U]: |r|^2.
+
+
+def _leaf_products(g: jax.Array, r: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    g32 = g.astype(jnp.float32)
+    r32 = r.astype(jnp.float32)
+    return jnp.sum(g32 * r32), jnp.sum(g32 * g32), jnp.sum(r32 * r32)
+
+
+def _cosine(dot, grad_sq, ref_sq):
+    # sqrt before multiplying: |g|^2 |r|^2 overflows float32 long before |g| |r| does.
+    return jnp.clip(safe_divide(dot, jnp.sqrt(grad_sq) * jnp.sqrt(ref_sq)), -1.0, 1.0)
+
+
+def _zeros_like(param, dtype):
+    if isinstance(param, jax.ShapeDtypeStruct):
+        return jnp.zeros(param.shape, dtype or param.dtype, device=param.sharding)
+    return jnp.zeros_like(param, dtype=dtype or param.dtype)
+
+
+def _thresholds(state, tau_low, tau_high, threshold_mode, adaptive_k, adaptive_warmup):
+    """Thresholds for this step; the adaptive band slides down, never up.
+
+    Adaptive mode keeps the band's width `tau_high - tau_low` and moves its lower edge to
+    `mean + adaptive_k * std` of the cosines seen so far (not including this step's, so a
+    spike cannot raise its own threshold), clipped to [0, tau_low]. Runs whose natural
+    alignment is low get a tighter control; persistently aligned runs (the asynchronous
+    failure the method exists for) can never loosen it beyond the configured band.
+    """
+    tau_low = jnp.asarray(tau_low, jnp.float32)
+    tau_high = jnp.asarray(tau_high, jnp.float32)
+    if threshold_mode == "fixed":
+        return tau_low, tau_high
+    follow = jnp.clip(
+        state.gac_cosine_mean + adaptive_k * jnp.sqrt(state.gac_cosine_var), 0.0, tau_low
+    )
+    ready = state.gac_stats_count >= adaptive_warmup
+    low = jnp.where(ready, follow, tau_low)
+    return low, low + (tau_high - tau_low)
+
+
+def _update_cosine_stats(state, cosine, usable, decay):
+    """EMA mean and variance of c_t (West's incremental form), only on usable steps."""
+    first = state.gac_stats_count == 0
+    diff = cosine - state.gac_cosine_mean
+    mean = jnp.where(first, cosine, state.gac_cosine_mean + (1.0 - decay) * diff)
+    var = jnp.where(first, 0.0, decay * (state.gac_cosine_var + (1.0 - decay) * diff * diff))
+    return (
+        jnp.where(usable, mean, state.gac_cosine_mean),
+        jnp.where(usable, var, state.gac_cosine_var),
+        jnp.where(usable, optax.safe_increment(state.gac_stats_count), state.gac_stats_count),
+    )
+
+
+def gradient_alignment_control(
+    tau_low: float = 0.2,
+    tau_high: float = 0.8,
+    *,
+    projection: str = "partial",
+    skip: bool = True,
+    reference: str = "gradient",
+    ema_decay: float = 0.9,
+    scope: str = "global",
+    thresholds: str = "fixed",
+    adaptive_k: float = 2.0,
+    adaptive_decay: float = 0.98,
+    adaptive_warmup: int = 10,
+    monitor_only: bool = False,
+    reference_dtype: Any = None,
+) -> GradientTransformationExtraArgs:
+    r"""Gradient Alignment Control (Xu et al., arXiv 2603.01501, Sec. 4).
+
+    With `c = cos(g, r)` and `target = max(tau_low, 0)`, the emitted update is
+
+    .. math::
+
+        \tilde g = \begin{cases}
+          g & c \le \tau_{low} \\
+          g - \alpha r & \tau_{low} < c \le \tau_{high} \\
+          0 & c > \tau_{high}\ \text{(skip on)}
+        \end{cases}
+        \qquad
+        \alpha = \frac{\|g\|}{\|r\|}
+            \Big(c - \text{target}\sqrt{\tfrac{1 - c^2}{1 - \text{target}^2}}\Big)
+
+    for `projection="partial"`, which leaves `cos(g~, r) = target` and the component of
+    `g` orthogonal to `r` untouched; `projection="full"` uses `alpha = <g, r> / |r|^2`
+    (cosine 0). With skip off, `c > tau_high` is projected too. The first step, a zero
+    gradient and a zero reference all give `c = 0` and pass unchanged. A non-finite
+    gradient passes unchanged (pair with `optax.apply_if_finite` to drop it) and leaves the
+    reference and statistics untouched.
+
+    Args:
+      tau_low: cosine at or below which the gradient passes, in [0, 1). Projection brings
+        the cosine down to it.
+      tau_high: cosine above which the step is skipped, in (tau_low, 1]; 1 never skips.
+      projection: "partial" (to `tau_low`) or "full" (remove the whole aligned component).
+      skip: whether `c > tau_high` skips the step (zero update) instead of projecting it.
+      reference: the direction `r` the next step is compared with: "gradient" (this step's
+        raw gradient, the paper's signal), "update" (the update this transformation
+        emitted; a skipped step keeps the previous reference, since a zero update has no
+        direction), or "ema" (exponential moving average of raw gradients, `ema_decay`).
+      ema_decay: decay of the "ema" reference, in [0, 1).
+      scope: "global" (one cosine over the whole tree) or "per_leaf" (each leaf controlled
+        on its own; the reported cosines stay global).
+      thresholds: "fixed", or "adaptive": after `adaptive_warmup` usable steps the band
+        `[tau_low, tau_high]` keeps its width and slides down so its lower edge sits at
+        `mean + adaptive_k * std` of the cosines seen so far (EMA with `adaptive_decay`),
+        clipped to `[0, tau_low]`. It never rises above the configured band.
+      adaptive_k: standard deviations above the running mean for the adaptive lower edge.
+      adaptive_decay: EMA decay of the cosine statistics, in [0, 1).
+      adaptive_warmup: usable steps before adaptive thresholds take over.
+      monitor_only: record the cosine (and statistics) without changing the gradient.
+      reference_dtype: storage dtype of the reference (e.g. "bfloat16" to halve its
+        memory); None keeps the params' dtypes. Inner products are always float32.
+
+    Returns:
+      An `optax.GradientTransformationExtraArgs` with `GradientAlignmentControlState`;
+      read statistics with `optax.tree.get(state, "gac_cosine")` and friends.
+    """
+    check_range("tau_low", tau_low, -1.0, 1.0)
+    check_range("tau_high", tau_high, -1.0, 1.0)
+    check_range("tau_low", tau_low, 0.0, 1.0, high_open=True)
+    check_range("ema_decay", ema_decay, 0.0, 1.0, high_open=True)
+    check_range("adaptive_decay", adaptive_decay, 0.0, 1.0, high_open=True)
+    check_range("adaptive_k", adaptive_k, 0.0, float("inf"))
+    check_range("adaptive_warmup", adaptive_warmup, 0.0, float("inf"))
+    check_choice("projection", projection, PROJECTIONS)
+    check_choice("reference", reference, REFERENCES)
+    check_choice("scope", scope, SCOPES)
+    check_choice("thresholds", thresholds, THRESHOLD_MODES)
+    low, high = concrete_number(tau_low), concrete_number(tau_high)
+    if low is not None and high is not None and not low < high:
+        raise ValueError(f"tau_low={tau_low!r} must be smaller than tau_high={tau_high!r}.")
+    storage_dtype = None if reference_dtype is None else jnp.dtype(reference_dtype)
+
+    def init_fn(params):
+        zero_f32 = jnp.zeros([], jnp.float32)
+        zero_i32 = jnp.zeros([], jnp.int32)
+        return GradientAlignmentControlState(
+            gac_count=zero_i32,
+            gac_reference=jax.tree.map(lambda p: _zeros_like(p, storage_dtype), params),
+            gac_cosine=zero_f32,
+            gac_cosine_after=zero_f32,
+            gac_regime=zero_i32,
+            gac_pass_count=zero_i32,
+            gac_project_count=zero_i32,
+            gac_skip_count=zero_i32,
+            gac_nonfinite_count=zero_i32,
+            gac_cosine_mean=zero_f32,
+            gac_cosine_var=zero_f32,
+            gac_stats_count=zero_i32,
+            gac_tau_low=jnp.asarray(tau_low, jnp.float32),
+            gac_tau_high=jnp.asarray(tau_high, jnp.float32),
+        )
+
+    def update_fn(updates, state, params=None, **extra_args):
+        del params, extra_args
+        grads, treedef = jax.tree.flatten(updates)
+        refs = treedef.flatten_up_to(state.gac_reference)
+        if not grads:
+            return updates, state._replace(gac_count=optax.safe_increment(state.gac_count))
+
+        products = [_leaf_products(g, r) for g, r in zip(grads, refs, strict=True)]
+        per_leaf = _Alignment(*(jnp.stack(column) for column in zip(*products, strict=True)))
+        total = _Alignment(*(jnp.sum(x, keepdims=True) for x in per_leaf))
+        unit = per_leaf if scope == "per_leaf" else total
+
+        global_cosine = _cosine(total.dot[0], total.grad_sq[0], total.ref_sq[0])
+        finite = jnp.isfinite(total.grad_sq[0]) & jnp.isfinite(total.dot[0])
+        usable = finite & (total.grad_sq[0] > 0) & (total.ref_sq[0] > 0)
+        low, high = _thresholds(
+            state, tau_low, tau_high, thresholds, adaptive_k, adaptive_warmup
+        )
+
+        # Control coefficients per unit: emitted = keep * g - alpha * r.
+        cosine = _cosine(unit.dot, unit.grad_sq, unit.ref_sq)
+        target = jnp.maximum(low, 0.0)
+        skip_unit = jnp.asarray(skip) & (cosine > high) & finite
+        project_unit = (cosine > target) & ~skip_unit & finite
+        if monitor_only:
+            skip_unit = jnp.zeros_like(skip_unit)
+            project_unit = jnp.zeros_like(project_unit)
+        norm_ratio = safe_divide(jnp.sqrt(unit.grad_sq), jnp.sqrt(unit.ref_sq))
+        if projection == "full":
+            alpha = safe_divide(unit.dot, unit.ref_sq)
+        else:
+            sine = jnp.sqrt(jnp.maximum((1.0 - cosine) * (1.0 + cosine), 0.0))
+            target_sine = jnp.sqrt(jnp.maximum(1.0 - target * target, 1e-12))
+            alpha = norm_ratio * (cosine - target * sine / target_sine)
+        alpha = jnp.where(project_unit, alpha, 0.0)
+        keep = jnp.where(skip_unit, 0.0, 1.0)
+
+        # Cosine after control from the inner products, with no second pass over memory:
+        # the along-r and orthogonal parts are tracked separately to avoid cancellation.
+        along = keep * safe_divide(unit.dot, jnp.sqrt(unit.ref_sq)) - alpha * jnp.sqrt(
+            unit.ref_sq
+        )
+        orthogonal_sq = keep * keep * jnp.maximum(
+            unit.grad_sq - safe_divide(unit.dot * unit.dot, unit.ref_sq), 0.0
+        )
+        after_dot = jnp.sum(along * jnp.sqrt(unit.ref_sq))
+        after_sq = jnp.sum(along * along + orthogonal_sq)
+        cosine_after = jnp.where(
+            finite, _cosine(after_dot, after_sq, total.ref_sq[0]), jnp.nan
+        )
+
+        if scope == "per_leaf":
+            leaf_keep, leaf_alpha, leaf_skip = keep, alpha, skip_unit
+        else:
+            n = len(grads)
+            leaf_keep = jnp.broadcast_to(keep, (n,))
+            leaf_alpha = jnp.broadcast_to(alpha, (n,))
+            leaf_skip = jnp.broadcast_to(skip_unit, (n,))
+
+        emitted, new_refs = [], []
+        for i, (g, r) in enumerate(zip(grads, refs, strict=True)):
+            out = (leaf_keep[i] * g.astype(jnp.float32) - leaf_alpha[i] * r.astype(jnp.float32))
+            out = out.astype(g.dtype)
+            if reference == "gradient":
+                new_r = g
+            elif reference == "update":
+                new_r = jnp.where(leaf_skip[i], r, out)
+            else:
+                new_r = ema_decay * r.astype(jnp.float32) + (1.0 - ema_decay) * g.astype(
+                    jnp.float32
+                )
+            new_r = jnp.where(finite, new_r, r).astype(r.dtype)
+            emitted.append(out)
+            new_refs.append(new_r)
+
+        any_skip = jnp.any(skip_unit)
+        any_project = jnp.any(project_unit)
+        regime = jnp.where(
+            ~finite,
+            REGIME_NONFINITE,
+            jnp.where(any_skip, REGIME_SKIP, jnp.where(any_project, REGIME_PROJECT, REGIME_PASS)),
+        ).astype(jnp.int32)
+
+        def bump(counter, regime_id):
+            return jnp.where(regime == regime_id, optax.safe_increment(counter), counter)
+
+        mean, var, stats_count = _update_cosine_stats(
+            state, global_cosine, usable, adaptive_decay
+        )
+        new_state = GradientAlignmentControlState(
+            gac_count=optax.safe_increment(state.gac_count),
+            gac_reference=jax.tree.unflatten(treedef, new_refs),
+            gac_cosine=jnp.where(finite, global_cosine, jnp.nan),
+            gac_cosine_after=cosine_after,
+            gac_regime=regime,
+            gac_pass_count=bump(state.gac_pass_count, REGIME_PASS),
+            gac_project_count=bump(state.gac_project_count, REGIME_PROJECT),
+            gac_skip_count=bump(state.gac_skip_count, REGIME_SKIP),
+            gac_nonfinite_count=bump(state.gac_nonfinite_count, REGIME_NONFINITE),
+            gac_cosine_mean=mean,
+            gac_cosine_var=var,
+            gac_stats_count=stats_count,
+            gac_tau_low=low,
+            gac_tau_high=high,
+        )
+        return jax.tree.unflatten(treedef, emitted), new_state
+
+    return GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def gradient_alignment_monitor(
+    *,
+    reference: str = "gradient",
+    ema_decay: float = 0.9,
+    reference_dtype: Any = None,
+) -> GradientTransformationExtraArgs:
+    """Records `c_t = cos(g_t, r_{t-1})` without changing the gradient (GAC's signal only).
+
+    The baseline runs of an asynchronous-RL comparison use it so that every run reports
+    the same `gac_cosine`. It is `gradient_alignment_control(monitor_only=True)`; see there
+    for the arguments and the state.
+    """
+    return gradient_alignment_control(
+        monitor_only=True,
+        reference=reference,
+        ema_decay=ema_decay,
+        reference_dtype=reference_dtype,
+    )

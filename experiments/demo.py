@@ -45,9 +45,7 @@ def main():
             chain(gac_jax.gradient_alignment_control(0.2, 0.8), ess=True),
         ),
     ]
-    print(
-        f"contextual bandit, {args.steps} steps, adam lr {args.learning_rate}, seed {args.seed}"
-    )
+    print(f"contextual bandit, {args.steps} steps, adam lr {args.learning_rate}, seed {args.seed}")
     header = (
         f"{'run':<24} {'c_t q25/median/q75':>21} {'after':>6} {'pass/proj/skip':>15} "
         f"{'reward':>7} {'accuracy':>8} {'ESS ratio':>9}"

@@ -244,9 +244,7 @@ def gradient_alignment_control(
         global_cosine = _cosine(total.dot[0], total.grad_sq[0], total.ref_sq[0])
         finite = jnp.isfinite(total.grad_sq[0]) & jnp.isfinite(total.dot[0])
         usable = finite & (total.grad_sq[0] > 0) & (total.ref_sq[0] > 0)
-        low, high = _thresholds(
-            state, tau_low, tau_high, thresholds, adaptive_k, adaptive_warmup
-        )
+        low, high = _thresholds(state, tau_low, tau_high, thresholds, adaptive_k, adaptive_warmup)
 
         # Control coefficients per unit: emitted = keep * g - alpha * r.
         cosine = _cosine(unit.dot, unit.grad_sq, unit.ref_sq)
@@ -268,17 +266,15 @@ def gradient_alignment_control(
 
         # Cosine after control from the inner products, with no second pass over memory:
         # the along-r and orthogonal parts are tracked separately to avoid cancellation.
-        along = keep * safe_divide(unit.dot, jnp.sqrt(unit.ref_sq)) - alpha * jnp.sqrt(
-            unit.ref_sq
-        )
-        orthogonal_sq = keep * keep * jnp.maximum(
-            unit.grad_sq - safe_divide(unit.dot * unit.dot, unit.ref_sq), 0.0
+        along = keep * safe_divide(unit.dot, jnp.sqrt(unit.ref_sq)) - alpha * jnp.sqrt(unit.ref_sq)
+        orthogonal_sq = (
+            keep
+            * keep
+            * jnp.maximum(unit.grad_sq - safe_divide(unit.dot * unit.dot, unit.ref_sq), 0.0)
         )
         after_dot = jnp.sum(along * jnp.sqrt(unit.ref_sq))
         after_sq = jnp.sum(along * along + orthogonal_sq)
-        cosine_after = jnp.where(
-            finite, _cosine(after_dot, after_sq, total.ref_sq[0]), jnp.nan
-        )
+        cosine_after = jnp.where(finite, _cosine(after_dot, after_sq, total.ref_sq[0]), jnp.nan)
 
         if scope == "per_leaf":
             leaf_keep, leaf_alpha, leaf_skip = keep, alpha, skip_unit
@@ -290,7 +286,7 @@ def gradient_alignment_control(
 
         emitted, new_refs = [], []
         for i, (g, r) in enumerate(zip(grads, refs, strict=True)):
-            out = (leaf_keep[i] * g.astype(jnp.float32) - leaf_alpha[i] * r.astype(jnp.float32))
+            out = leaf_keep[i] * g.astype(jnp.float32) - leaf_alpha[i] * r.astype(jnp.float32)
             out = out.astype(g.dtype)
             if reference == "gradient":
                 new_r = g
@@ -315,9 +311,7 @@ def gradient_alignment_control(
         def bump(counter, regime_id):
             return jnp.where(regime == regime_id, optax.safe_increment(counter), counter)
 
-        mean, var, stats_count = _update_cosine_stats(
-            state, global_cosine, usable, adaptive_decay
-        )
+        mean, var, stats_count = _update_cosine_stats(state, global_cosine, usable, adaptive_decay)
         new_state = GradientAlignmentControlState(
             gac_count=optax.safe_increment(state.gac_count),
             gac_reference=jax.tree.unflatten(treedef, new_refs),

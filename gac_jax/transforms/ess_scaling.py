@@ -41,9 +41,7 @@ class ScaleByEssState(NamedTuple):
 def _resolve_power(power) -> float:
     if isinstance(power, str):
         if power not in POWERS:
-            raise ValueError(
-                f"power={power!r} is not one of {tuple(POWERS)} or a positive number."
-            )
+            raise ValueError(f"power={power!r} is not one of {tuple(POWERS)} or a positive number.")
         return POWERS[power]
     check_range("power", power, 0.0, float("inf"), low_open=True)
     return power

@@ -110,9 +110,7 @@ def test_nonfinite_weights_poison_the_update_not_the_ema():
     state = tx.init({"w": jnp.ones(1)})
     step = jax.jit(tx.update)
     _, state = step({"w": jnp.ones(1)}, state, ess_ratio=jnp.float32(0.5))
-    out, state = step(
-        {"w": jnp.ones(1)}, state, log_importance_weights=jnp.asarray([0.0, jnp.nan])
-    )
+    out, state = step({"w": jnp.ones(1)}, state, log_importance_weights=jnp.asarray([0.0, jnp.nan]))
     assert np.isnan(out["w"]).all()
     np.testing.assert_allclose(state.ess_ratio_ema, 0.5)
 

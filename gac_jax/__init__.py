@@ -10,6 +10,7 @@ The stabilizers are optax transformations that drop into any `optax.chain`::
     )
 """
 
+from gac_jax import objectives, transforms
 from gac_jax.numerics import effective_sample_size
 from gac_jax.transforms import (
     GradientAlignmentControlState,
@@ -27,5 +28,7 @@ __all__ = [
     "effective_sample_size",
     "gradient_alignment_control",
     "gradient_alignment_monitor",
+    "objectives",
     "scale_by_ess",
+    "transforms",
 ]

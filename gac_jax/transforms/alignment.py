@@ -34,8 +34,8 @@ import jax.numpy as jnp
 import optax
 from optax import GradientTransformationExtraArgs
 
+from gac_jax._validation import check_choice, check_range, concrete_number
 from gac_jax.numerics import safe_divide
-from gac_jax.transforms._validation import check_choice, check_range, concrete_number
 
 REGIME_PASS = 0
 REGIME_PROJECT = 1

@@ -23,8 +23,8 @@ import jax.numpy as jnp
 import optax
 from optax import GradientTransformationExtraArgs
 
+from gac_jax._validation import check_range, concrete_number
 from gac_jax.numerics import effective_sample_size
-from gac_jax.transforms._validation import check_range, concrete_number
 
 POWERS = {"sqrt": 0.5, "linear": 1.0}
 
@@ -49,8 +49,11 @@ def _resolve_power(power) -> float:
 
 def ess_step_scale(ess_ratio: jax.Array, rho_base, power) -> jax.Array:
     """`min(1, ess_ratio / rho_base) ** power`, VCPO's learning-rate multiplier."""
-    ratio = jnp.minimum(1.0, jnp.asarray(ess_ratio, jnp.float32) / rho_base)
-    return jnp.power(jnp.maximum(ratio, 0.0), power)
+    ess_ratio = jnp.asarray(ess_ratio, jnp.float32)
+    ratio = jnp.clip(ess_ratio / rho_base, 0.0, 1.0)
+    # Compared, not divided: XLA may divide through a reciprocal, and x / x can land a ulp
+    # below 1; at or above the base the step is exactly unscaled.
+    return jnp.where(ess_ratio >= rho_base, 1.0, jnp.power(ratio, power))
 
 
 def scale_by_ess(

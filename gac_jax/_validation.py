@@ -1,4 +1,4 @@
-"""Argument checks for transformation factories.
+"""Argument checks shared by the transformation factories and the objectives.
 
 Hyperparameters may arrive as traced arrays through `optax.inject_hyperparams`; those
 cannot be inspected in Python, so only concrete numbers are checked. Strings and other
@@ -42,7 +42,7 @@ def check_range(name: str, value, low: float, high: float, *, low_open=False, hi
 
 
 def check_choice(name: str, value, choices: Iterable[str]):
-    """Raises ValueError if `value` is not one of `choices`."""
+    """Raises ValueError naming the valid choices if `value` is not one of them."""
     choices = tuple(choices)
     if value not in choices:
-        raise ValueError(f"{name}={value!r} is not one of {choices}.")
+        raise ValueError(f"{name}={value!r} is unknown; expected one of {sorted(choices)}.")

@@ -1,0 +1,107 @@
+"""Private helpers shared by the objective modules: argument checks, masks, stable ratios."""
+
+from __future__ import annotations
+
+import numbers
+
+import jax
+import jax.numpy as jnp
+
+from gac_jax._validation import check_choice  # noqa: F401 - re-exported to the objectives
+
+# Log-ratios are clamped to [-MAX_LOG_RATIO, MAX_LOG_RATIO] before `exp` wherever a ratio
+# value (not only its logarithm) is needed: exp(20) ~ 4.9e8 is far beyond any clip bound
+# in use, so the clamp changes nothing a method relies on, and it keeps values and
+# gradients finite for log-probabilities of any size. Beyond the clamp the ratio (and its
+# gradient) is held constant. verl clamps its PPO log-ratios at the same +-20.
+MAX_LOG_RATIO = 20.0
+
+
+def is_python_number(value) -> bool:
+    """True for Python (and NumPy scalar) numbers, False for arrays and tracers."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def check_nonnegative(name: str, value) -> None:
+    """Raises ValueError if `value` is a Python number below zero; arrays pass unchecked."""
+    if is_python_number(value) and not value >= 0:
+        raise ValueError(f"`{name}` must be >= 0, got {value!r}.")
+
+
+def check_positive(name: str, value) -> None:
+    """Raises ValueError if `value` is a Python number that is not > 0."""
+    if is_python_number(value) and not value > 0:
+        raise ValueError(f"`{name}` must be > 0, got {value!r}.")
+
+
+def as_float(x) -> jax.Array:
+    """Casts to float32 (the dtype every objective computes in)."""
+    return jnp.asarray(x, jnp.float32)
+
+
+def as_mask(mask, shape: tuple[int, ...]) -> jax.Array:
+    """A boolean mask of `shape`: nonzero entries of a float mask count as valid."""
+    mask = jnp.asarray(mask)
+    if mask.shape != tuple(shape):
+        raise ValueError(f"`mask` has shape {mask.shape}, expected {tuple(shape)}.")
+    return mask if mask.dtype == jnp.bool_ else mask != 0
+
+
+def check_same_shape(**arrays) -> tuple[int, ...]:
+    """Checks that every array has the shape of the first; returns that shape."""
+    names = list(arrays)
+    shape = jnp.shape(arrays[names[0]])
+    for name in names[1:]:
+        if jnp.shape(arrays[name]) != shape:
+            raise ValueError(
+                f"`{name}` has shape {jnp.shape(arrays[name])}, expected the shape of "
+                f"`{names[0]}` {shape}."
+            )
+    return shape
+
+
+def check_tokens(logp, behaviour_logp, mask) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Validates [B, T] token inputs; returns (logp, behaviour_logp, mask) as f32/f32/bool."""
+    shape = check_same_shape(logp=logp, behaviour_logp=behaviour_logp)
+    if len(shape) != 2:
+        raise ValueError(f"`logp` must be [B, T], got shape {shape}.")
+    return as_float(logp), as_float(behaviour_logp), as_mask(mask, shape)
+
+
+def masked_log_ratio(logp_bt, behaviour_logp_bt, mask_bt) -> jax.Array:
+    """`logp - behaviour_logp` where valid, exactly 0 (value and gradient) elsewhere."""
+    # The difference is taken inside `where` on both operands, so garbage (inf, NaN) in
+    # padded positions never reaches a value or a gradient.
+    safe_logp = jnp.where(mask_bt, logp_bt, 0.0)
+    safe_behaviour = jnp.where(mask_bt, behaviour_logp_bt, 0.0)
+    return safe_logp - safe_behaviour
+
+
+def clamped_exp(log_x: jax.Array) -> jax.Array:
+    """exp(clip(log_x, -MAX_LOG_RATIO, MAX_LOG_RATIO)); see `MAX_LOG_RATIO`."""
+    return jnp.exp(jnp.clip(log_x, -MAX_LOG_RATIO, MAX_LOG_RATIO))
+
+
+def broadcast_per_token(values, shape: tuple[int, int], name: str) -> jax.Array:
+    """Per-sequence [B] values broadcast explicitly to [B, T]; [B, T] values pass through."""
+    values = as_float(values)
+    if values.shape == tuple(shape):
+        return values
+    if values.shape == (shape[0],):
+        return jnp.broadcast_to(values[:, None], shape)
+    raise ValueError(
+        f"`{name}` has shape {values.shape}, expected [B]={(shape[0],)} or [B, T]={shape}."
+    )
+
+
+def masked_mean(values, mask, fallback=0.0) -> jax.Array:
+    """Mean of `values` over `mask`, `fallback` when nothing is valid."""
+    total = jnp.sum(jnp.where(mask, values, 0.0))
+    count = jnp.sum(mask, dtype=jnp.float32)
+    safe_count = jnp.where(count > 0, count, 1.0)
+    return jnp.where(count > 0, total / safe_count, fallback)
+
+
+def sequence_valid(mask_bt: jax.Array) -> jax.Array:
+    """[B] bool: the sequence has at least one valid token."""
+    return jnp.any(mask_bt, axis=-1)

@@ -1,0 +1,103 @@
+"""Sample-based KL estimators (Schulman's k1, k2, k3) and the KL penalty term."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from gac_jax.objectives._common import (
+    MAX_LOG_RATIO,
+    as_float,
+    as_mask,
+    check_choice,
+    check_nonnegative,
+    check_same_shape,
+    masked_log_ratio,
+    masked_mean,
+)
+from gac_jax.objectives.aggregation import aggregate, check_aggregation
+
+KL_ESTIMATORS = ("k1", "k2", "k3")
+
+
+def kl_estimate(
+    logp: jax.Array,
+    reference_logp: jax.Array,
+    *,
+    estimator: str = "k3",
+) -> jax.Array:
+    r"""Per-sample estimate of :math:`\mathrm{KL}(\pi \,\|\, \pi_{\mathrm{ref}})` from
+    samples of :math:`\pi`.
+
+    With :math:`\delta = \log \pi_{\mathrm{ref}}(y) - \log \pi(y)` (J. Schulman,
+    "Approximating KL divergence", 2020, http://joschu.net/blog/kl-approx.html):
+
+    - ``k1`` :math:`= -\delta` (unbiased, high variance, can be negative),
+    - ``k2`` :math:`= \tfrac12 \delta^2` (biased, low variance),
+    - ``k3`` :math:`= e^{\delta} - 1 - \delta` (unbiased, always :math:`\ge 0`; the
+      "low_var_kl" of verl and of GRPO, arXiv 2402.03300, Eq. 4).
+
+    For ``k3``, :math:`e^{\delta}` is continued by its tangent line beyond
+    :math:`|\delta| = 20` (`MAX_LOG_RATIO`), so log-probabilities of any size give a finite
+    value and a finite gradient of the right sign (the estimate keeps growing in
+    :math:`|\delta|`); inside the band the formula is exact.
+
+    Args:
+      logp: log-probabilities under :math:`\pi`, any shape.
+      reference_logp: log-probabilities under :math:`\pi_{\mathrm{ref}}`, same shape.
+      estimator: ``"k1"``, ``"k2"`` or ``"k3"``.
+
+    Returns:
+      Elementwise estimates, float32, the shape of `logp`.
+    """
+    check_choice("estimator", estimator, KL_ESTIMATORS)
+    check_same_shape(logp=logp, reference_logp=reference_logp)
+    delta = as_float(reference_logp) - as_float(logp)
+    if estimator == "k1":
+        return -delta
+    if estimator == "k2":
+        return 0.5 * delta * delta
+    clipped = jnp.clip(delta, -MAX_LOG_RATIO, MAX_LOG_RATIO)
+    exp_delta = jnp.exp(clipped) * (1.0 + (delta - clipped))
+    return exp_delta - 1.0 - delta
+
+
+def kl_penalty(
+    logp: jax.Array,
+    reference_logp: jax.Array,
+    mask: jax.Array,
+    *,
+    estimator: str = "k3",
+    coef: float = 0.001,
+    aggregation: str = "token-mean",
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    r"""KL penalty term :math:`\beta \cdot \mathrm{agg}_{t}\, \hat{k}(\pi, \pi_{\mathrm{ref}})_t`.
+
+    Added to a policy loss, this is GRPO's KL regulariser (arXiv 2402.03300, Eq. 3, with
+    ``k3``). The default :math:`\beta = 10^{-3}` is verl's ``kl_loss_coef`` default.
+
+    Args:
+      logp: current-policy log-probabilities, [B, T].
+      reference_logp: reference-policy log-probabilities, [B, T].
+      mask: [B, T] valid tokens.
+      estimator: see `kl_estimate`.
+      coef: penalty coefficient :math:`\beta \ge 0`.
+      aggregation: see `aggregate`.
+
+    Returns:
+      ``(loss, aux)``: the scaled penalty, and ``aux["kl"]`` the token-mean KL estimate
+      (unscaled, no gradient).
+    """
+    check_nonnegative("coef", coef)
+    check_aggregation(aggregation)
+    check_same_shape(logp=logp, reference_logp=reference_logp)
+    logp = as_float(logp)
+    if logp.ndim != 2:
+        raise ValueError(f"`logp` must be [B, T], got shape {logp.shape}.")
+    mask_bt = as_mask(mask, logp.shape)
+    # Padded positions get a zero log-ratio (zero KL, zero gradient) before the estimator.
+    neg_delta = masked_log_ratio(logp, as_float(reference_logp), mask_bt)
+    kl_bt = kl_estimate(neg_delta, jnp.zeros_like(neg_delta), estimator=estimator)
+    loss = coef * aggregate(kl_bt, mask_bt, aggregation)
+    aux = {"kl": jax.lax.stop_gradient(masked_mean(kl_bt, mask_bt))}
+    return loss, aux

@@ -4,7 +4,8 @@ A small MLP policy picks one of `num_arms` actions for each context; a few arms 
 pay reward 1. Every step samples a GRPO group of actions for each of a batch of contexts
 from the *behaviour* policy, the parameters of `staleness` steps ago (the lagged mode of
 gac_jax: step t trains on samples of version max(0, t - staleness)), and trains the current
-policy with importance-weighted REINFORCE on group-normalised advantages. Any optax chain
+policy with truncated-importance-weighted REINFORCE on GRPO advantages, both from
+`gac_jax.objectives`. Any optax chain
 can be plugged in; GAC's cosine is recorded for every run through a monitor or the
 controller itself.
 """
@@ -19,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from gac_jax import objectives
 from gac_jax.numerics import effective_sample_size
 
 
@@ -121,23 +123,29 @@ def run_stale_bandit(
         rewards_bg = jnp.take_along_axis(payoff[contexts_b], actions_bg, axis=1)
         return contexts_b, actions_bg, behaviour_logp_bg, rewards_bg
 
-    def loss_fn(params, contexts_b, actions_bg, behaviour_logp_bg, advantages_bg):
+    # Each sample is a one-token "sequence": N = B * G rows of length 1.
+    group_ids_n = jnp.repeat(jnp.arange(B), G)
+    mask_n1 = jnp.ones((B * G, 1), bool)
+
+    def loss_fn(params, contexts_b, actions_bg, behaviour_logp_bg, advantages_n):
         logp_ba = _log_policy(params, features[contexts_b])
-        logp_bg = jnp.take_along_axis(logp_ba, actions_bg, axis=1)
-        log_w = logp_bg - behaviour_logp_bg
-        weight = jax.lax.stop_gradient(jnp.minimum(jnp.exp(log_w), config.importance_cap))
-        return -jnp.mean(weight * advantages_bg * logp_bg), log_w
+        logp_n1 = jnp.take_along_axis(logp_ba, actions_bg, axis=1).reshape(B * G, 1)
+        behaviour_n1 = behaviour_logp_bg.reshape(B * G, 1)
+        weights = objectives.truncated_importance_weights(
+            logp_n1, behaviour_n1, mask_n1, cap=config.importance_cap
+        )
+        loss, _ = objectives.reinforce_loss(
+            logp_n1, behaviour_n1, advantages_n, mask_n1, is_weights=weights.weights
+        )
+        return loss, (logp_n1 - behaviour_n1)[:, 0]
 
     @jax.jit
     def train_step(params, opt_state, behaviour_params, key):
         contexts_b, actions_bg, behaviour_logp_bg, rewards_bg = sample(behaviour_params, key)
-        mean = jnp.mean(rewards_bg, axis=1, keepdims=True)
-        std = jnp.std(rewards_bg, axis=1, keepdims=True)
-        advantages_bg = (rewards_bg - mean) / (std + 1e-6)
+        advantages_n, _ = objectives.grpo_advantages(rewards_bg.reshape(-1), group_ids_n)
         grads, log_w = jax.grad(loss_fn, has_aux=True)(
-            params, contexts_b, actions_bg, behaviour_logp_bg, advantages_bg
+            params, contexts_b, actions_bg, behaviour_logp_bg, advantages_n
         )
-        log_w = jnp.ravel(log_w)
         updates, opt_state = tx.update(grads, opt_state, params, log_importance_weights=log_w)
         params = optax.apply_updates(params, updates)
         greedy = jnp.argmax(_log_policy(params, features), axis=-1)

@@ -1,0 +1,205 @@
+"""`RolloutBuffer`: bounded, version-aware hand-off of rollout groups to the learner."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import threading
+import time
+
+from gac_jax.rollout.record import Rollout
+
+STALE_POLICIES = ("drop", "block")
+
+
+class RolloutBufferClosed(RuntimeError):
+    """The buffer was closed: no more groups will come (or be accepted)."""
+
+
+class RolloutWorkerError(RuntimeError):
+    """A rollout worker failed; the original exception is the `__cause__`."""
+
+
+@dataclasses.dataclass(frozen=True)
+class BufferStats:
+    """A snapshot of the buffer's counters."""
+
+    produced: int  # Groups put.
+    consumed: int  # Groups handed to the learner.
+    dropped: int  # Groups discarded as too stale.
+    depth: int  # Groups waiting now.
+    reserved: int  # Generation slots granted (block policy bookkeeping).
+    staleness_histogram: dict[int, int]  # Learner version - group version, at consumption.
+
+
+class RolloutBuffer:
+    """A bounded FIFO of `Rollout` groups with a staleness bound (ROLL Flash's alpha).
+
+    Groups are atomic: a batch holds whole groups. `take` never returns a group whose
+    staleness (learner version - group's oldest policy version) exceeds `max_staleness`;
+    what happens to older groups is the `stale_policy`:
+
+    - "drop": they are discarded when a batch is taken, and counted.
+    - "block": producers call `reserve(version)` before generating and wait until a group
+      started now cannot be consumed too late, AReaL's rule: the j-th reserved group (0-based)
+      is consumed at learner step j // groups_per_batch at the earliest, so it may start with
+      version v only if j < (v + max_staleness + 1) * groups_per_batch. Groups finished out
+      of order can still end up stale; `take` drops (and counts) those too.
+
+    `close()` wakes every waiter (they raise `RolloutBufferClosed`); `fail(exc)` does the
+    same with `RolloutWorkerError` so a worker's crash reaches the learner at once.
+
+    Args:
+      capacity: most groups held at once (>= groups_per_batch); `put` blocks when full.
+      groups_per_batch: groups per learner step.
+      max_staleness: largest allowed version gap, or None for no bound.
+      stale_policy: "drop" or "block".
+    """
+
+    def __init__(
+        self,
+        capacity: int,
+        groups_per_batch: int,
+        max_staleness: int | None = None,
+        stale_policy: str = "drop",
+    ):
+        if groups_per_batch < 1:
+            raise ValueError(f"groups_per_batch={groups_per_batch} must be >= 1.")
+        if capacity < groups_per_batch:
+            raise ValueError(
+                f"capacity={capacity} must be >= groups_per_batch={groups_per_batch}, or a "
+                "batch could never be assembled."
+            )
+        if max_staleness is not None and max_staleness < 0:
+            raise ValueError(f"max_staleness={max_staleness} must be >= 0 or None.")
+        if stale_policy not in STALE_POLICIES:
+            raise ValueError(f"stale_policy={stale_policy!r} is not one of {STALE_POLICIES}.")
+        if stale_policy == "block" and max_staleness is None:
+            raise ValueError("stale_policy='block' needs a max_staleness bound.")
+        self.capacity = capacity
+        self.groups_per_batch = groups_per_batch
+        self.max_staleness = max_staleness
+        self.stale_policy = stale_policy
+        self._queue: collections.deque[Rollout] = collections.deque()
+        self._lock = threading.Condition()
+        self._closed = False
+        self._error: BaseException | None = None
+        self._produced = self._consumed = self._dropped = self._reserved = 0
+        self._histogram: collections.Counter[int] = collections.Counter()
+
+    # ----------------------------------------------------------------------------- producers
+
+    def reserve(self, version: int, timeout: float | None = None) -> bool:
+        """Waits for a generation slot for params of `version` (block policy; free otherwise).
+
+        Returns False on timeout; raises `RolloutBufferClosed` once closed.
+        """
+        with self._lock:
+            if self.stale_policy != "block":
+                self._check_open()
+                self._reserved += 1
+                return True
+            limit = lambda: (version + self.max_staleness + 1) * self.groups_per_batch  # noqa: E731
+            ok = self._lock.wait_for(lambda: self._closed or self._reserved < limit(), timeout)
+            self._check_open()
+            if not ok:
+                return False
+            self._reserved += 1
+            return True
+
+    def put(self, rollout: Rollout, timeout: float | None = None) -> bool:
+        """Adds a group, waiting while the buffer is full. False on timeout."""
+        with self._lock:
+            ok = self._lock.wait_for(
+                lambda: self._closed or len(self._queue) < self.capacity, timeout
+            )
+            self._check_open()
+            if not ok:
+                return False
+            self._queue.append(rollout)
+            self._produced += 1
+            self._lock.notify_all()
+            return True
+
+    # ----------------------------------------------------------------------------- consumer
+
+    def take(
+        self, learner_version: int, num_groups: int | None = None, timeout: float | None = None
+    ) -> list[Rollout]:
+        """The next `num_groups` (default `groups_per_batch`) groups fresh enough to train on.
+
+        Blocks until they are there. Raises `TimeoutError`, `RolloutBufferClosed` when the
+        buffer is closed before enough groups arrive, or `RolloutWorkerError` when a worker
+        failed.
+        """
+        num_groups = self.groups_per_batch if num_groups is None else num_groups
+        if not 1 <= num_groups <= self.capacity:
+            raise ValueError(f"num_groups={num_groups} must lie in [1, capacity={self.capacity}].")
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._lock:
+            while True:
+                if self._error is not None:  # A crash surfaces at once, not after draining.
+                    self._check_open()
+                self._drop_stale(learner_version)
+                if len(self._queue) >= num_groups:
+                    batch = [self._queue.popleft() for _ in range(num_groups)]
+                    for rollout in batch:
+                        self._histogram[rollout.staleness(learner_version)] += 1
+                    self._consumed += num_groups
+                    self._lock.notify_all()
+                    return batch
+                self._check_open()
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    raise TimeoutError(
+                        f"{len(self._queue)} of {num_groups} groups after {timeout} s."
+                    )
+                self._lock.wait(remaining)
+
+    def _drop_stale(self, learner_version: int) -> None:
+        if self.max_staleness is None:
+            return
+        fresh = [r for r in self._queue if r.staleness(learner_version) <= self.max_staleness]
+        dropped = len(self._queue) - len(fresh)
+        if dropped:
+            self._queue = collections.deque(fresh)
+            self._dropped += dropped
+            self._lock.notify_all()
+
+    # ----------------------------------------------------------------------------- lifecycle
+
+    def close(self) -> None:
+        """Stops the buffer: every waiter wakes and raises `RolloutBufferClosed`."""
+        with self._lock:
+            self._closed = True
+            self._lock.notify_all()
+
+    def fail(self, error: BaseException) -> None:
+        """Records a worker's failure and closes; waiters raise `RolloutWorkerError`."""
+        with self._lock:
+            if self._error is None:
+                self._error = error
+            self._closed = True
+            self._lock.notify_all()
+
+    @property
+    def closed(self) -> bool:
+        with self._lock:
+            return self._closed
+
+    def _check_open(self) -> None:
+        if self._error is not None:
+            raise RolloutWorkerError(f"a rollout worker failed: {self._error!r}") from self._error
+        if self._closed:
+            raise RolloutBufferClosed("the rollout buffer is closed")
+
+    def stats(self) -> BufferStats:
+        with self._lock:
+            return BufferStats(
+                produced=self._produced,
+                consumed=self._consumed,
+                dropped=self._dropped,
+                depth=len(self._queue),
+                reserved=self._reserved,
+                staleness_histogram=dict(sorted(self._histogram.items())),
+            )

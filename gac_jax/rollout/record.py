@@ -1,0 +1,79 @@
+"""`Rollout`: one GRPO group of completions, tagged with the policy version that made it."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class Rollout:
+    """G completions of one prompt, the atomic unit the buffer stores and the learner trains on.
+
+    Host-side NumPy arrays (the learner puts them on devices), G completions of padded
+    length L:
+
+    Attributes:
+      prompt_id: index of the prompt in its task split.
+      group_id: unique id of this group (the GRPO group the advantages normalise over).
+      prompt_tokens: [P] int32, the prompt (unpadded).
+      completion_tokens: [G, L] int32.
+      completion_mask: [G, L] bool, True on generated tokens (up to and including EOS).
+      behaviour_logp: [G, L] float32, log-probability of each sampled token under the
+        temperature-1 policy that sampled it (0 where masked).
+      rewards: [G] float32.
+      policy_version: version of the params that sampled the group (the oldest one if a
+        weight update landed mid-generation, see `token_versions`).
+      token_versions: optional [G, L] int32, the version that sampled each token, for
+        completions that span a weight update; None when one version made everything.
+      generate_seconds: wall time spent sampling the group.
+      score_seconds: wall time spent computing the rewards.
+      created_at: `time.monotonic()` when the group was finished.
+    """
+
+    prompt_id: int
+    group_id: int
+    prompt_tokens: np.ndarray
+    completion_tokens: np.ndarray
+    completion_mask: np.ndarray
+    behaviour_logp: np.ndarray
+    rewards: np.ndarray
+    policy_version: int
+    token_versions: np.ndarray | None = None
+    generate_seconds: float = 0.0
+    score_seconds: float = 0.0
+    created_at: float = dataclasses.field(default_factory=time.monotonic)
+
+    def __post_init__(self):
+        g, l = np.shape(self.completion_tokens)
+        for name in ("completion_mask", "behaviour_logp") + (
+            ("token_versions",) if self.token_versions is not None else ()
+        ):
+            if np.shape(getattr(self, name)) != (g, l):
+                raise ValueError(
+                    f"Rollout.{name} has shape {np.shape(getattr(self, name))}, expected the "
+                    f"completion shape {(g, l)}."
+                )
+        if np.shape(self.rewards) != (g,):
+            raise ValueError(
+                f"Rollout.rewards has shape {np.shape(self.rewards)}, expected {(g,)}."
+            )
+        if self.policy_version < 0:
+            raise ValueError(f"Rollout.policy_version={self.policy_version} must be >= 0.")
+        if self.token_versions is not None and self.completion_mask.any():
+            oldest = int(np.min(self.token_versions[self.completion_mask]))
+            if oldest != self.policy_version:
+                raise ValueError(
+                    f"Rollout.policy_version={self.policy_version} must be the oldest token "
+                    f"version, {oldest}."
+                )
+
+    @property
+    def group_size(self) -> int:
+        return int(np.shape(self.completion_tokens)[0])
+
+    def staleness(self, learner_version: int) -> int:
+        """Policy-version gap between the learner and the oldest token of this group."""
+        return int(learner_version) - self.policy_version

@@ -1,0 +1,128 @@
+"""The three ways to feed the learner, behind one call: `source.next_batch(step)`.
+
+- `SyncRollouts`: staleness 0, generate with the params of `step`, then train.
+- `LaggedRollouts`: step t trains on groups made by version max(0, t - lag); generated in
+  the calling thread with keys and prompts fixed by (seed, step), so runs are
+  bit-reproducible. The laboratory for experiments and tests.
+- `AsyncRollouts`: `RolloutWorker` threads generate with whatever version was published
+  last; the buffer enforces `max_staleness`.
+
+All three put the same `Rollout` records through a `RolloutBuffer` and take them out with
+the learner's version, so staleness is measured (and bounded) the same way in each.
+The learner publishes version `step` to the `ParamStore` before asking for that step's
+batch, and trains the params of version `step`.
+"""
+
+from __future__ import annotations
+
+from gac_jax.rollout.buffer import BufferStats, RolloutBuffer
+from gac_jax.rollout.param_store import ParamStore
+from gac_jax.rollout.record import Rollout
+from gac_jax.rollout.worker import GenerateGroup, PromptOrder, RolloutWorker, group_key
+
+
+class _InlineRollouts:
+    """Generates each step's groups in the calling thread from one chosen version."""
+
+    def __init__(
+        self,
+        generate_group: GenerateGroup,
+        store: ParamStore,
+        prompts: PromptOrder,
+        groups_per_batch: int,
+        *,
+        lag: int,
+        seed: int = 0,
+    ):
+        if lag < 0:
+            raise ValueError(f"lag={lag} must be >= 0.")
+        if store.history < lag + 1:
+            raise ValueError(
+                f"a lag of {lag} needs a ParamStore history of at least {lag + 1}, got "
+                f"{store.history}."
+            )
+        self.lag = lag
+        self._generate = generate_group
+        self._store = store
+        self._prompts = prompts
+        self._seed = seed
+        self.buffer = RolloutBuffer(groups_per_batch, groups_per_batch, max_staleness=lag)
+
+    def behaviour_version(self, step: int) -> int:
+        return max(0, step - self.lag)
+
+    def next_batch(self, step: int) -> list[Rollout]:
+        version = self.behaviour_version(step)
+        params = self._store.get(version)
+        n = self.buffer.groups_per_batch
+        for i in range(n):
+            group_id = step * n + i
+            prompt_id = self._prompts.prompt_id(group_id)
+            key = group_key(self._seed, group_id)
+            self.buffer.put(self._generate(params, version, prompt_id, group_id, key))
+        return self.buffer.take(learner_version=step)
+
+    def stats(self) -> BufferStats:
+        return self.buffer.stats()
+
+    def close(self) -> None:
+        self.buffer.close()
+
+
+class SyncRollouts(_InlineRollouts):
+    """On-policy: every step's groups come from the params being trained."""
+
+    def __init__(self, generate_group, store, prompts, groups_per_batch, *, seed=0):
+        super().__init__(generate_group, store, prompts, groups_per_batch, lag=0, seed=seed)
+
+
+class LaggedRollouts(_InlineRollouts):
+    """Deterministic asynchrony: step t trains on groups sampled by version max(0, t - lag)."""
+
+
+class AsyncRollouts:
+    """Real concurrency: worker threads, a bounded buffer, a staleness bound.
+
+    Args:
+      generate_group, store, prompts: as for `RolloutWorker`.
+      groups_per_batch: groups per learner step.
+      max_staleness: ROLL Flash's alpha; None for unbounded.
+      stale_policy: the buffer's "drop" or "block".
+      capacity: buffer size in groups (default 2 batches).
+      num_threads: worker threads.
+      seed: sampling seed.
+      take_timeout: seconds `next_batch` waits before raising TimeoutError (None: forever).
+    """
+
+    def __init__(
+        self,
+        generate_group: GenerateGroup,
+        store: ParamStore,
+        prompts: PromptOrder,
+        groups_per_batch: int,
+        *,
+        max_staleness: int | None = 1,
+        stale_policy: str = "block",
+        capacity: int | None = None,
+        num_threads: int = 1,
+        seed: int = 0,
+        take_timeout: float | None = 600.0,
+    ):
+        self.buffer = RolloutBuffer(
+            capacity or 2 * groups_per_batch, groups_per_batch, max_staleness, stale_policy
+        )
+        self._take_timeout = take_timeout
+        self.worker = RolloutWorker(
+            generate_group, store, self.buffer, prompts, num_threads=num_threads, seed=seed
+        ).start()
+
+    def next_batch(self, step: int) -> list[Rollout]:
+        return self.buffer.take(learner_version=step, timeout=self._take_timeout)
+
+    def stats(self) -> BufferStats:
+        return self.buffer.stats()
+
+    def close(self) -> None:
+        """Closes the buffer (waking every producer) and joins the worker threads."""
+        self.buffer.close()
+        self.worker.stop()

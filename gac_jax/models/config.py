@@ -1,0 +1,312 @@
+"""Decoder configuration: one frozen dataclass and a registry of named presets.
+
+The presets' numbers are copied from the Hugging Face `config.json` of each checkpoint
+(Qwen/Qwen3-{0.6B,1.7B,4B,8B}, meta-llama/Llama-3.2-{1B,3B}); `PRESETS` is the only list
+of valid names.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax.numpy as jnp
+
+FAMILIES = ("qwen3", "llama")
+REMAT_POLICIES = ("none", "full", "dots")
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """Llama 3 rotary frequency scaling (HF `rope_type: "llama3"`).
+
+    Wavelengths longer than `original_max_position_embeddings / low_freq_factor` are
+    divided by `factor`; those shorter than `original_max_position_embeddings /
+    high_freq_factor` are kept; the band in between is interpolated smoothly.
+    """
+
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    def __post_init__(self):
+        if not self.factor > 0:
+            raise ValueError(f"RopeScaling.factor={self.factor!r} must be positive.")
+        if not 0 < self.low_freq_factor < self.high_freq_factor:
+            raise ValueError(
+                f"RopeScaling needs 0 < low_freq_factor < high_freq_factor; got "
+                f"low_freq_factor={self.low_freq_factor!r}, "
+                f"high_freq_factor={self.high_freq_factor!r}."
+            )
+        if not self.original_max_position_embeddings > 0:
+            raise ValueError(
+                "RopeScaling.original_max_position_embeddings="
+                f"{self.original_max_position_embeddings!r} must be positive."
+            )
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Architecture and numerics of a Qwen3- or Llama-3-family decoder.
+
+    Shape letters used across `gac_jax.models`: V = `vocab_size`, D = `embed_dim`,
+    N = `num_heads`, K = `num_kv_heads`, H = `head_dim`, F = `mlp_dim`.
+
+    Attributes:
+      family: "qwen3" (q/k RMSNorm on each head) or "llama".
+      vocab_size: number of token ids (V).
+      embed_dim: model width (HF `hidden_size`, D).
+      num_layers: decoder layers (HF `num_hidden_layers`).
+      num_heads: query heads (N).
+      num_kv_heads: key/value heads (K); `num_heads` must be a multiple of it.
+      head_dim: width of one head (H); need not equal `embed_dim / num_heads`.
+      mlp_dim: SwiGLU hidden width (HF `intermediate_size`, F).
+      rope_theta: rotary base wavelength.
+      rope_scaling: Llama 3 frequency scaling, or None for plain RoPE.
+      rms_norm_eps: epsilon inside every RMSNorm.
+      tie_word_embeddings: whether the output projection reuses the embedding table.
+      max_position_embeddings: longest context the checkpoint was trained for (kept for
+        export; not enforced).
+      dtype: compute dtype of activations and matmuls ("bfloat16" by default); logits and
+        softmaxes are always float32.
+      param_dtype: storage dtype of parameters.
+      remat: rematerialisation of each decoder layer in the backward pass: "none",
+        "full" (save nothing) or "dots" (save matmul outputs without batch dims).
+      bos_token_id: beginning-of-sequence id, or None.
+      eos_token_ids: ids that end a completion.
+      pad_token_id: padding id, or None.
+    """
+
+    family: str
+    vocab_size: int
+    embed_dim: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    mlp_dim: int
+    rope_theta: float = 10_000.0
+    rope_scaling: RopeScaling | None = None
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 4096
+    dtype: str = "bfloat16"
+    param_dtype: str = "float32"
+    remat: str = "none"
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    pad_token_id: int | None = None
+
+    def __post_init__(self):
+        if self.family not in FAMILIES:
+            raise ValueError(f"family={self.family!r} is not one of {FAMILIES}.")
+        for name in (
+            "vocab_size",
+            "embed_dim",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "mlp_dim",
+            "max_position_embeddings",
+        ):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name}={value!r} must be a positive int.")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads={self.num_heads} must be a multiple of "
+                f"num_kv_heads={self.num_kv_heads} (grouped-query attention)."
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim={self.head_dim} must be even for rotary embeddings.")
+        if not self.rope_theta > 0:
+            raise ValueError(f"rope_theta={self.rope_theta!r} must be positive.")
+        if not self.rms_norm_eps > 0:
+            raise ValueError(f"rms_norm_eps={self.rms_norm_eps!r} must be positive.")
+        if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
+            raise ValueError(f"rope_scaling={self.rope_scaling!r} must be a RopeScaling or None.")
+        for name in ("dtype", "param_dtype"):
+            if getattr(self, name) not in DTYPES:
+                raise ValueError(f"{name}={getattr(self, name)!r} is not one of {DTYPES}.")
+        if self.remat not in REMAT_POLICIES:
+            raise ValueError(f"remat={self.remat!r} is not one of {REMAT_POLICIES}.")
+        if not isinstance(self.eos_token_ids, tuple):
+            raise ValueError(f"eos_token_ids={self.eos_token_ids!r} must be a tuple of ints.")
+        for name, value in (
+            ("bos_token_id", self.bos_token_id),
+            ("pad_token_id", self.pad_token_id),
+            *(("eos_token_ids", v) for v in self.eos_token_ids),
+        ):
+            if value is not None and not 0 <= value < self.vocab_size:
+                raise ValueError(
+                    f"{name} contains {value!r}, outside [0, vocab_size={self.vocab_size})."
+                )
+
+    @property
+    def qk_norm(self) -> bool:
+        """Whether queries and keys are RMS-normalised per head (Qwen3)."""
+        return self.family == "qwen3"
+
+    @property
+    def group_size(self) -> int:
+        """Query heads per key/value head (G)."""
+        return self.num_heads // self.num_kv_heads
+
+    @property
+    def compute_dtype(self) -> jnp.dtype:
+        """`dtype` as a NumPy dtype."""
+        return jnp.dtype(self.dtype)
+
+    @property
+    def parameter_dtype(self) -> jnp.dtype:
+        """`param_dtype` as a NumPy dtype."""
+        return jnp.dtype(self.param_dtype)
+
+    def replace(self, **changes: Any) -> ModelConfig:
+        """A copy with `changes` applied (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+
+_LLAMA3_2_SCALING = RopeScaling(
+    factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192
+)
+
+_QWEN3 = dict(
+    family="qwen3",
+    vocab_size=151_936,
+    head_dim=128,
+    num_kv_heads=8,
+    rope_theta=1_000_000.0,
+    rms_norm_eps=1e-6,
+    max_position_embeddings=40_960,
+    bos_token_id=151_643,
+    eos_token_ids=(151_645, 151_643),
+    pad_token_id=151_643,
+)
+_LLAMA3_2 = dict(
+    family="llama",
+    vocab_size=128_256,
+    num_kv_heads=8,
+    rope_theta=500_000.0,
+    rope_scaling=_LLAMA3_2_SCALING,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=True,
+    max_position_embeddings=131_072,
+    bos_token_id=128_000,
+    eos_token_ids=(128_001, 128_008, 128_009),
+)
+
+PRESETS: dict[str, ModelConfig] = {
+    # Tiny models for CPU tests and demos. Vocabulary 128 holds the character tokenizer.
+    "tiny": ModelConfig(
+        family="qwen3",
+        vocab_size=128,
+        embed_dim=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        mlp_dim=128,
+        rope_theta=10_000.0,
+        tie_word_embeddings=True,
+        max_position_embeddings=2048,
+        dtype="float32",
+        bos_token_id=1,
+        eos_token_ids=(2,),
+        pad_token_id=0,
+    ),
+    "tiny_llama": ModelConfig(
+        family="llama",
+        vocab_size=128,
+        embed_dim=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        mlp_dim=128,
+        rope_theta=500_000.0,
+        rope_scaling=RopeScaling(
+            factor=8.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=64,
+        ),
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        max_position_embeddings=2048,
+        dtype="float32",
+        bos_token_id=1,
+        eos_token_ids=(2,),
+        pad_token_id=0,
+    ),
+    "qwen3_0_6b": ModelConfig(
+        **_QWEN3,
+        embed_dim=1024,
+        num_layers=28,
+        num_heads=16,
+        mlp_dim=3072,
+        tie_word_embeddings=True,
+    ),
+    "qwen3_1_7b": ModelConfig(
+        **_QWEN3,
+        embed_dim=2048,
+        num_layers=28,
+        num_heads=16,
+        mlp_dim=6144,
+        tie_word_embeddings=True,
+    ),
+    "qwen3_4b": ModelConfig(
+        **_QWEN3,
+        embed_dim=2560,
+        num_layers=36,
+        num_heads=32,
+        mlp_dim=9728,
+        tie_word_embeddings=True,
+    ),
+    "qwen3_8b": ModelConfig(
+        **_QWEN3,
+        embed_dim=4096,
+        num_layers=36,
+        num_heads=32,
+        mlp_dim=12288,
+        tie_word_embeddings=False,
+    ),
+    "llama3_2_1b": ModelConfig(
+        **_LLAMA3_2, embed_dim=2048, num_layers=16, num_heads=32, head_dim=64, mlp_dim=8192
+    ),
+    "llama3_2_3b": ModelConfig(
+        **_LLAMA3_2, embed_dim=3072, num_layers=28, num_heads=24, head_dim=128, mlp_dim=8192
+    ),
+}
+
+
+def preset_names() -> tuple[str, ...]:
+    """Names accepted by `get_config`."""
+    return tuple(PRESETS)
+
+
+def get_config(name: str, **overrides: Any) -> ModelConfig:
+    """The preset called `name`, with fields replaced by `overrides`.
+
+    Args:
+      name: a key of `PRESETS`, e.g. "tiny" or "qwen3_0_6b".
+      **overrides: `ModelConfig` fields to change, e.g. `dtype="float32"`.
+
+    Returns:
+      The validated `ModelConfig`.
+
+    Raises:
+      ValueError: if `name` is not a preset or an override is invalid.
+    """
+    if name not in PRESETS:
+        raise ValueError(f"Unknown model preset {name!r}; known presets: {preset_names()}.")
+    unknown = set(overrides) - {f.name for f in dataclasses.fields(ModelConfig)}
+    if unknown:
+        raise ValueError(
+            f"Unknown ModelConfig fields {sorted(unknown)}; known fields: "
+            f"{[f.name for f in dataclasses.fields(ModelConfig)]}."
+        )
+    return PRESETS[name].replace(**overrides)

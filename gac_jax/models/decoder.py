@@ -1,0 +1,225 @@
+"""The decoder-only transformer (Qwen3 and Llama 3 families) in Flax NNX.
+
+Inputs follow Hugging Face semantics for padded batches: `input_mask` marks real tokens,
+and positions count from each row's first real token (`positions_from_mask`), so a
+left-padded prompt is encoded exactly as the unpadded one.
+
+The KV cache is a plain dict of arrays (`init_cache`)::
+
+    {"index": int32 [],                  # next slot to write
+     "key_mask": bool [B, S],            # slots holding real tokens
+     "layers": ({"k": [B, S, K, H], "v": [B, S, K, H]}, ...)}  # one dict per layer
+
+Every call with a cache writes its T tokens at `index` with `jax.lax.dynamic_update_slice`
+and advances `index` by T. The caller keeps `index + T <= S`.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from gac_jax.models.config import ModelConfig
+from gac_jax.models.layers import DecoderLayer, RMSNorm, _param
+from gac_jax.models.sharding import ShardingRules, constrain
+
+Cache = dict
+
+
+def positions_from_mask(mask_bt: jax.Array) -> jax.Array:
+    """Positions [B, T] counting real tokens from each row's first one (pads get 0).
+
+    Args:
+      mask_bt: bool or 0/1 [B, T], True for real tokens.
+    """
+    mask = mask_bt.astype(jnp.int32)
+    return jnp.maximum(jnp.cumsum(mask, axis=1) - 1, 0).astype(jnp.int32)
+
+
+def init_cache(config: ModelConfig, batch_size: int, max_length: int, dtype=None) -> Cache:
+    """An empty KV cache for `batch_size` rows of up to `max_length` tokens.
+
+    Args:
+      config: the model's configuration.
+      batch_size: B.
+      max_length: S, prompt plus generated tokens.
+      dtype: storage dtype of keys and values; `config.dtype` by default.
+    """
+    for name, value in (("batch_size", batch_size), ("max_length", max_length)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}={value!r} must be a positive int.")
+    dtype = config.compute_dtype if dtype is None else jnp.dtype(dtype)
+    shape = (batch_size, max_length, config.num_kv_heads, config.head_dim)
+    return {
+        "index": jnp.zeros((), jnp.int32),
+        "key_mask": jnp.zeros((batch_size, max_length), bool),
+        "layers": tuple(
+            {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
+            for _ in range(config.num_layers)
+        ),
+    }
+
+
+def _remat_policy(name: str):
+    if name == "dots":
+        return jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+    return None  # "full": save nothing, recompute the whole layer.
+
+
+def _run_layer(layer, x_btd, positions_bt, mask_bts, cache, cache_index):
+    return layer(x_btd, positions_bt, mask_bts, cache, cache_index)
+
+
+class Decoder(nnx.Module):
+    """Token embedding, `num_layers` pre-norm blocks, final RMSNorm, output projection.
+
+    Attributes:
+      config: the `ModelConfig` (static).
+      rules: the `ShardingRules` used for activation constraints (static).
+    """
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        rules: ShardingRules | None = None,
+        *,
+        rngs: nnx.Rngs,
+    ):
+        """Builds a randomly initialised decoder (normal(0.02) weights, unit norm scales).
+
+        Args:
+          config: architecture and dtypes.
+          rules: logical-to-mesh rules for activation constraints; `ShardingRules()` by
+            default. Constraints only apply under a mesh set with `jax.set_mesh`.
+          rngs: random streams; `rngs.params` initialises the weights.
+        """
+        if not isinstance(config, ModelConfig):
+            raise ValueError(f"config must be a ModelConfig, got {type(config).__name__}.")
+        self.config = config
+        self.rules = ShardingRules() if rules is None else rules
+        pdt = config.parameter_dtype
+        self.embedding_vd = _param(
+            rngs, (config.vocab_size, config.embed_dim), ("vocab", "embed"), pdt, 0.02
+        )
+        self.layers = nnx.List(
+            [DecoderLayer(config, self.rules, rngs=rngs) for _ in range(config.num_layers)]
+        )
+        self.final_norm = RMSNorm(
+            config.embed_dim, eps=config.rms_norm_eps, param_dtype=pdt, rngs=rngs
+        )
+        if config.tie_word_embeddings:
+            self.lm_head_dv = None
+        else:
+            self.lm_head_dv = _param(
+                rngs, (config.embed_dim, config.vocab_size), ("embed", "vocab"), pdt, 0.02
+            )
+
+    def hidden_states(
+        self,
+        tokens_bt: jax.Array,
+        positions_bt: jax.Array | None = None,
+        input_mask_bt: jax.Array | None = None,
+        cache: Cache | None = None,
+    ) -> tuple[jax.Array, Cache | None]:
+        """The final-normed hidden states [B, T, D] (compute dtype), and the new cache.
+
+        Args:
+          tokens_bt: int token ids [B, T].
+          positions_bt: rotary positions [B, T]; `positions_from_mask(input_mask_bt)` by
+            default (pass them explicitly when decoding with a cache).
+          input_mask_bt: bool [B, T], True for real tokens; all True by default. Padding
+            tokens are never attended to.
+          cache: a cache from `init_cache` (or a previous call), or None.
+
+        Returns:
+          `(hidden_btd, new_cache)`; `new_cache` is None when `cache` is None.
+        """
+        cfg, rules = self.config, self.rules
+        if tokens_bt.ndim != 2:
+            raise ValueError(f"tokens must have shape [B, T]; got shape {tokens_bt.shape}.")
+        b, t = tokens_bt.shape
+        if input_mask_bt is None:
+            input_mask_bt = jnp.ones((b, t), bool)
+        input_mask_bt = input_mask_bt.astype(bool)
+        if input_mask_bt.shape != (b, t):
+            raise ValueError(f"input_mask shape {input_mask_bt.shape} != tokens shape {(b, t)}.")
+        if positions_bt is None:
+            positions_bt = positions_from_mask(input_mask_bt)
+        if positions_bt.shape != (b, t):
+            raise ValueError(f"positions shape {positions_bt.shape} != tokens shape {(b, t)}.")
+
+        if cache is None:
+            causal_tt = jnp.tril(jnp.ones((t, t), bool))
+            mask_bts = causal_tt[None, :, :] & input_mask_bt[:, None, :]
+            cache_index, layer_caches, key_mask = None, (None,) * cfg.num_layers, None
+        else:
+            cache_index = cache["index"]
+            key_mask = jax.lax.dynamic_update_slice(
+                cache["key_mask"], input_mask_bt, (jnp.zeros((), jnp.int32), cache_index)
+            )
+            s = key_mask.shape[1]
+            query_slot_t = cache_index + jnp.arange(t, dtype=jnp.int32)
+            causal_ts = jnp.arange(s, dtype=jnp.int32)[None, :] <= query_slot_t[:, None]
+            mask_bts = causal_ts[None, :, :] & key_mask[:, None, :]
+            layer_caches = cache["layers"]
+
+        embedding = self.embedding_vd[...].astype(cfg.compute_dtype)
+        x_btd = constrain(jnp.take(embedding, tokens_bt, axis=0), rules.act_btd)
+
+        run = _run_layer
+        if cfg.remat != "none":
+            run = nnx.remat(_run_layer, policy=_remat_policy(cfg.remat))
+        new_layer_caches = []
+        for layer, layer_cache in zip(self.layers, layer_caches, strict=True):
+            x_btd, new_layer_cache = run(
+                layer, x_btd, positions_bt, mask_bts, layer_cache, cache_index
+            )
+            new_layer_caches.append(new_layer_cache)
+        x_btd = self.final_norm(x_btd)
+
+        new_cache = None
+        if cache is not None:
+            new_cache = {
+                "index": cache_index + t,
+                "key_mask": key_mask,
+                "layers": tuple(new_layer_caches),
+            }
+        return x_btd, new_cache
+
+    def logits(self, hidden_btd: jax.Array) -> jax.Array:
+        """Output logits [B, T, V] in float32 from hidden states [B, T, D]."""
+        dtype = self.config.compute_dtype
+        x = hidden_btd.astype(dtype)
+        if self.lm_head_dv is None:
+            logits = jnp.einsum(
+                "BTD,VD->BTV",
+                x,
+                self.embedding_vd[...].astype(dtype),
+                preferred_element_type=jnp.float32,
+            )
+        else:
+            logits = jnp.einsum(
+                "BTD,DV->BTV",
+                x,
+                self.lm_head_dv[...].astype(dtype),
+                preferred_element_type=jnp.float32,
+            )
+        return constrain(logits.astype(jnp.float32), self.rules.act_btv)
+
+    def __call__(
+        self,
+        tokens_bt: jax.Array,
+        positions_bt: jax.Array | None = None,
+        input_mask_bt: jax.Array | None = None,
+        cache: Cache | None = None,
+    ) -> tuple[jax.Array, Cache | None]:
+        """Logits [B, T, V] (float32) and the new cache; see `hidden_states` for args."""
+        hidden_btd, new_cache = self.hidden_states(tokens_bt, positions_bt, input_mask_bt, cache)
+        return self.logits(hidden_btd), new_cache
+
+
+def create_model(config: ModelConfig, *, seed: int = 0, rules: ShardingRules | None = None):
+    """A randomly initialised `Decoder` on the default device (for a mesh, use
+    `gac_jax.models.create_sharded`)."""
+    return Decoder(config, rules, rngs=nnx.Rngs(params=seed))

@@ -1,0 +1,469 @@
+"""Hugging Face checkpoint import and export for Qwen3 and Llama decoders.
+
+A checkpoint directory holds `config.json` and either `model.safetensors` or shards
+listed in `model.safetensors.index.json`. Import reads one tensor at a time, converts it
+to this package's layout (e.g. `q_proj.weight` [N*H, D] -> `q_dnh` [D, N, H]) and places
+it directly on its `NamedSharding` (each device receives only its slice). Export writes
+the same format back, so `transformers` loads it with `from_pretrained`.
+
+Both config dialects are read: transformers 4's `rope_theta` + `rope_scaling` and
+transformers 5's `rope_parameters`. Export writes the transformers 4 keys, which both
+versions read.
+
+Needs the `safetensors` package.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh
+
+from gac_jax.models.config import ModelConfig, RopeScaling
+from gac_jax.models.decoder import Decoder
+from gac_jax.models.sharding import ShardingRules, host_array, state_shardings
+
+CONFIG_FILE = "config.json"
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+_ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}
+# Tensors some checkpoints carry that hold no parameters.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def _safetensors():
+    try:
+        import safetensors.numpy  # Optional dependency, loaded on use.
+        from safetensors import safe_open
+    except ImportError as error:  # pragma: no cover - depends on the environment
+        raise ImportError(
+            "Hugging Face checkpoint import/export needs the `safetensors` package "
+            "(pip install safetensors)."
+        ) from error
+    return safetensors.numpy, safe_open
+
+
+# ---------------------------------------------------------------------------------------
+# Configs
+# ---------------------------------------------------------------------------------------
+
+
+def _as_int_tuple(value) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, int):
+        return (value,)
+    return tuple(int(v) for v in value)
+
+
+def config_from_hf(hf_config: dict[str, Any], **overrides: Any) -> ModelConfig:
+    """A `ModelConfig` from the contents of a Hugging Face `config.json`.
+
+    Args:
+      hf_config: the parsed JSON.
+      **overrides: `ModelConfig` fields to set, e.g. `dtype="float32"`.
+
+    Raises:
+      ValueError: for a model type, activation, bias or RoPE type this decoder does not
+        implement (the message names the offending key and value).
+    """
+    model_type = hf_config.get("model_type")
+    if model_type not in _ARCHITECTURES:
+        raise ValueError(
+            f"config.json has model_type={model_type!r}; expected one of {tuple(_ARCHITECTURES)}."
+        )
+    act = hf_config.get("hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"config.json has hidden_act={act!r}; only 'silu' is supported.")
+    for key in ("attention_bias", "mlp_bias"):
+        if hf_config.get(key, False):
+            raise ValueError(f"config.json has {key}=true; biases are not supported.")
+    if hf_config.get("use_sliding_window", False):
+        raise ValueError("config.json has use_sliding_window=true; not supported.")
+
+    rope = dict(hf_config.get("rope_parameters") or {})
+    legacy_scaling = hf_config.get("rope_scaling") or {}
+    rope = {**legacy_scaling, **rope}
+    theta = rope.get("rope_theta", hf_config.get("rope_theta", 10_000.0))
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type == "default":
+        scaling = None
+    elif rope_type == "llama3":
+        scaling = RopeScaling(
+            factor=float(rope["factor"]),
+            low_freq_factor=float(rope["low_freq_factor"]),
+            high_freq_factor=float(rope["high_freq_factor"]),
+            original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
+        )
+    else:
+        raise ValueError(
+            f"config.json has rope_type={rope_type!r}; supported: 'default', 'llama3'."
+        )
+
+    num_heads = int(hf_config["num_attention_heads"])
+    head_dim = hf_config.get("head_dim") or hf_config["hidden_size"] // num_heads
+    fields = dict(
+        family=model_type,
+        vocab_size=int(hf_config["vocab_size"]),
+        embed_dim=int(hf_config["hidden_size"]),
+        num_layers=int(hf_config["num_hidden_layers"]),
+        num_heads=num_heads,
+        num_kv_heads=int(hf_config.get("num_key_value_heads") or num_heads),
+        head_dim=int(head_dim),
+        mlp_dim=int(hf_config["intermediate_size"]),
+        rope_theta=float(theta),
+        rope_scaling=scaling,
+        rms_norm_eps=float(hf_config.get("rms_norm_eps", 1e-6)),
+        tie_word_embeddings=bool(hf_config.get("tie_word_embeddings", False)),
+        max_position_embeddings=int(hf_config.get("max_position_embeddings", 4096)),
+        bos_token_id=hf_config.get("bos_token_id"),
+        eos_token_ids=_as_int_tuple(hf_config.get("eos_token_id")),
+        pad_token_id=hf_config.get("pad_token_id"),
+    )
+    fields.update(overrides)
+    return ModelConfig(**fields)
+
+
+def config_to_hf(config: ModelConfig, *, dtype: str | None = None) -> dict[str, Any]:
+    """The Hugging Face `config.json` contents for `config`.
+
+    Args:
+      config: the model configuration.
+      dtype: the stored weights' dtype name; `config.param_dtype` by default.
+    """
+    eos = list(config.eos_token_ids)
+    hf: dict[str, Any] = {
+        "architectures": [_ARCHITECTURES[config.family]],
+        "model_type": config.family,
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.embed_dim,
+        "num_hidden_layers": config.num_layers,
+        "num_attention_heads": config.num_heads,
+        "num_key_value_heads": config.num_kv_heads,
+        "head_dim": config.head_dim,
+        "intermediate_size": config.mlp_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": config.rms_norm_eps,
+        "rope_theta": config.rope_theta,
+        "rope_scaling": None,
+        "tie_word_embeddings": config.tie_word_embeddings,
+        "max_position_embeddings": config.max_position_embeddings,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "bos_token_id": config.bos_token_id,
+        "eos_token_id": eos[0] if len(eos) == 1 else (eos or None),
+        "pad_token_id": config.pad_token_id,
+        "torch_dtype": dtype or config.param_dtype,
+        "use_cache": True,
+    }
+    if config.rope_scaling is not None:
+        s = config.rope_scaling
+        hf["rope_scaling"] = {
+            "rope_type": "llama3",
+            "factor": s.factor,
+            "low_freq_factor": s.low_freq_factor,
+            "high_freq_factor": s.high_freq_factor,
+            "original_max_position_embeddings": s.original_max_position_embeddings,
+        }
+    if config.family == "llama":
+        hf["mlp_bias"] = False
+    else:
+        hf["use_sliding_window"] = False
+        hf["sliding_window"] = None
+    return hf
+
+
+# ---------------------------------------------------------------------------------------
+# Parameter name mapping
+# ---------------------------------------------------------------------------------------
+
+
+class TensorMapping(NamedTuple):
+    """How one parameter is stored in a Hugging Face checkpoint."""
+
+    path: tuple  # The parameter's path in `nnx.state(decoder)`, e.g. ("layers", 0, ...).
+    hf_name: str  # The safetensors key, e.g. "model.layers.0.self_attn.q_proj.weight".
+    to_ours: Callable[[np.ndarray], np.ndarray]  # HF layout -> this package's layout.
+    to_hf: Callable[[np.ndarray], np.ndarray]  # This package's layout -> HF layout.
+
+
+def _same(path, hf_name) -> TensorMapping:
+    return TensorMapping(path, hf_name, lambda x: x, lambda x: x)
+
+
+def _linear(path, hf_name, in_dim, out_shape) -> TensorMapping:
+    """An `nn.Linear` weight, stored [out, in], kept here as [in, *out_shape]."""
+    return TensorMapping(
+        path,
+        hf_name,
+        lambda w: np.reshape(w.T, (in_dim, *out_shape)),
+        lambda x: np.ascontiguousarray(np.reshape(x, (in_dim, -1)).T),
+    )
+
+
+def _out_projection(path, hf_name, in_shape, out_dim) -> TensorMapping:
+    """An `nn.Linear` weight, stored [out, in], kept here as [*in_shape, out]."""
+    return TensorMapping(
+        path,
+        hf_name,
+        lambda w: np.reshape(w.T, (*in_shape, out_dim)),
+        lambda x: np.ascontiguousarray(np.reshape(x, (-1, out_dim)).T),
+    )
+
+
+def parameter_mapping(config: ModelConfig) -> list[TensorMapping]:
+    """Every parameter's state path, its HF tensor name and the two layout conversions."""
+    d, n, k, h = config.embed_dim, config.num_heads, config.num_kv_heads, config.head_dim
+    f, v = config.mlp_dim, config.vocab_size
+    mapping = [
+        _same(("embedding_vd",), "model.embed_tokens.weight"),
+        _same(("final_norm", "scale"), "model.norm.weight"),
+    ]
+    if not config.tie_word_embeddings:
+        mapping.append(_linear(("lm_head_dv",), "lm_head.weight", d, (v,)))
+    for i in range(config.num_layers):
+        hf, attn, mlp = f"model.layers.{i}.", ("layers", i, "attn"), ("layers", i, "mlp")
+        mapping += [
+            _same(("layers", i, "attn_norm", "scale"), hf + "input_layernorm.weight"),
+            _same(("layers", i, "mlp_norm", "scale"), hf + "post_attention_layernorm.weight"),
+            _linear((*attn, "q_dnh"), hf + "self_attn.q_proj.weight", d, (n, h)),
+            _linear((*attn, "k_dkh"), hf + "self_attn.k_proj.weight", d, (k, h)),
+            _linear((*attn, "v_dkh"), hf + "self_attn.v_proj.weight", d, (k, h)),
+            _out_projection((*attn, "o_nhd"), hf + "self_attn.o_proj.weight", (n, h), d),
+            _linear((*mlp, "gate_df"), hf + "mlp.gate_proj.weight", d, (f,)),
+            _linear((*mlp, "up_df"), hf + "mlp.up_proj.weight", d, (f,)),
+            _out_projection((*mlp, "down_fd"), hf + "mlp.down_proj.weight", (f,), d),
+        ]
+        if config.qk_norm:
+            mapping += [
+                _same((*attn, "q_norm", "scale"), hf + "self_attn.q_norm.weight"),
+                _same((*attn, "k_norm", "scale"), hf + "self_attn.k_norm.weight"),
+            ]
+    return mapping
+
+
+# ---------------------------------------------------------------------------------------
+# Reading
+# ---------------------------------------------------------------------------------------
+
+
+def read_hf_config(path: str | os.PathLike) -> dict[str, Any]:
+    """The parsed `config.json` of a checkpoint directory."""
+    config_path = Path(path) / CONFIG_FILE
+    if not config_path.is_file():
+        raise FileNotFoundError(f"No {CONFIG_FILE} in checkpoint directory {str(path)!r}.")
+    return json.loads(config_path.read_text())
+
+
+def _weight_files(path: Path) -> dict[str, Path]:
+    """HF tensor name -> file holding it."""
+    index_path = path / INDEX_FILE
+    if index_path.is_file():
+        weight_map = json.loads(index_path.read_text())["weight_map"]
+        return {name: path / file for name, file in weight_map.items()}
+    single = path / SINGLE_FILE
+    if single.is_file():
+        _, safe_open = _safetensors()
+        with safe_open(single, framework="numpy") as f:
+            return {name: single for name in f.keys()}
+    raise FileNotFoundError(
+        f"Checkpoint directory {str(path)!r} has neither {SINGLE_FILE} nor {INDEX_FILE}."
+    )
+
+
+class _TensorReader:
+    """Reads tensors by name, keeping each safetensors file open once."""
+
+    def __init__(self, files: dict[str, Path]):
+        self.files = files
+        self._open: dict[Path, Any] = {}
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        for handle in self._open.values():
+            handle.__exit__(None, None, None)
+        self._open.clear()
+
+    def read(self, name: str) -> np.ndarray:
+        file = self.files[name]
+        if file not in self._open:
+            _, safe_open = _safetensors()
+            self._open[file] = safe_open(file, framework="numpy").__enter__()
+        return self._open[file].get_tensor(name)
+
+
+def _place(array: np.ndarray, sharding) -> jax.Array:
+    if sharding is None:
+        return jax.device_put(array)
+    # Each device copies only its own slice of the host array.
+    return jax.make_array_from_callback(array.shape, sharding, lambda index: array[index])
+
+
+def load_hf_checkpoint(
+    path: str | os.PathLike,
+    *,
+    mesh: Mesh | None = None,
+    rules: ShardingRules | None = None,
+    **config_overrides: Any,
+) -> Decoder:
+    """Loads a Hugging Face Qwen3 or Llama checkpoint directory into a `Decoder`.
+
+    Args:
+      path: directory with `config.json` and `model.safetensors` or
+        `model.safetensors.index.json` plus shards.
+      mesh: if given, every parameter is placed directly on its NamedSharding on this
+        mesh (from `rules`): each device receives only its slice, and in a multi-process
+        run each process places only its addressable shards. Otherwise the parameters go
+        to the default device.
+      rules: logical-to-mesh rules; `ShardingRules()` by default.
+      **config_overrides: `ModelConfig` fields to change, e.g. `param_dtype="bfloat16"`,
+        `dtype="float32"`, `remat="full"`.
+
+    Returns:
+      The decoder, parameters cast to `param_dtype`.
+
+    Raises:
+      FileNotFoundError: if the directory lacks the files above.
+      ValueError: if the config is unsupported, a tensor is missing, has the wrong shape,
+        or the checkpoint holds tensors this architecture does not use.
+    """
+    path = Path(path)
+    config = config_from_hf(read_hf_config(path), **config_overrides)
+    rules = ShardingRules() if rules is None else rules
+    abstract = nnx.eval_shape(lambda: Decoder(config, rules, rngs=nnx.Rngs(0)))
+    graphdef, abstract_state = nnx.split(abstract)
+    shardings = None
+    if mesh is not None:
+        shardings = nnx.to_pure_dict(state_shardings(abstract_state, mesh, rules))
+    expected = nnx.to_pure_dict(abstract_state)
+
+    files = _weight_files(path)
+    mapping = parameter_mapping(config)
+    used = {hf_name for _, hf_name, _, _ in mapping}
+    if config.tie_word_embeddings:
+        used.add("lm_head.weight")  # Tied checkpoints may still store a copy.
+    unknown = sorted(n for n in files if n not in used and not n.endswith(_IGNORED_SUFFIXES))
+    if unknown:
+        raise ValueError(
+            f"Checkpoint {str(path)!r} holds tensors a {config.family} decoder does not use: "
+            f"{unknown[:8]}{' ...' if len(unknown) > 8 else ''}."
+        )
+
+    values: dict = {}
+    with _TensorReader(files) as reader:
+        for our_path, hf_name, to_ours, _ in mapping:
+            if hf_name not in files:
+                raise ValueError(f"Checkpoint {str(path)!r} has no tensor {hf_name!r}.")
+            target = _get(expected, our_path)
+            array = _converted(reader.read(hf_name), hf_name, target.shape, to_ours)
+            array = array.astype(target.dtype, copy=False)
+            sharding = None if shardings is None else _get(shardings, our_path)
+            _set(values, our_path, _place(array, sharding))
+    nnx.replace_by_pure_dict(abstract_state, values)
+    return nnx.merge(graphdef, abstract_state)
+
+
+def _converted(hf_array, hf_name, target_shape, to_ours) -> np.ndarray:
+    try:
+        array = np.asarray(to_ours(hf_array))
+    except ValueError:  # The sizes do not even reshape.
+        array = None
+    if array is None or array.shape != tuple(target_shape):
+        raise ValueError(
+            f"Tensor {hf_name!r} has shape {tuple(hf_array.shape)}, which does not fit the "
+            f"expected parameter shape {tuple(target_shape)} for this config."
+        )
+    return array
+
+
+def _get(tree: dict, path: tuple):
+    for key in path:
+        tree = tree[key]
+    return tree
+
+
+def _set(tree: dict, path: tuple, value) -> None:
+    for key in path[:-1]:
+        tree = tree.setdefault(key, {})
+    tree[path[-1]] = value
+
+
+# ---------------------------------------------------------------------------------------
+# Writing
+# ---------------------------------------------------------------------------------------
+
+
+def _hf_tensors(model: Decoder, dtype) -> Iterator[tuple[str, np.ndarray]]:
+    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    for our_path, hf_name, _, to_hf in parameter_mapping(model.config):
+        array = host_array(_get(params, our_path))
+        if dtype is not None:
+            array = array.astype(dtype)
+        yield hf_name, to_hf(array)
+
+
+def save_hf_checkpoint(
+    model: Decoder,
+    path: str | os.PathLike,
+    *,
+    dtype: str | None = None,
+    max_shard_bytes: int = 4 * 1024**3,
+) -> None:
+    """Writes `model` as a Hugging Face checkpoint directory (config + safetensors).
+
+    Args:
+      model: the decoder to save.
+      path: output directory (created if needed; existing checkpoint files are replaced).
+      dtype: dtype name to store the weights in; the parameters' dtype by default.
+      max_shard_bytes: above this many bytes the weights are split into
+        `model-0000i-of-0000n.safetensors` files listed in `model.safetensors.index.json`.
+    """
+    if not isinstance(model, Decoder):
+        raise ValueError(f"model must be a gac_jax Decoder; got {type(model).__name__}.")
+    if max_shard_bytes <= 0:
+        raise ValueError(f"max_shard_bytes={max_shard_bytes!r} must be positive.")
+    st_numpy, _ = _safetensors()
+    np_dtype = None if dtype is None else jnp.dtype(dtype)
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+
+    shards: list[dict[str, np.ndarray]] = [{}]
+    shard_bytes = 0
+    total = 0
+    for name, array in _hf_tensors(model, np_dtype):
+        if shards[-1] and shard_bytes + array.nbytes > max_shard_bytes:
+            shards.append({})
+            shard_bytes = 0
+        shards[-1][name] = array
+        shard_bytes += array.nbytes
+        total += array.nbytes
+
+    for stale in list(path.glob("model*.safetensors")) + [path / INDEX_FILE]:
+        if stale.exists():
+            stale.unlink()
+    metadata = {"format": "pt"}  # transformers refuses files without it.
+    if len(shards) == 1:
+        st_numpy.save_file(shards[0], str(path / SINGLE_FILE), metadata=metadata)
+    else:
+        weight_map = {}
+        for i, shard in enumerate(shards, start=1):
+            file = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+            st_numpy.save_file(shard, str(path / file), metadata=metadata)
+            weight_map.update({name: file for name in shard})
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (path / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True))
+
+    stored_dtype = dtype or model.config.param_dtype
+    hf_config = config_to_hf(model.config, dtype=stored_dtype)
+    (path / CONFIG_FILE).write_text(json.dumps(hf_config, indent=2, sort_keys=True))

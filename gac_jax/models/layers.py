@@ -1,0 +1,234 @@
+"""Decoder building blocks: RMSNorm, rotary embeddings, grouped-query attention, SwiGLU.
+
+Parameters are stored in `config.param_dtype` and cast to `config.dtype` for compute;
+norms, softmaxes and rotary angles are computed in float32. Every parameter is annotated
+with the logical names of its dimensions (see `gac_jax.models.sharding`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from gac_jax.models.config import ModelConfig, RopeScaling
+from gac_jax.models.sharding import ShardingRules, constrain
+
+# A finite "minus infinity" for masked attention scores: a query whose keys are all masked
+# (a left-padding position) then gets a uniform, finite distribution instead of NaN.
+_MASKED_SCORE = float(np.finfo(np.float32).min)
+
+
+def _param(rngs: nnx.Rngs, shape, logical_axes, dtype, stddev: float | None) -> nnx.Param:
+    if stddev is None:
+        value = jnp.ones(shape, dtype)
+    else:
+        value = stddev * jax.random.normal(rngs.params(), shape, jnp.float32)
+        value = value.astype(dtype)
+    # Sharding is applied explicitly (gac_jax.models.sharding), not when the variable is
+    # created, so a model can be built without a mesh.
+    return nnx.Param(value, out_sharding=tuple(logical_axes), eager_sharding=False)
+
+
+class RMSNorm(nnx.Module):
+    """Root-mean-square norm over the last axis, `x / rms(x) * scale`, as in HF Llama/Qwen3.
+
+    The normalisation runs in float32; the result is cast back to the input dtype before
+    the scale is applied (the order HF uses, which matters in bfloat16).
+    """
+
+    def __init__(self, dim: int, *, eps: float, param_dtype, rngs: nnx.Rngs):
+        self.eps = eps
+        self.scale = _param(rngs, (dim,), ("norm",), param_dtype, None)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        variance = jnp.mean(jnp.square(x32), axis=-1, keepdims=True)
+        normed = (x32 * jax.lax.rsqrt(variance + self.eps)).astype(x.dtype)
+        scale = self.scale[...].astype(x.dtype)
+        return normed * jnp.reshape(scale, (1,) * (x.ndim - 1) + scale.shape)
+
+
+def rope_inverse_frequencies(
+    head_dim: int, theta: float, scaling: RopeScaling | None = None
+) -> np.ndarray:
+    """Rotary inverse frequencies [H/2] (float32), with optional Llama 3 scaling.
+
+    Args:
+      head_dim: width of one head; frequencies cover its first and second halves.
+      theta: base wavelength.
+      scaling: Llama 3 scaling (HF `rope_type: "llama3"`), or None.
+
+    Returns:
+      `theta ** (-2i / head_dim)` for i in [0, head_dim / 2), rescaled by `scaling`.
+    """
+    exponents = np.arange(0, head_dim, 2, dtype=np.float64) / head_dim
+    inv_freq = 1.0 / np.power(float(theta), exponents)
+    if scaling is not None:
+        old_context = scaling.original_max_position_embeddings
+        low_freq_wavelen = old_context / scaling.low_freq_factor
+        high_freq_wavelen = old_context / scaling.high_freq_factor
+        wavelen = 2.0 * math.pi / inv_freq
+        smooth = (old_context / wavelen - scaling.low_freq_factor) / (
+            scaling.high_freq_factor - scaling.low_freq_factor
+        )
+        interpolated = (1.0 - smooth) * inv_freq / scaling.factor + smooth * inv_freq
+        inv_freq = np.where(
+            wavelen > low_freq_wavelen,
+            inv_freq / scaling.factor,
+            np.where(wavelen < high_freq_wavelen, inv_freq, interpolated),
+        )
+    return inv_freq.astype(np.float32)
+
+
+def apply_rope(x_btnh: jax.Array, positions_bt: jax.Array, inv_freq_h: np.ndarray) -> jax.Array:
+    """Rotates `x` by its positions, HF's "rotate half" layout (not interleaved pairs).
+
+    Args:
+      x_btnh: queries or keys [B, T, N, H].
+      positions_bt: integer positions [B, T].
+      inv_freq_h: inverse frequencies [H/2] from `rope_inverse_frequencies`.
+
+    Returns:
+      The rotated array, same shape and dtype as `x_btnh`.
+    """
+    half = x_btnh.shape[-1] // 2
+    inv_freq = jnp.asarray(inv_freq_h, jnp.float32)
+    angles_bth = positions_bt.astype(jnp.float32)[:, :, None] * inv_freq[None, None, :]
+    cos = jnp.cos(angles_bth)[:, :, None, :]
+    sin = jnp.sin(angles_bth)[:, :, None, :]
+    x32 = x_btnh.astype(jnp.float32)
+    x1, x2 = x32[..., :half], x32[..., half:]
+    rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return rotated.astype(x_btnh.dtype)
+
+
+class Attention(nnx.Module):
+    """Grouped-query self-attention with rotary embeddings, optional q/k norm and KV cache."""
+
+    def __init__(self, config: ModelConfig, rules: ShardingRules, *, rngs: nnx.Rngs):
+        self.config = config
+        self.rules = rules
+        d, n, k, h = config.embed_dim, config.num_heads, config.num_kv_heads, config.head_dim
+        pdt = config.parameter_dtype
+        std = 0.02
+        self.q_dnh = _param(rngs, (d, n, h), ("embed", "heads", "head_dim"), pdt, std)
+        self.k_dkh = _param(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"), pdt, std)
+        self.v_dkh = _param(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"), pdt, std)
+        self.o_nhd = _param(rngs, (n, h, d), ("heads", "head_dim", "embed"), pdt, std)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(h, eps=config.rms_norm_eps, param_dtype=pdt, rngs=rngs)
+            self.k_norm = RMSNorm(h, eps=config.rms_norm_eps, param_dtype=pdt, rngs=rngs)
+        else:
+            self.q_norm = None
+            self.k_norm = None
+
+    def __call__(
+        self,
+        x_btd: jax.Array,
+        positions_bt: jax.Array,
+        mask_bts: jax.Array,
+        cache: dict[str, jax.Array] | None = None,
+        cache_index: jax.Array | None = None,
+    ) -> tuple[jax.Array, dict[str, jax.Array] | None]:
+        """Attends from the T new tokens to the S visible keys.
+
+        Args:
+          x_btd: normalised residual stream [B, T, D].
+          positions_bt: rotary positions of the new tokens [B, T].
+          mask_bts: bool [B, T, S], True where query t may attend to key s. Without a
+            cache S = T; with one S is the cache length.
+          cache: this layer's cache `{"k": [B, S, K, H], "v": [B, S, K, H]}`, or None.
+          cache_index: int32 [] slot where the new keys are written (with `cache`).
+
+        Returns:
+          `(out_btd, new_cache)`; `new_cache` is None when `cache` is None.
+        """
+        cfg, rules = self.config, self.rules
+        dtype = cfg.compute_dtype
+        b, t, _ = x_btd.shape
+        inv_freq = rope_inverse_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+
+        q_btnh = jnp.einsum("BTD,DNH->BTNH", x_btd, self.q_dnh[...].astype(dtype))
+        k_btkh = jnp.einsum("BTD,DKH->BTKH", x_btd, self.k_dkh[...].astype(dtype))
+        v_btkh = jnp.einsum("BTD,DKH->BTKH", x_btd, self.v_dkh[...].astype(dtype))
+        if self.q_norm is not None:
+            q_btnh = self.q_norm(q_btnh)
+            k_btkh = self.k_norm(k_btkh)
+        q_btnh = constrain(apply_rope(q_btnh, positions_bt, inv_freq), rules.act_btnh)
+        k_btkh = constrain(apply_rope(k_btkh, positions_bt, inv_freq), rules.act_btkh)
+        v_btkh = constrain(v_btkh, rules.act_btkh)
+
+        new_cache = None
+        if cache is not None:
+            zero = jnp.zeros((), jnp.int32)
+            start = (zero, cache_index.astype(jnp.int32), zero, zero)
+            k_bskh = jax.lax.dynamic_update_slice(
+                cache["k"], k_btkh.astype(cache["k"].dtype), start
+            )
+            v_bskh = jax.lax.dynamic_update_slice(
+                cache["v"], v_btkh.astype(cache["v"].dtype), start
+            )
+            k_bskh = constrain(k_bskh, rules.act_btkh)
+            v_bskh = constrain(v_bskh, rules.act_btkh)
+            new_cache = {"k": k_bskh, "v": v_bskh}
+            k_bskh, v_bskh = k_bskh.astype(dtype), v_bskh.astype(dtype)
+        else:
+            k_bskh, v_bskh = k_btkh, v_btkh
+
+        kv, g, h = cfg.num_kv_heads, cfg.group_size, cfg.head_dim
+        q_btkgh = jnp.reshape(q_btnh, (b, t, kv, g, h))
+        scores = jnp.einsum(
+            "BTKGH,BSKH->BKGTS", q_btkgh, k_bskh, preferred_element_type=jnp.float32
+        )
+        scores = scores * (h**-0.5)
+        scores = jnp.where(mask_bts[:, None, None, :, :], scores, _MASKED_SCORE)
+        probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
+        out_btkgh = jnp.einsum("BKGTS,BSKH->BTKGH", probs, v_bskh)
+        out_btnh = constrain(jnp.reshape(out_btkgh, (b, t, kv * g, h)), rules.act_btnh)
+        out_btd = jnp.einsum("BTNH,NHD->BTD", out_btnh, self.o_nhd[...].astype(dtype))
+        return constrain(out_btd, rules.act_btd), new_cache
+
+
+class MLP(nnx.Module):
+    """SwiGLU feed-forward: `down(silu(gate(x)) * up(x))`."""
+
+    def __init__(self, config: ModelConfig, rules: ShardingRules, *, rngs: nnx.Rngs):
+        self.config = config
+        self.rules = rules
+        d, f, pdt = config.embed_dim, config.mlp_dim, config.parameter_dtype
+        self.gate_df = _param(rngs, (d, f), ("embed", "mlp"), pdt, 0.02)
+        self.up_df = _param(rngs, (d, f), ("embed", "mlp"), pdt, 0.02)
+        self.down_fd = _param(rngs, (f, d), ("mlp", "embed"), pdt, 0.02)
+
+    def __call__(self, x_btd: jax.Array) -> jax.Array:
+        """[B, T, D] -> [B, T, D]."""
+        dtype = self.config.compute_dtype
+        gate_btf = jnp.einsum("BTD,DF->BTF", x_btd, self.gate_df[...].astype(dtype))
+        up_btf = jnp.einsum("BTD,DF->BTF", x_btd, self.up_df[...].astype(dtype))
+        hidden_btf = constrain(jax.nn.silu(gate_btf) * up_btf, self.rules.act_btf)
+        out_btd = jnp.einsum("BTF,FD->BTD", hidden_btf, self.down_fd[...].astype(dtype))
+        return constrain(out_btd, self.rules.act_btd)
+
+
+class DecoderLayer(nnx.Module):
+    """Pre-norm block: `x + attn(norm(x))`, then `x + mlp(norm(x))`."""
+
+    def __init__(self, config: ModelConfig, rules: ShardingRules, *, rngs: nnx.Rngs):
+        eps, pdt = config.rms_norm_eps, config.parameter_dtype
+        self.attn_norm = RMSNorm(config.embed_dim, eps=eps, param_dtype=pdt, rngs=rngs)
+        self.attn = Attention(config, rules, rngs=rngs)
+        self.mlp_norm = RMSNorm(config.embed_dim, eps=eps, param_dtype=pdt, rngs=rngs)
+        self.mlp = MLP(config, rules, rngs=rngs)
+
+    def __call__(self, x_btd, positions_bt, mask_bts, cache=None, cache_index=None):
+        """See `Attention.__call__`; returns `(x_btd, new_cache)`."""
+        attn_out, new_cache = self.attn(
+            self.attn_norm(x_btd), positions_bt, mask_bts, cache, cache_index
+        )
+        x_btd = x_btd + attn_out
+        x_btd = x_btd + self.mlp(self.mlp_norm(x_btd))
+        return x_btd, new_cache

@@ -1,0 +1,82 @@
+r"""Teacher-forced token log-probabilities for the learner.
+
+Convention (shared with `gac_jax.models.sampler`): for tokens [B, T] and mask [B, T],
+entry `t` of the result is
+
+.. math::
+
+    \log p_\theta(x_t \mid x_{<t}) = z_{t-1}[x_t] - \operatorname{logsumexp}(z_{t-1})
+
+where `z_{t-1}` are the logits after the real tokens up to position `t-1`, divided by the
+temperature. Entry 0 has no context and is 0; so is every entry whose token or whose
+predecessor is masked (padding, or the first real token of a left-padded row).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from gac_jax.models.decoder import positions_from_mask
+
+
+def logps_of_tokens(logits_bv: jax.Array, tokens_b: jax.Array) -> jax.Array:
+    """`log_softmax(logits)[token]` [..] in float32, without materialising the softmax.
+
+    Args:
+      logits_bv: logits [..., V].
+      tokens_b: int ids [...] (the leading shape of `logits_bv`).
+    """
+    logits = logits_bv.astype(jnp.float32)
+    picked = jnp.take_along_axis(logits, tokens_b[..., None].astype(jnp.int32), axis=-1)
+    return picked[..., 0] - jax.nn.logsumexp(logits, axis=-1)
+
+
+def token_logps_from_logits(
+    logits_btv: jax.Array, tokens_bt: jax.Array, mask_bt: jax.Array, temperature=1.0
+) -> jax.Array:
+    """Shifted per-token log-probabilities [B, T] from teacher-forced logits.
+
+    Args:
+      logits_btv: logits [B, T, V] of a forward pass over `tokens_bt`.
+      tokens_bt: int ids [B, T].
+      mask_bt: bool [B, T], True for real tokens.
+      temperature: the logits are divided by it (a positive scalar).
+
+    Returns:
+      float32 [B, T]; see the module docstring for the convention.
+    """
+    b, t = tokens_bt.shape
+    if logits_btv.shape[:2] != (b, t):
+        raise ValueError(
+            f"logits shape {logits_btv.shape} does not start with tokens shape {(b, t)}."
+        )
+    if mask_bt.shape != (b, t):
+        raise ValueError(f"mask shape {mask_bt.shape} != tokens shape {(b, t)}.")
+    scaled = logits_btv[:, :-1].astype(jnp.float32) / jnp.asarray(temperature, jnp.float32)
+    logps = logps_of_tokens(scaled, tokens_bt[:, 1:])
+    mask = mask_bt.astype(bool)
+    valid = mask[:, 1:] & mask[:, :-1]
+    logps = jnp.where(valid, logps, 0.0)
+    return jnp.concatenate([jnp.zeros((b, 1), jnp.float32), logps], axis=1)
+
+
+def per_token_logps(model, tokens_bt: jax.Array, mask_bt: jax.Array, *, temperature=1.0):
+    """Teacher-forced `log p(tokens[t] | tokens[<t])` [B, T] under `model`.
+
+    Positions count from each row's first real token, so prompt + completion rows laid
+    out as the sampler returns them (left-padded prompt, then completion) reproduce the
+    sampler's `policy_logps` (temperature 1). Differentiable in the model's parameters.
+
+    Args:
+      model: a `gac_jax.models.Decoder` (call inside `jax.jit`, e.g. after `nnx.merge`).
+      tokens_bt: int ids [B, T].
+      mask_bt: bool [B, T], True for real tokens.
+      temperature: logits are divided by it before the softmax.
+
+    Returns:
+      float32 [B, T]; entry 0 and masked entries are 0.
+    """
+    mask_bt = jnp.asarray(mask_bt).astype(bool)
+    logits_btv, _ = model(tokens_bt, positions_from_mask(mask_bt), mask_bt)
+    return token_logps_from_logits(logits_btv, tokens_bt, mask_bt, temperature)

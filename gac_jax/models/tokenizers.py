@@ -1,0 +1,272 @@
+"""Tokenizers behind one small interface: `encode`, `decode`, `pad_id`, `eos_id`, `bos_id`,
+`vocab_size`.
+
+* `CharTokenizer`: one id per character, for the embedded arithmetic and countdown tasks
+  and the tiny models (its vocabulary fits the "tiny" preset's 128 ids).
+* `HFTokenizer`: a Hugging Face `tokenizer.json` through the `tokenizers` package, for
+  real checkpoints.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import string
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Protocol, runtime_checkable
+
+PAD, BOS, EOS = "<pad>", "<bos>", "<eos>"
+
+DEFAULT_CHARACTERS = (
+    string.digits
+    + "+-*/=()"
+    + " "
+    + string.ascii_lowercase
+    + string.ascii_uppercase
+    + ",.:;?!<>_%^'\"\n"
+)
+
+
+@runtime_checkable
+class Tokenizer(Protocol):
+    """What the rest of gac_jax needs from a tokenizer."""
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of ids (the model's vocabulary must be at least this large)."""
+        ...
+
+    @property
+    def pad_id(self) -> int:
+        """Padding id."""
+        ...
+
+    @property
+    def eos_id(self) -> int:
+        """End-of-sequence id."""
+        ...
+
+    @property
+    def bos_id(self) -> int | None:
+        """Beginning-of-sequence id, or None."""
+        ...
+
+    def encode(self, text: str, *, add_bos: bool = False, add_eos: bool = False) -> list[int]:
+        """Token ids of `text`, optionally wrapped in BOS / EOS."""
+        ...
+
+    def decode(self, ids: Iterable[int], *, skip_special_tokens: bool = True) -> str:
+        """Text of `ids`; special tokens are dropped unless `skip_special_tokens=False`."""
+        ...
+
+
+class CharTokenizer:
+    """Character-level tokenizer: ids 0, 1, 2 are `<pad>`, `<bos>`, `<eos>`, then one id per
+    character of `characters`."""
+
+    def __init__(self, characters: str = DEFAULT_CHARACTERS):
+        """Creates the tokenizer.
+
+        Args:
+          characters: the alphabet, each character once.
+
+        Raises:
+          ValueError: if a character repeats or the alphabet is empty.
+        """
+        if not characters:
+            raise ValueError("characters is empty; give the alphabet to encode.")
+        repeated = sorted({c for c in characters if characters.count(c) > 1})
+        if repeated:
+            raise ValueError(f"characters repeats {repeated}; each must appear once.")
+        self._special = (PAD, BOS, EOS)
+        self._id_of = {c: i + len(self._special) for i, c in enumerate(characters)}
+        self._char_of = {i: c for c, i in self._id_of.items()}
+        self.characters = characters
+
+    @property
+    def vocab_size(self) -> int:
+        """3 special ids plus one per character."""
+        return len(self._special) + len(self.characters)
+
+    @property
+    def pad_id(self) -> int:
+        """0."""
+        return 0
+
+    @property
+    def bos_id(self) -> int:
+        """1."""
+        return 1
+
+    @property
+    def eos_id(self) -> int:
+        """2."""
+        return 2
+
+    def encode(self, text: str, *, add_bos: bool = False, add_eos: bool = False) -> list[int]:
+        """One id per character of `text`.
+
+        Raises:
+          ValueError: naming the first character outside the alphabet.
+        """
+        ids = []
+        for position, char in enumerate(text):
+            if char not in self._id_of:
+                raise ValueError(
+                    f"Character {char!r} at position {position} of {text!r} is not in the "
+                    f"tokenizer's alphabet {self.characters!r}."
+                )
+            ids.append(self._id_of[char])
+        return [self.bos_id] * add_bos + ids + [self.eos_id] * add_eos
+
+    def decode(self, ids: Iterable[int], *, skip_special_tokens: bool = True) -> str:
+        """The characters of `ids`; special ids become `<pad>` etc. or are skipped.
+
+        Raises:
+          ValueError: for an id outside [0, vocab_size).
+        """
+        pieces = []
+        for token in ids:
+            token = int(token)
+            if token < len(self._special):
+                if not skip_special_tokens:
+                    pieces.append(self._special[token])
+            elif token in self._char_of:
+                pieces.append(self._char_of[token])
+            else:
+                raise ValueError(f"Token id {token} is outside [0, {self.vocab_size}).")
+        return "".join(pieces)
+
+
+class HFTokenizer:
+    """A Hugging Face `tokenizer.json` (fast tokenizer) behind the `Tokenizer` interface."""
+
+    def __init__(
+        self,
+        tokenizer,
+        *,
+        eos_token: str,
+        pad_token: str | None = None,
+        bos_token: str | None = None,
+    ):
+        """Wraps a `tokenizers.Tokenizer`.
+
+        Args:
+          tokenizer: a `tokenizers.Tokenizer`.
+          eos_token: the end-of-sequence token's text, e.g. "<|im_end|>".
+          pad_token: the padding token's text; the EOS token if None (Llama 3 has none).
+          bos_token: the beginning-of-sequence token's text, or None.
+
+        Raises:
+          ValueError: if a named special token is not in the vocabulary.
+        """
+        self._tokenizer = tokenizer
+        self._eos_id = self._token_id(eos_token, "eos_token")
+        self._pad_id = self._eos_id if pad_token is None else self._token_id(pad_token, "pad_token")
+        self._bos_id = None if bos_token is None else self._token_id(bos_token, "bos_token")
+
+    def _token_id(self, token: str, role: str) -> int:
+        token_id = self._tokenizer.token_to_id(token)
+        if token_id is None:
+            raise ValueError(f"{role}={token!r} is not in the tokenizer's vocabulary.")
+        return token_id
+
+    @classmethod
+    def from_file(cls, tokenizer_json: str | os.PathLike, **special_tokens) -> HFTokenizer:
+        """Loads a `tokenizer.json`; `special_tokens` as in `__init__`."""
+        tokenizers = _tokenizers_package()
+        path = Path(tokenizer_json)
+        if not path.is_file():
+            raise FileNotFoundError(f"No tokenizer file at {str(path)!r}.")
+        return cls(tokenizers.Tokenizer.from_file(str(path)), **special_tokens)
+
+    @classmethod
+    def from_directory(
+        cls,
+        path: str | os.PathLike,
+        *,
+        eos_token: str | None = None,
+        pad_token: str | None = None,
+        bos_token: str | None = None,
+    ) -> HFTokenizer:
+        """Loads `tokenizer.json` from a checkpoint directory.
+
+        Special tokens not given are read from `tokenizer_config.json` (`eos_token`,
+        `pad_token`, `bos_token`) when the directory has one.
+
+        Raises:
+          FileNotFoundError: if there is no `tokenizer.json`.
+          ValueError: if no EOS token is given or found.
+        """
+        path = Path(path)
+        found: dict[str, str | None] = {}
+        config_path = path / "tokenizer_config.json"
+        if config_path.is_file():
+            tokenizer_config = json.loads(config_path.read_text())
+            for key in ("eos_token", "pad_token", "bos_token"):
+                value = tokenizer_config.get(key)
+                if isinstance(value, dict):  # Older files store AddedToken dicts.
+                    value = value.get("content")
+                found[key] = value
+        eos_token = eos_token or found.get("eos_token")
+        if eos_token is None:
+            raise ValueError(
+                f"No eos_token given and none in {str(config_path)!r}; pass eos_token=..."
+            )
+        return cls.from_file(
+            path / "tokenizer.json",
+            eos_token=eos_token,
+            pad_token=pad_token or found.get("pad_token"),
+            bos_token=bos_token or found.get("bos_token"),
+        )
+
+    @property
+    def vocab_size(self) -> int:
+        """Size of the vocabulary including added tokens."""
+        return self._tokenizer.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def pad_id(self) -> int:
+        """Padding id."""
+        return self._pad_id
+
+    @property
+    def eos_id(self) -> int:
+        """End-of-sequence id."""
+        return self._eos_id
+
+    @property
+    def bos_id(self) -> int | None:
+        """Beginning-of-sequence id, or None."""
+        return self._bos_id
+
+    def encode(self, text: str, *, add_bos: bool = False, add_eos: bool = False) -> list[int]:
+        """Token ids of `text`, without the tokenizer's own post-processing templates."""
+        if add_bos and self._bos_id is None:
+            raise ValueError("add_bos=True but this tokenizer has no bos_token.")
+        ids = self._tokenizer.encode(text, add_special_tokens=False).ids
+        return [self._bos_id] * add_bos + list(ids) + [self._eos_id] * add_eos
+
+    def decode(self, ids: Iterable[int], *, skip_special_tokens: bool = True) -> str:
+        """Text of `ids`."""
+        return self._tokenizer.decode(
+            [int(i) for i in ids], skip_special_tokens=skip_special_tokens
+        )
+
+
+def _tokenizers_package():
+    try:
+        import tokenizers  # Optional dependency, loaded on use.
+    except ImportError as error:  # pragma: no cover - depends on the environment
+        raise ImportError(
+            "HFTokenizer needs the `tokenizers` package (pip install tokenizers)."
+        ) from error
+    return tokenizers
+
+
+def encode_batch(
+    tokenizer: Tokenizer, texts: Sequence[str], *, add_bos: bool = False
+) -> list[list[int]]:
+    """`tokenizer.encode` of each text (use `gac_jax.models.left_pad` to batch them)."""
+    return [tokenizer.encode(text, add_bos=add_bos) for text in texts]

@@ -1,0 +1,392 @@
+"""tfds dataset builders: the embedded synthetic tasks and GSM8K.
+
+* `Countdown` and `Arithmetic` generate their data locally (no download), from a seed in
+  their `tfds.core.BuilderConfig`. The problems of both splits are drawn from one seeded
+  stream with duplicates removed (``37+48`` and ``48+37`` are the same problem, and so are
+  two countdown problems with the same numbers in another order and the same target);
+  the first ``num_test`` distinct problems form ``test``, the next ``num_train`` form
+  ``train``. So the splits are disjoint, the same seed gives the same data, and growing
+  ``num_train`` leaves the test split unchanged.
+* `Gsm8k` is tfds's own ``gsm8k`` builder (same name, version, features and prepared
+  files) that also prepares from the original JSONL release files in a manual
+  directory, for machines that cannot download.
+
+All of them write array_record files by default, read back with
+``builder.as_data_source(split=...)``. `prepare_source` does both steps.
+
+Example::
+
+    builder = Countdown(config="n3_max20", data_dir="/tmp/tfds")
+    test = prepare_source(builder, "test")
+    test[0]  # e.g. {'numbers': array([3, 5, 7], dtype=int32), 'target': 22, 'solution': b'5*3+7'}
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from collections.abc import Callable, Hashable, Sequence
+from pathlib import Path
+
+import numpy as np
+import tensorflow_datasets as tfds
+from tensorflow_datasets.text.gsm8k import gsm8k as _tfds_gsm8k
+
+from gac_jax.tasks import arithmetic, countdown
+from gac_jax.tasks.gsm8k import GSM8K_FILES
+
+__all__ = [
+    "Arithmetic",
+    "ArithmeticConfig",
+    "Countdown",
+    "CountdownConfig",
+    "Gsm8k",
+    "prepare_source",
+]
+
+_FILE_FORMAT = "array_record"
+
+
+def _distinct_problems(
+    sample: Callable[[random.Random], object],
+    key: Callable[[object], Hashable],
+    count: int,
+    seed: int,
+    what: str,
+) -> list:
+    """`count` problems with distinct keys, drawn in order from ``random.Random(seed)``."""
+    rng = random.Random(seed)
+    seen: set = set()
+    problems = []
+    max_draws = 50 * count + 1000
+    draws = 0
+    while len(problems) < count:
+        if draws >= max_draws:
+            raise ValueError(
+                f"{what}: found only {len(problems)} distinct problems in {draws} draws, "
+                f"{count} requested; lower num_train/num_test or widen the ranges."
+            )
+        problem = sample(rng)
+        draws += 1
+        k = key(problem)
+        if k not in seen:
+            seen.add(k)
+            problems.append(problem)
+    return problems
+
+
+def _check_sizes(config) -> None:
+    if config.num_train < 1 or config.num_test < 1:
+        raise ValueError(
+            f"Config {config.name!r}: num_train and num_test must be >= 1, "
+            f"got num_train={config.num_train}, num_test={config.num_test}."
+        )
+
+
+class _LocalBuilder(tfds.core.GeneratorBasedBuilder, skip_registration=True):
+    """Shared by the synthetic builders: array_record files, train/test from one stream."""
+
+    VERSION = tfds.core.Version("1.0.0")
+    RELEASE_NOTES = {"1.0.0": "Initial release."}
+
+    def __init__(self, *, file_format: str | None = _FILE_FORMAT, **kwargs):
+        super().__init__(file_format=file_format, **kwargs)
+
+    def _problems(self) -> list:
+        raise NotImplementedError
+
+    def _example(self, problem) -> dict:
+        raise NotImplementedError
+
+    def _split_generators(self, dl_manager):
+        del dl_manager  # Generated locally: nothing to download.
+        config = self.builder_config
+        _check_sizes(config)
+        problems = self._problems()
+        return {
+            "test": self._generate_examples(problems[: config.num_test]),
+            "train": self._generate_examples(problems[config.num_test :]),
+        }
+
+    def _generate_examples(self, problems):
+        for i, problem in enumerate(problems):
+            yield i, self._example(problem)
+
+
+@dataclasses.dataclass(kw_only=True)
+class CountdownConfig(tfds.core.BuilderConfig):
+    """A Countdown difficulty and data size.
+
+    Attributes:
+      num_numbers: numbers per problem, 1 to 5.
+      min_number: smallest number.
+      max_number: largest number.
+      min_target: smallest target.
+      max_target: largest target.
+      min_used: fewest numbers the shortest solution needs (see
+        `gac_jax.tasks.countdown.sample_problem`).
+      num_train: problems in the train split.
+      num_test: problems in the test split.
+      seed: seed of the problem stream.
+    """
+
+    num_numbers: int = 3
+    min_number: int = 1
+    max_number: int = 20
+    min_target: int = 10
+    max_target: int = 100
+    min_used: int = 2
+    num_train: int = 10_000
+    num_test: int = 500
+    seed: int = 0
+
+
+def _countdown_configs() -> list[CountdownConfig]:
+    specs = [
+        # name, numbers, max number, target range, fewest numbers used, train, test
+        ("n3_max20", 3, 20, (10, 100), 2, 10_000, 500),
+        ("n4_max20", 4, 20, (10, 200), 3, 20_000, 1_000),
+        ("n4_max50", 4, 50, (10, 300), 3, 20_000, 1_000),
+        ("n5_max100", 5, 100, (100, 999), 4, 20_000, 1_000),
+    ]
+    return [
+        CountdownConfig(
+            name=name,
+            description=(
+                f"{n} numbers in [1, {max_number}], targets in [{lo}, {hi}] that need at "
+                f"least {used} of them."
+            ),
+            num_numbers=n,
+            max_number=max_number,
+            min_target=lo,
+            max_target=hi,
+            min_used=used,
+            num_train=train,
+            num_test=test,
+        )
+        for name, n, max_number, (lo, hi), used, train, test in specs
+    ]
+
+
+class Countdown(_LocalBuilder):
+    """Countdown problems: numbers, a target, and a reference solution found by search."""
+
+    name = "countdown"
+    BUILDER_CONFIGS = _countdown_configs()
+
+    def _info(self) -> tfds.core.DatasetInfo:
+        config = self.builder_config
+        return self.dataset_info_from_configs(
+            description=(
+                "Countdown: make the target from the given numbers (each at most once) "
+                "with + - * / and parentheses. Generated locally and deterministically."
+            ),
+            features=tfds.features.FeaturesDict(
+                {
+                    "numbers": tfds.features.Tensor(shape=(config.num_numbers,), dtype=np.int32),
+                    "target": tfds.features.Scalar(dtype=np.int32),
+                    "solution": tfds.features.Text(),
+                }
+            ),
+            supervised_keys=None,
+        )
+
+    def _problems(self) -> list[countdown.CountdownProblem]:
+        config = self.builder_config
+        return _distinct_problems(
+            lambda rng: countdown.sample_problem(
+                rng,
+                num_numbers=config.num_numbers,
+                min_number=config.min_number,
+                max_number=config.max_number,
+                min_target=config.min_target,
+                max_target=config.max_target,
+                min_used=config.min_used,
+            ),
+            lambda p: (tuple(sorted(p.numbers)), p.target),
+            config.num_train + config.num_test,
+            config.seed,
+            f"countdown/{config.name}",
+        )
+
+    def _example(self, problem: countdown.CountdownProblem) -> dict:
+        return {
+            "numbers": np.asarray(problem.numbers, dtype=np.int32),
+            "target": problem.target,
+            "solution": problem.solution,
+        }
+
+
+@dataclasses.dataclass(kw_only=True)
+class ArithmeticConfig(tfds.core.BuilderConfig):
+    """An arithmetic difficulty and data size.
+
+    Attributes:
+      op: the operator, ``"+"``, ``"-"`` or ``"*"``.
+      digits: digits of each operand.
+      scratchpad: whether the task's reference completion is the scratchpad (the data
+        holds both the answer and the scratchpad either way).
+      num_train: problems in the train split.
+      num_test: problems in the test split.
+      seed: seed of the problem stream.
+    """
+
+    op: str = "+"
+    digits: int = 2
+    scratchpad: bool = False
+    num_train: int = 20_000
+    num_test: int = 1_000
+    seed: int = 0
+
+
+_OP_NAMES = {"+": "add", "-": "sub", "*": "mul"}
+
+
+def _arithmetic_configs() -> list[ArithmeticConfig]:
+    configs = []
+    for op, all_digits in (("+", (2, 3, 4, 5)), ("-", (2, 3, 4, 5)), ("*", (2, 3))):
+        for digits in all_digits:
+            # Two-digit operands allow only 4,095 distinct problems per operator.
+            train, test = (3_000, 500) if digits == 2 else (20_000, 1_000)
+            for scratch in (False, True):
+                name = f"{_OP_NAMES[op]}{digits}" + ("_scratch" if scratch else "")
+                configs.append(
+                    ArithmeticConfig(
+                        name=name,
+                        description=(
+                            f"{digits}-digit a{op}b"
+                            + (", answered with a scratchpad" if scratch else "")
+                            + "."
+                        ),
+                        op=op,
+                        digits=digits,
+                        scratchpad=scratch,
+                        num_train=train,
+                        num_test=test,
+                    )
+                )
+    return configs
+
+
+class Arithmetic(_LocalBuilder):
+    """Multi-digit arithmetic problems with their answer and a worked scratchpad."""
+
+    name = "arithmetic"
+    BUILDER_CONFIGS = _arithmetic_configs()
+
+    def _info(self) -> tfds.core.DatasetInfo:
+        return self.dataset_info_from_configs(
+            description=(
+                "Multi-digit arithmetic (a op b) with the answer and a one-line scratchpad. "
+                "Generated locally and deterministically."
+            ),
+            features=tfds.features.FeaturesDict(
+                {
+                    "a": tfds.features.Scalar(dtype=np.int64),
+                    "op": tfds.features.Text(),
+                    "b": tfds.features.Scalar(dtype=np.int64),
+                    "answer": tfds.features.Scalar(dtype=np.int64),
+                    "scratchpad": tfds.features.Text(),
+                }
+            ),
+            supervised_keys=None,
+        )
+
+    def _problems(self) -> list[arithmetic.ArithmeticProblem]:
+        config = self.builder_config
+        if config.op not in arithmetic.OPERATORS:
+            raise ValueError(
+                f"Config {config.name!r}: unknown op {config.op!r}; "
+                f"expected one of {arithmetic.OPERATORS}."
+            )
+        commutative = config.op in "+*"
+        return _distinct_problems(
+            lambda rng: arithmetic.sample_problem(rng, op=config.op, digits=config.digits),
+            lambda p: (min(p.a, p.b), max(p.a, p.b)) if commutative else (p.a, p.b),
+            config.num_train + config.num_test,
+            config.seed,
+            f"arithmetic/{config.name}",
+        )
+
+    def _example(self, problem: arithmetic.ArithmeticProblem) -> dict:
+        return {
+            "a": problem.a,
+            "op": problem.op,
+            "b": problem.b,
+            "answer": problem.answer,
+            "scratchpad": arithmetic.scratchpad(problem.a, problem.op, problem.b),
+        }
+
+
+class Gsm8k(_tfds_gsm8k.Gsm8k, skip_registration=True):
+    """tfds's ``gsm8k`` builder that also prepares offline from the original JSONL files.
+
+    Same name, version and features (``question``, ``answer``, ``annotation``,
+    ``short_answer``) as `tfds.text.gsm8k.Gsm8k`, and so the same prepared directory: data
+    prepared by either builder is read by both. If the manual directory
+    (``tfds.download.DownloadConfig(manual_dir=...)``, by default
+    ``<data_dir>/downloads/manual``) holds the release files ``train.jsonl`` and
+    ``test.jsonl``, they are read (the same files tfds downloads) and only the ``train``
+    and ``test`` splits are made; otherwise tfds downloads all four splits, the socratic
+    ones included.
+    """
+
+    name = "gsm8k"
+    MANUAL_DOWNLOAD_INSTRUCTIONS = (
+        "Put the original GSM8K release files train.jsonl and test.jsonl (repository "
+        "openai/grade-school-math, folder grade_school_math/data) in the manual directory."
+    )
+
+    def __init__(self, *, file_format: str | None = _FILE_FORMAT, **kwargs):
+        super().__init__(file_format=file_format, **kwargs)
+
+    def _split_generators(self, dl_manager: tfds.download.DownloadManager):
+        try:
+            manual_dir = Path(dl_manager.manual_dir)
+        except AssertionError:  # No manual directory, or an empty one.
+            manual_dir = None
+        if manual_dir is not None and all((manual_dir / f).is_file() for f in GSM8K_FILES.values()):
+            return {
+                split: self._generate_examples(manual_dir / filename)
+                for split, filename in GSM8K_FILES.items()
+            }
+        try:
+            return super()._split_generators(dl_manager)
+        except Exception as e:
+            raise RuntimeError(
+                "Could not download GSM8K. On a machine without internet access, prepare it "
+                f"from the release files {sorted(GSM8K_FILES.values())} in a directory: "
+                "Gsm8k(...).download_and_prepare(download_config="
+                "tfds.download.DownloadConfig(manual_dir=DIR)), or "
+                "get_task('gsm8k', manual_dir=DIR)."
+            ) from e
+
+
+def prepare_source(
+    builder: tfds.core.DatasetBuilder,
+    split: str,
+    *,
+    download_config: tfds.download.DownloadConfig | None = None,
+) -> Sequence[dict]:
+    """Prepares `builder` unless it is already prepared, then opens `split` as a data source.
+
+    Args:
+      builder: a tfds builder writing array_record files (all builders of this module do).
+      split: a split name, or a tfds split expression such as ``"train[:100]"``.
+      download_config: passed to ``download_and_prepare`` (e.g. a ``manual_dir``).
+
+    Returns:
+      A random-access sequence of examples (dicts of numpy values; text as bytes).
+
+    Raises:
+      ValueError: if `split` is not a split of the prepared data.
+    """
+    if not builder.is_prepared():
+        builder.download_and_prepare(download_config=download_config)
+    splits = sorted(builder.info.splits.keys())
+    for part in split.split("+"):
+        if part.split("[", 1)[0].strip() not in splits:
+            raise ValueError(
+                f"Unknown split {split!r} of {builder.info.full_name}; known: {splits}."
+            )
+    return builder.as_data_source(split=split)

@@ -1,0 +1,525 @@
+"""Countdown: reach a target from a few given numbers with + - * / and parentheses.
+
+Three parts:
+
+* **Search** (`reachable`, `solve`): exhaustive over expression trees, memoised over
+  sub-multisets of the numbers (at most `MAX_NUMBERS`). Every value gets the expression
+  that uses the fewest numbers.
+* **Generation** (`sample_problem`): numbers drawn uniformly from a range, the target
+  drawn among the reachable values in a target range (never one of the given numbers),
+  and the reference solution from the search.
+* **Verification** (`check_countdown`, `countdown_reward`): a small tokenizer and a
+  recursive-descent parser with length and depth limits, no ``eval``.
+
+The arithmetic rule of the verifier: an answer is an expression over the four binary
+operators and parentheses (no unary minus, no other literals) in which each given number
+appears at most as many times as it was given; it is evaluated in exact rational
+arithmetic (`fractions.Fraction`), so non-integer intermediates are allowed (``8/3*3``
+makes 8); a division by zero makes the answer wrong; the value must equal the target
+exactly. The reference search (``integer_only=True``, used for generation) is stricter,
+the classic game's rule: every intermediate is a positive integer. So every reference
+solution passes the verifier, and the targets of the data sets are reachable with whole
+numbers; ``integer_only=False`` searches under the verifier's own rule.
+
+The answer is read from a completion as follows: the content of the last
+``<answer>...</answer>`` if there is one, else the whole completion; then, after
+stripping surrounding whitespace, up to the first newline. An optional ``= N`` suffix is
+accepted, and N must then equal the target.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from collections.abc import Sequence
+from fractions import Fraction
+from typing import NamedTuple
+
+__all__ = [
+    "MAX_ANSWER_CHARS",
+    "MAX_DEPTH",
+    "MAX_NUMBERS",
+    "CountdownProblem",
+    "CountdownVerdict",
+    "ExpressionError",
+    "check_countdown",
+    "countdown_reward",
+    "evaluate_expression",
+    "extract_countdown_answer",
+    "format_prompt",
+    "parse_expression",
+    "reachable",
+    "sample_problem",
+    "solve",
+]
+
+#: Most numbers a problem may have: the search is exhaustive and grows quickly.
+MAX_NUMBERS = 5
+
+#: Longest answer (in characters, after extraction) the parser reads.
+MAX_ANSWER_CHARS = 200
+#: Deepest nesting of parentheses the parser accepts.
+MAX_DEPTH = 16
+# Longest literal: bounds int() on adversarial digit runs; the given numbers are short.
+_MAX_LITERAL_DIGITS = 9
+
+_ANSWER_TAG_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+
+# Operator precedence for printing with the fewest parentheses.
+_PREC_ATOM, _PREC_MUL, _PREC_ADD = 3, 2, 1
+
+
+class CountdownProblem(NamedTuple):
+    """One Countdown problem."""
+
+    numbers: tuple[int, ...]  # the given numbers, in the order they are shown
+    target: int  # the value to make
+    solution: str  # a reference expression that makes the target
+
+
+class CountdownVerdict(NamedTuple):
+    """The verifier's judgement of one completion."""
+
+    correct: bool  # the answer makes the target under the rules
+    well_formed: bool  # the answer parses as an expression
+    reason: str  # "correct" or why not, for diagnostics
+    value: Fraction | None  # the expression's value, when it has one
+
+
+class ExpressionError(ValueError):
+    """An answer that is not a well-formed Countdown expression."""
+
+
+# --------------------------------------------------------------------------- search
+
+
+def _check_numbers(numbers: Sequence[int]) -> tuple[int, ...]:
+    numbers = tuple(int(n) for n in numbers)
+    if not 1 <= len(numbers) <= MAX_NUMBERS:
+        raise ValueError(f"Countdown takes 1 to {MAX_NUMBERS} numbers, got {len(numbers)}.")
+    if any(n < 1 for n in numbers):
+        raise ValueError(f"Countdown numbers must be positive integers, got {numbers}.")
+    return numbers
+
+
+def _combine(left: dict, right: dict, lkey, rkey, out: dict, integer_only: bool) -> None:
+    """Adds to `out` every value of ``l op r`` for l in `left`, r in `right` (both orders
+    for - and /), with a back-pointer ``(op, lkey, l, rkey, r)``; first one wins."""
+    for a in left:
+        for b in right:
+            for value, back in (
+                (a + b, ("+", lkey, a, rkey, b)),
+                (a * b, ("*", lkey, a, rkey, b)),
+                (a - b, ("-", lkey, a, rkey, b)),
+                (b - a, ("-", rkey, b, lkey, a)),
+            ):
+                if integer_only and value <= 0:
+                    continue
+                if value not in out:
+                    out[value] = back
+            if integer_only:
+                if a % b == 0 and a // b not in out:
+                    out[a // b] = ("/", lkey, a, rkey, b)
+                if b % a == 0 and b // a not in out:
+                    out[b // a] = ("/", rkey, b, lkey, a)
+            else:
+                if b != 0 and (q := a / b) not in out:
+                    out[q] = ("/", lkey, a, rkey, b)
+                if a != 0 and (q := b / a) not in out:
+                    out[q] = ("/", rkey, b, lkey, a)
+
+
+class _Search:
+    """Values of the expressions over each sub-multiset of `numbers` that use all of it."""
+
+    def __init__(self, numbers: tuple[int, ...], integer_only: bool):
+        self.numbers = numbers
+        self.integer_only = integer_only
+        self.exact: dict[tuple[int, ...], dict] = {}
+
+    def key(self, mask: int) -> tuple[int, ...]:
+        return tuple(sorted(n for i, n in enumerate(self.numbers) if mask >> i & 1))
+
+    def values(self, mask: int) -> dict:
+        key = self.key(mask)
+        found = self.exact.get(key)
+        if found is not None:
+            return found
+        if mask & (mask - 1) == 0:  # one number
+            value = key[0] if self.integer_only else Fraction(key[0])
+            found = {value: None}
+        else:
+            found = {}
+            # Each unordered split {sub, rest} once: sub holds the lowest set bit.
+            low = mask & -mask
+            sub = (mask - 1) & mask
+            while sub:
+                if sub & low:
+                    rest = mask ^ sub
+                    _combine(
+                        self.values(sub),
+                        self.values(rest),
+                        self.key(sub),
+                        self.key(rest),
+                        found,
+                        self.integer_only,
+                    )
+                sub = (sub - 1) & mask
+        self.exact[key] = found
+        return found
+
+    def render(self, key: tuple[int, ...], value) -> tuple[str, int]:
+        back = self.exact[key][value]
+        if back is None:
+            return str(int(value)), _PREC_ATOM
+        op, lkey, lval, rkey, rval = back
+        left, lprec = self.render(lkey, lval)
+        right, rprec = self.render(rkey, rval)
+        prec = _PREC_ADD if op in "+-" else _PREC_MUL
+        # Left operands need brackets only below the operator's precedence; right operands
+        # of - and / also at equal precedence (a-(b-c), a/(b*c)). Exact arithmetic makes
+        # a+(b-c) == a+b-c and a*(b/c) == a*b/c, so + and * never bracket an equal one.
+        if lprec < prec:
+            left = f"({left})"
+        if rprec < prec or (rprec == prec and op in "-/"):
+            right = f"({right})"
+        return f"{left}{op}{right}", prec
+
+
+def _fewest_numbers(numbers: tuple[int, ...], integer_only: bool) -> tuple[_Search, dict]:
+    """The search, and for each reachable value the smallest sub-multiset that makes it."""
+    search = _Search(numbers, integer_only)
+    masks = sorted(range(1, 1 << len(numbers)), key=lambda m: (m.bit_count(), m))
+    where: dict = {}
+    for mask in masks:
+        key = search.key(mask)
+        for value in search.values(mask):
+            where.setdefault(value, key)
+    return search, where
+
+
+def reachable(numbers: Sequence[int], *, integer_only: bool = True) -> dict:
+    """Every value an expression over some of `numbers` (each at most once) reaches.
+
+    Args:
+      numbers: 1 to `MAX_NUMBERS` positive integers (repeats allowed).
+      integer_only: True for the classic rule (every intermediate a positive integer);
+        False for the verifier's rule (exact rationals, any sign).
+
+    Returns:
+      A dict from each reachable value (int, or `Fraction` when ``integer_only=False``)
+      to an expression string that makes it using as few numbers as possible.
+
+    Raises:
+      ValueError: if `numbers` is empty, too long or holds a non-positive number.
+    """
+    search, where = _fewest_numbers(_check_numbers(numbers), integer_only)
+    return {value: search.render(key, value)[0] for value, key in where.items()}
+
+
+def solve(numbers: Sequence[int], target: int, *, integer_only: bool = True) -> str | None:
+    """An expression over `numbers` (each at most once) that makes `target`, or None.
+
+    Args:
+      numbers: 1 to `MAX_NUMBERS` positive integers.
+      target: the value to make.
+      integer_only: search rule, as in `reachable`.
+
+    Returns:
+      An expression using as few numbers as possible, or None if none exists.
+    """
+    search, where = _fewest_numbers(_check_numbers(numbers), integer_only)
+    key = where.get(target)
+    return None if key is None else search.render(key, target)[0]
+
+
+# ----------------------------------------------------------------------- generation
+
+
+def sample_problem(
+    rng: random.Random,
+    *,
+    num_numbers: int,
+    min_number: int,
+    max_number: int,
+    min_target: int,
+    max_target: int,
+    min_used: int = 2,
+    max_tries: int = 1000,
+) -> CountdownProblem:
+    """Draws one problem: numbers uniform in [min_number, max_number] (repeats allowed),
+    target uniform among the values in [min_target, max_target] that are reachable with
+    whole-number intermediates and need at least `min_used` of the numbers.
+
+    Args:
+      rng: the random source (a seeded `random.Random` makes generation deterministic).
+      num_numbers: how many numbers, 1 to `MAX_NUMBERS`.
+      min_number: smallest number, >= 1.
+      max_number: largest number, >= min_number.
+      min_target: smallest target.
+      max_target: largest target, >= min_target.
+      min_used: fewest numbers the shortest solution must use, 1 to num_numbers (2 or
+        more keeps the given numbers themselves from being targets).
+      max_tries: draws of numbers before giving up.
+
+    Returns:
+      The problem, with a reference solution using as few numbers as possible.
+
+    Raises:
+      ValueError: on bad ranges, or if `max_tries` draws found no target in range.
+    """
+    if not 1 <= num_numbers <= MAX_NUMBERS:
+        raise ValueError(f"num_numbers must be in [1, {MAX_NUMBERS}], got {num_numbers}.")
+    if not 1 <= min_number <= max_number:
+        raise ValueError(
+            f"Need 1 <= min_number <= max_number, got min_number={min_number}, "
+            f"max_number={max_number}."
+        )
+    if min_target > max_target:
+        raise ValueError(f"min_target={min_target} exceeds max_target={max_target}.")
+    if not 1 <= min_used <= num_numbers:
+        raise ValueError(f"min_used must be in [1, num_numbers={num_numbers}], got {min_used}.")
+    for _ in range(max_tries):
+        numbers = tuple(rng.randint(min_number, max_number) for _ in range(num_numbers))
+        search, where = _fewest_numbers(numbers, integer_only=True)
+        candidates = sorted(
+            v for v, key in where.items() if min_target <= v <= max_target and len(key) >= min_used
+        )
+        if candidates:
+            target = rng.choice(candidates)
+            return CountdownProblem(numbers, target, search.render(where[target], target)[0])
+    raise ValueError(
+        f"No target in [{min_target}, {max_target}] needing {min_used} or more numbers is "
+        f"reachable from {num_numbers} numbers in [{min_number}, {max_number}] after "
+        f"{max_tries} draws."
+    )
+
+
+def format_prompt(numbers: Sequence[int], target: int) -> str:
+    """The task prompt, e.g. ``"Use 3 5 7 to make 22: "``."""
+    return f"Use {' '.join(str(int(n)) for n in numbers)} to make {int(target)}: "
+
+
+# --------------------------------------------------------------------- verification
+
+
+def extract_countdown_answer(completion: str) -> str:
+    """The answer part of a completion: the last ``<answer>...</answer>`` content if any,
+    else the completion; surrounding whitespace stripped, cut at the first newline."""
+    tagged = _ANSWER_TAG_RE.findall(completion)
+    text = tagged[-1] if tagged else completion
+    return text.strip().split("\n", 1)[0].strip()
+
+
+def _tokenize(text: str) -> list[tuple[str, int | None]]:
+    tokens: list[tuple[str, int | None]] = []
+    i, n = 0, len(text)
+    while i < n:
+        c = text[i]
+        if c in " \t\r":
+            i += 1
+        elif c in "+-*/()":
+            tokens.append((c, None))
+            i += 1
+        elif "0" <= c <= "9":
+            j = i
+            while j < n and "0" <= text[j] <= "9":
+                j += 1
+            if j - i > _MAX_LITERAL_DIGITS:
+                raise ExpressionError(f"number too long at position {i}")
+            tokens.append(("num", int(text[i:j])))
+            i = j
+        else:
+            raise ExpressionError(f"unexpected character {c!r} at position {i}")
+    return tokens
+
+
+class _Parser:
+    """Recursive descent over ``expr := term (("+"|"-") term)*``,
+    ``term := atom (("*"|"/") atom)*``, ``atom := NUMBER | "(" expr ")"``.
+
+    Trees are ``("num", n)`` or ``(op, left, right)``.
+    """
+
+    def __init__(self, tokens, max_depth: int):
+        self.tokens = tokens
+        self.pos = 0
+        self.max_depth = max_depth
+
+    def peek(self) -> str | None:
+        return self.tokens[self.pos][0] if self.pos < len(self.tokens) else None
+
+    def expr(self, depth: int):
+        tree = self.term(depth)
+        while self.peek() in ("+", "-"):
+            op = self.tokens[self.pos][0]
+            self.pos += 1
+            tree = (op, tree, self.term(depth))
+        return tree
+
+    def term(self, depth: int):
+        tree = self.atom(depth)
+        while self.peek() in ("*", "/"):
+            op = self.tokens[self.pos][0]
+            self.pos += 1
+            tree = (op, tree, self.atom(depth))
+        return tree
+
+    def atom(self, depth: int):
+        kind = self.peek()
+        if kind == "num":
+            value = self.tokens[self.pos][1]
+            self.pos += 1
+            return ("num", value)
+        if kind == "(":
+            if depth >= self.max_depth:
+                raise ExpressionError(f"parentheses nested deeper than {self.max_depth}")
+            self.pos += 1
+            tree = self.expr(depth + 1)
+            if self.peek() != ")":
+                raise ExpressionError("unbalanced parentheses")
+            self.pos += 1
+            return tree
+        found = "end of input" if kind is None else repr(kind)
+        raise ExpressionError(f"expected a number or '(' but found {found}")
+
+
+def parse_expression(
+    text: str, *, max_length: int = MAX_ANSWER_CHARS, max_depth: int = MAX_DEPTH
+) -> tuple:
+    """Parses an arithmetic expression over non-negative integer literals, + - * / and
+    parentheses. No unary operators.
+
+    Args:
+      text: the expression, e.g. ``"(8-2)*4"``.
+      max_length: longest accepted text, in characters.
+      max_depth: deepest accepted nesting of parentheses.
+
+    Returns:
+      The tree: ``("num", n)`` or ``(op, left, right)`` with op one of ``+ - * /``.
+
+    Raises:
+      ExpressionError: if the text is empty, too long, too deep or malformed.
+    """
+    if len(text) > max_length:
+        raise ExpressionError(f"answer longer than {max_length} characters")
+    tokens = _tokenize(text)
+    if not tokens:
+        raise ExpressionError("empty answer")
+    parser = _Parser(tokens, max_depth)
+    tree = parser.expr(0)
+    if parser.pos != len(tokens):
+        raise ExpressionError(f"unexpected {tokens[parser.pos][0]!r} after a complete expression")
+    return tree
+
+
+def _literals(tree) -> list[int]:
+    out, stack = [], [tree]
+    while stack:
+        node = stack.pop()
+        if node[0] == "num":
+            out.append(node[1])
+        else:
+            stack.extend((node[2], node[1]))
+    return out
+
+
+def evaluate_expression(tree) -> Fraction:
+    """The exact value of a tree from `parse_expression`.
+
+    Raises:
+      ZeroDivisionError: if the expression divides by zero.
+    """
+    if tree[0] == "num":
+        return Fraction(tree[1])
+    op, left, right = tree
+    a, b = evaluate_expression(left), evaluate_expression(right)
+    if op == "+":
+        return a + b
+    if op == "-":
+        return a - b
+    if op == "*":
+        return a * b
+    return a / b  # Fraction raises ZeroDivisionError on b == 0
+
+
+def _verdict(completion, numbers: Sequence[int], target: int) -> CountdownVerdict:
+    if isinstance(completion, bytes):
+        completion = completion.decode("utf-8", errors="replace")
+    if not isinstance(completion, str):
+        return CountdownVerdict(False, False, "completion is not text", None)
+    answer = extract_countdown_answer(completion)
+    if not answer:
+        return CountdownVerdict(False, False, "empty answer", None)
+    if len(answer) > MAX_ANSWER_CHARS:
+        return CountdownVerdict(False, False, "answer too long", None)
+    claimed = None
+    if "=" in answer:
+        answer, _, rhs = answer.partition("=")
+        rhs = rhs.strip()
+        if not (rhs.isascii() and rhs.isdigit()) or len(rhs) > _MAX_LITERAL_DIGITS:
+            return CountdownVerdict(False, False, f"malformed result after '=': {rhs!r}", None)
+        claimed = int(rhs)
+    try:
+        tree = parse_expression(answer)
+    except ExpressionError as e:
+        return CountdownVerdict(False, False, f"malformed: {e}", None)
+    available = list(numbers)
+    for n in _literals(tree):
+        if n in available:
+            available.remove(n)
+        elif n in numbers:
+            return CountdownVerdict(False, True, f"number used too often: {n}", None)
+        else:
+            return CountdownVerdict(False, True, f"number not given: {n}", None)
+    try:
+        value = evaluate_expression(tree)
+    except ZeroDivisionError:
+        return CountdownVerdict(False, True, "division by zero", None)
+    if claimed is not None and claimed != target:
+        return CountdownVerdict(False, True, f"claims {claimed}, target is {target}", value)
+    if value != target:
+        return CountdownVerdict(False, True, f"makes {value}, target is {target}", value)
+    return CountdownVerdict(True, True, "correct", value)
+
+
+def check_countdown(completion: str, numbers: Sequence[int], target: int) -> CountdownVerdict:
+    """Judges a completion under the rules in this module's docstring.
+
+    Args:
+      completion: model output (anything: non-text scores as malformed).
+      numbers: the given numbers.
+      target: the value to make.
+
+    Returns:
+      A `CountdownVerdict`. Never raises on any completion.
+    """
+    numbers = [int(n) for n in numbers]
+    target = int(target)
+    try:
+        return _verdict(completion, numbers, target)
+    except Exception as e:  # model output must never crash a reward
+        return CountdownVerdict(False, False, f"unexpected {type(e).__name__}", None)
+
+
+def countdown_reward(
+    completion: str, numbers: Sequence[int], target: int, *, format_score: float = 0.0
+) -> float:
+    """1.0 for a correct answer, `format_score` for a well-formed but wrong one, else 0.0.
+
+    "Well-formed" means the answer parses as an expression (see `check_countdown`); with
+    the default ``format_score=0.0`` the reward is plain correctness.
+
+    Args:
+      completion: model output.
+      numbers: the given numbers.
+      target: the value to make.
+      format_score: reward of a well-formed wrong answer, in [0, 1].
+
+    Returns:
+      The reward, a float. Never raises on any completion.
+    """
+    verdict = check_countdown(completion, numbers, target)
+    if verdict.correct:
+        return 1.0
+    return float(format_score) if verdict.well_formed else 0.0

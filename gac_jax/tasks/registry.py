@@ -1,0 +1,192 @@
+"""The task registry: every task by name, with its data, prompt and reward.
+
+`TASK_NAMES` is the only list of valid names: ``countdown/<config>`` and
+``arithmetic/<config>`` for each builder config, and ``gsm8k``. `get_task` rejects any
+other name with an error that lists them.
+
+Example::
+
+    task = get_task("countdown/n3_max20")
+    train = task.data_source("train", data_dir="/tmp/tfds")
+    example = train[0]
+    task.prompt(example)                # e.g. 'Use 3 5 7 to make 22: '
+    task.reference_completion(example)  # e.g. '5*3+7'
+    task.reward("7+3*5", example)       # 1.0 for that example
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import os
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+import tensorflow_datasets as tfds
+
+from gac_jax.tasks import arithmetic, countdown, gsm8k
+from gac_jax.tasks.builders import Arithmetic, Countdown, Gsm8k, prepare_source
+
+__all__ = ["TASK_NAMES", "Task", "get_task"]
+
+
+def _text(value) -> str:
+    if isinstance(value, bytes):
+        return value.decode("utf-8")
+    item = getattr(value, "item", None)
+    if callable(item) and not isinstance(value, str):
+        return _text(item())
+    return str(value)
+
+
+@dataclasses.dataclass(frozen=True)
+class Task:
+    """One task: where its data comes from, how to prompt, and how to score.
+
+    Examples are the dicts a data source yields (numpy values, text as bytes); plain
+    Python values (str, int, lists) work as well.
+
+    Attributes:
+      name: the registry name, e.g. ``"countdown/n3_max20"``.
+      make_builder: ``make_builder(data_dir) -> tfds builder`` (data_dir None: tfds's
+        default).
+      prompt: ``prompt(example) -> str``, the text the model continues.
+      reference_completion: ``reference_completion(example) -> str``, a correct
+        completion (for supervised warm starts and tests).
+      reward: ``reward(completion, example) -> float``; never raises on any completion.
+      download_config: passed to ``download_and_prepare`` when the data is prepared.
+    """
+
+    name: str
+    make_builder: Callable[[str | None], tfds.core.DatasetBuilder]
+    prompt: Callable[[Mapping[str, Any]], str]
+    reference_completion: Callable[[Mapping[str, Any]], str]
+    reward: Callable[[str, Mapping[str, Any]], float]
+    download_config: tfds.download.DownloadConfig | None = None
+
+    def builder(self, data_dir: str | os.PathLike | None = None) -> tfds.core.DatasetBuilder:
+        """The task's tfds builder (not prepared yet if it never was)."""
+        return self.make_builder(None if data_dir is None else os.fspath(data_dir))
+
+    def data_source(
+        self, split: str, *, data_dir: str | os.PathLike | None = None
+    ) -> Sequence[Mapping[str, Any]]:
+        """The examples of `split`, preparing the data first if needed.
+
+        Args:
+          split: ``"train"`` or ``"test"`` (or a tfds slice such as ``"test[:100]"``).
+          data_dir: tfds data directory; None for tfds's default.
+
+        Returns:
+          A random-access sequence of examples (tfds data source).
+
+        Raises:
+          ValueError: on an unknown split.
+        """
+        return prepare_source(self.builder(data_dir), split, download_config=self.download_config)
+
+
+def _countdown_task(config_name: str, /, *, format_score: float = 0.0) -> Task:
+    if not 0.0 <= format_score <= 1.0:
+        raise ValueError(f"format_score must be in [0, 1], got {format_score}.")
+
+    def reward(completion, example) -> float:
+        return countdown.countdown_reward(
+            completion, list(example["numbers"]), int(example["target"]), format_score=format_score
+        )
+
+    return Task(
+        name=f"countdown/{config_name}",
+        make_builder=lambda data_dir: Countdown(config=config_name, data_dir=data_dir),
+        prompt=lambda ex: countdown.format_prompt(list(ex["numbers"]), int(ex["target"])),
+        reference_completion=lambda ex: _text(ex["solution"]),
+        reward=reward,
+    )
+
+
+def _arithmetic_task(config_name: str, /) -> Task:
+    config = Arithmetic.builder_configs[config_name]
+
+    def reference(example) -> str:
+        if config.scratchpad:
+            return _text(example["scratchpad"])
+        return str(int(example["answer"]))
+
+    return Task(
+        name=f"arithmetic/{config_name}",
+        make_builder=lambda data_dir: Arithmetic(config=config_name, data_dir=data_dir),
+        prompt=lambda ex: arithmetic.format_prompt(int(ex["a"]), _text(ex["op"]), int(ex["b"])),
+        reference_completion=reference,
+        reward=lambda completion, ex: arithmetic.arithmetic_reward(completion, int(ex["answer"])),
+    )
+
+
+def _gsm8k_task(*, manual_dir: str | os.PathLike | None = None) -> Task:
+    download_config = None
+    if manual_dir is not None:
+        manual_dir = Path(manual_dir)
+        missing = [f for f in gsm8k.GSM8K_FILES.values() if not (manual_dir / f).is_file()]
+        if missing:
+            raise FileNotFoundError(f"manual_dir {str(manual_dir)!r} lacks {missing}.")
+        download_config = tfds.download.DownloadConfig(manual_dir=os.fspath(manual_dir))
+    return Task(
+        name="gsm8k",
+        make_builder=lambda data_dir: Gsm8k(data_dir=data_dir),
+        prompt=lambda ex: gsm8k.format_prompt(_text(ex["question"])),
+        reference_completion=lambda ex: _text(ex["answer"]),
+        reward=lambda completion, ex: gsm8k.gsm8k_reward(completion, _text(ex["short_answer"])),
+        download_config=download_config,
+    )
+
+
+def _factories() -> dict[str, Callable[..., Task]]:
+    factories: dict[str, Callable[..., Task]] = {}
+    for config in Countdown.BUILDER_CONFIGS:
+        factories[f"countdown/{config.name}"] = functools.partial(_countdown_task, config.name)
+    for config in Arithmetic.BUILDER_CONFIGS:
+        factories[f"arithmetic/{config.name}"] = functools.partial(_arithmetic_task, config.name)
+    factories["gsm8k"] = _gsm8k_task
+    return factories
+
+
+_FACTORIES: Mapping[str, Callable[..., Task]] = MappingProxyType(_factories())
+
+#: Every valid task name, sorted.
+TASK_NAMES: tuple[str, ...] = tuple(sorted(_FACTORIES))
+
+
+def _option_names(factory: Callable[..., Task]) -> list[str]:
+    parameters = inspect.signature(factory).parameters.values()
+    return sorted(p.name for p in parameters if p.kind is inspect.Parameter.KEYWORD_ONLY)
+
+
+def get_task(name: str, **options) -> Task:
+    """The task called `name`.
+
+    Args:
+      name: one of `TASK_NAMES`.
+      **options: task options: ``format_score`` (countdown: reward of a well-formed wrong
+        answer, default 0.0); ``manual_dir`` (gsm8k: directory holding the original
+        ``train.jsonl`` and ``test.jsonl``, read instead of downloading).
+
+    Returns:
+      The `Task`.
+
+    Raises:
+      ValueError: if `name` is unknown (the message lists the known names), an option
+        does not apply to the task, or an option value is invalid.
+      FileNotFoundError: if gsm8k's ``manual_dir`` lacks the release files.
+    """
+    factory = _FACTORIES.get(name)
+    if factory is None:
+        raise ValueError(f"Unknown task {name!r}; known tasks: {', '.join(TASK_NAMES)}.")
+    known = _option_names(factory)
+    unknown = sorted(set(options) - set(known))
+    if unknown:
+        raise ValueError(
+            f"Task {name!r} takes no option(s) {unknown}; its options: {known or 'none'}."
+        )
+    return factory(**options)

@@ -1,0 +1,222 @@
+"""Tolerant numeric answer extraction and exact-match rewards (arithmetic, GSM8K).
+
+A model states a number in many ways: ``1,080``, ``$18.``, ``-3``, ``0.50``, ``3/4``,
+``#### 18``, ``The answer is 18``, ``\\boxed{18}``, or as the last number of a worked
+solution. `extract_numeric_answer` finds the intended final number with these rules, in
+order of precedence (the first rule that matches decides):
+
+1. the last ``#### N`` (GSM8K's own convention);
+2. the last ``\\boxed{N}``;
+3. the last ``answer is N`` / ``answer: N`` (any case), N right after the marker;
+4. the last number anywhere in the text.
+
+Numbers are read as exact `fractions.Fraction`\\ s: thousands separators (``1,000,000``)
+and currency signs are dropped, a trailing period is punctuation, ``0.5`` and ``1/2`` are
+both one half. A minus sign counts only where it cannot be a binary operator (``5-3``
+ends with the number 3, not -3). `numeric_reward` compares exactly when the gold answer
+is an integer, else within a tiny relative tolerance so that a long decimal expansion of
+a fraction (``0.3333333333`` for 1/3) still matches.
+
+Every function here is total on strings: malformed model output gives ``None`` or a
+reward of 0.0, never an exception.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from fractions import Fraction
+
+__all__ = [
+    "DEFAULT_REL_TOL",
+    "extract_numeric_answer",
+    "find_numbers",
+    "numbers_match",
+    "numeric_reward",
+    "parse_number",
+]
+
+#: Relative tolerance of `numbers_match` for non-integer gold answers:
+#: |a - b| <= tol * max(1, |b|).
+DEFAULT_REL_TOL = 1e-6
+
+# Longest digit run read as a number: bounds the work on adversarial output (Python also
+# refuses int() of more than 4300 digits) and no real answer comes close.
+_MAX_DIGITS = 60
+
+# One number: an optional minus sign written against the digits (whether it is a sign or
+# a binary operator is decided from the text before it, see `_is_sign`), an optional
+# currency sign, the integer part with or without thousands separators, an optional
+# decimal part, an optional "/denominator". The lookahead demands a digit.
+_NUMBER_RE = re.compile(
+    r"(?P<sign>-)?\$?(?=\.?\d)"
+    r"(?P<int>\d{1,3}(?:,\d{3})+(?!\d)|\d+)?"
+    r"(?:\.(?P<dec>\d+))?"
+    r"(?:\s?/\s?(?P<den>\d+))?"
+)
+# Markers after which the answer must follow at once (spaces, colons and markdown bold
+# skipped): "Answer: Janet has 16 eggs ... 18" is read by the last-number rule instead.
+_HASHES_RE = re.compile(r"####[\s*]*")
+_ANSWER_IS_RE = re.compile(r"answer\s*(?:is\b|:)[\s*:]*", re.IGNORECASE)
+_BOXED_RE = re.compile(r"\\boxed\s*\{([^{}]*)\}")
+
+
+def _to_text(value) -> str:
+    if isinstance(value, bytes):
+        return value.decode("utf-8", errors="replace")
+    if isinstance(value, str):
+        return value
+    # numpy scalars / 0-d arrays of bytes or str, and plain numbers.
+    item = getattr(value, "item", None)
+    if callable(item):
+        return _to_text(item())
+    return str(value)
+
+
+def _is_sign(text: str, start: int) -> bool:
+    """Whether the "-" at `start` is a sign rather than a binary minus: it is a binary
+    minus after a digit, a closing bracket or a percent sign (spaces skipped), so "5 - 3"
+    and "5-3" end with the number 3 while "is -3" and "(-3" hold -3."""
+    i = start - 1
+    while i >= 0 and start - i <= 8 and text[i] in " \t":
+        i -= 1
+    return i < 0 or not (text[i].isdigit() or text[i] in ")]}%")
+
+
+def _number_from_match(text: str, match: re.Match) -> Fraction | None:
+    int_part, dec, den = match.group("int"), match.group("dec"), match.group("den")
+    digits = (int_part or "").replace(",", "")
+    if len(digits) + len(dec or "") + len(den or "") > _MAX_DIGITS:
+        return None
+    value = Fraction(int(digits or "0"))
+    if dec is not None:
+        value += Fraction(int(dec), 10 ** len(dec))
+    if den is not None:
+        if int(den) == 0:
+            return None
+        value /= int(den)
+    if match.group("sign") and _is_sign(text, match.start()):
+        return -value
+    return value
+
+
+def _iter_numbers(text: str):
+    for match in _NUMBER_RE.finditer(text):
+        value = _number_from_match(text, match)
+        if value is not None:
+            yield value
+
+
+def find_numbers(text) -> list[Fraction]:
+    """All numbers in `text`, in order, as exact fractions.
+
+    Args:
+      text: any string (bytes are decoded as UTF-8).
+
+    Returns:
+      The numbers found; an empty list if there are none.
+    """
+    return list(_iter_numbers(_to_text(text)))
+
+
+def parse_number(text) -> Fraction | None:
+    """Reads one number written in `text` (e.g. a gold answer such as ``"1,080"`` or ``"-3"``).
+
+    Surrounding whitespace, a currency sign, a trailing period or percent sign are
+    ignored. If the text holds several numbers, the last one is returned.
+
+    Args:
+      text: a string, bytes, or a number.
+
+    Returns:
+      The number as a `Fraction`, or None if `text` holds no number.
+    """
+    if isinstance(text, bool):
+        return None
+    if isinstance(text, int | Fraction):
+        return Fraction(text)
+    if isinstance(text, float):
+        return Fraction(text) if math.isfinite(text) else None
+    numbers = find_numbers(text)
+    return numbers[-1] if numbers else None
+
+
+def _number_at(text: str, start: int) -> Fraction | None:
+    match = _NUMBER_RE.match(text, start)
+    return None if match is None else _number_from_match(text, match)
+
+
+def extract_numeric_answer(text) -> Fraction | None:
+    """The final numeric answer stated in `text`, by the precedence rules of this module.
+
+    Args:
+      text: model output or a gold solution (str or bytes).
+
+    Returns:
+      The answer as a `Fraction`, or None if no rule finds a number.
+    """
+    try:
+        text = _to_text(text)
+        for match in reversed(list(_HASHES_RE.finditer(text))):
+            value = _number_at(text, match.end())
+            if value is not None:
+                return value
+        for match in reversed(list(_BOXED_RE.finditer(text))):
+            value = next(_iter_numbers(match.group(1)), None)
+            if value is not None:
+                return value
+        for match in reversed(list(_ANSWER_IS_RE.finditer(text))):
+            value = _number_at(text, match.end())
+            if value is not None:
+                return value
+        numbers = find_numbers(text)
+        return numbers[-1] if numbers else None
+    except Exception:  # model output must never crash a reward
+        return None
+
+
+def numbers_match(value: Fraction, gold: Fraction, *, rel_tol: float = DEFAULT_REL_TOL) -> bool:
+    """Whether `value` equals `gold`: exactly when `gold` is an integer (so 2880001 never
+    passes for 2880000), else within ``rel_tol * max(1, |gold|)``.
+
+    Args:
+      value: the stated number.
+      gold: the reference number.
+      rel_tol: relative tolerance for a non-integer `gold`, >= 0 (0 means exact).
+
+    Returns:
+      True if the numbers match.
+    """
+    if value == gold:
+        return True
+    if Fraction(gold).denominator == 1:
+        return False
+    return abs(value - gold) <= Fraction(rel_tol) * max(1, abs(gold))
+
+
+def numeric_reward(completion, gold, *, rel_tol: float = DEFAULT_REL_TOL) -> float:
+    """1.0 if the final number stated in `completion` equals `gold`, else 0.0.
+
+    Args:
+      completion: model output (str or bytes); anything else scores 0.0.
+      gold: the reference answer: a number, or text such as ``"1,080"`` or ``"#### 18"``.
+      rel_tol: relative tolerance of the comparison (see `numbers_match`).
+
+    Returns:
+      1.0 or 0.0. Never raises on any completion.
+
+    Raises:
+      ValueError: if `gold` holds no number (a data error, not a model error).
+    """
+    gold_value = parse_number(gold)
+    if gold_value is None:
+        raise ValueError(f"The gold answer {gold!r} holds no number.")
+    if not isinstance(completion, str | bytes):
+        return 0.0
+    try:
+        value = extract_numeric_answer(completion)
+        if value is None:
+            return 0.0
+        return 1.0 if numbers_match(value, gold_value, rel_tol=rel_tol) else 0.0
+    except Exception:  # model output must never crash a reward
+        return 0.0

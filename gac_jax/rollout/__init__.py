@@ -16,13 +16,20 @@ from gac_jax.rollout.buffer import (
 from gac_jax.rollout.param_store import ParamStore
 from gac_jax.rollout.record import Rollout
 from gac_jax.rollout.sources import AsyncRollouts, LaggedRollouts, SyncRollouts
-from gac_jax.rollout.worker import GenerateGroup, PromptOrder, RolloutWorker, group_key
+from gac_jax.rollout.worker import (
+    GenerateGroups,
+    GroupRequest,
+    PromptOrder,
+    RolloutWorker,
+    group_key,
+)
 
 __all__ = [
     "STALE_POLICIES",
     "AsyncRollouts",
     "BufferStats",
-    "GenerateGroup",
+    "GenerateGroups",
+    "GroupRequest",
     "LaggedRollouts",
     "ParamStore",
     "PromptOrder",

@@ -18,7 +18,13 @@ from __future__ import annotations
 from gac_jax.rollout.buffer import BufferStats, RolloutBuffer
 from gac_jax.rollout.param_store import ParamStore
 from gac_jax.rollout.record import Rollout
-from gac_jax.rollout.worker import GenerateGroup, PromptOrder, RolloutWorker, group_key
+from gac_jax.rollout.worker import (
+    GenerateGroups,
+    GroupRequest,
+    PromptOrder,
+    RolloutWorker,
+    group_key,
+)
 
 
 class _InlineRollouts:
@@ -26,7 +32,7 @@ class _InlineRollouts:
 
     def __init__(
         self,
-        generate_group: GenerateGroup,
+        generate_groups: GenerateGroups,
         store: ParamStore,
         prompts: PromptOrder,
         groups_per_batch: int,
@@ -42,7 +48,7 @@ class _InlineRollouts:
                 f"{store.history}."
             )
         self.lag = lag
-        self._generate = generate_group
+        self._generate = generate_groups
         self._store = store
         self._prompts = prompts
         self._seed = seed
@@ -53,13 +59,14 @@ class _InlineRollouts:
 
     def next_batch(self, step: int) -> list[Rollout]:
         version = self.behaviour_version(step)
-        params = self._store.get(version)
         n = self.buffer.groups_per_batch
-        for i in range(n):
-            group_id = step * n + i
-            prompt_id = self._prompts.prompt_id(group_id)
-            key = group_key(self._seed, group_id)
-            self.buffer.put(self._generate(params, version, prompt_id, group_id, key))
+        requests = [
+            GroupRequest(self._prompts.prompt_id(g), g) for g in range(step * n, (step + 1) * n)
+        ]
+        key = group_key(self._seed, requests[0].group_id)
+        rollouts = self._generate(self._store.get(version), version, requests, key)
+        for rollout in rollouts:
+            self.buffer.put(rollout)
         return self.buffer.take(learner_version=step)
 
     def stats(self) -> BufferStats:
@@ -72,8 +79,8 @@ class _InlineRollouts:
 class SyncRollouts(_InlineRollouts):
     """On-policy: every step's groups come from the params being trained."""
 
-    def __init__(self, generate_group, store, prompts, groups_per_batch, *, seed=0):
-        super().__init__(generate_group, store, prompts, groups_per_batch, lag=0, seed=seed)
+    def __init__(self, generate_groups, store, prompts, groups_per_batch, *, seed=0):
+        super().__init__(generate_groups, store, prompts, groups_per_batch, lag=0, seed=seed)
 
 
 class LaggedRollouts(_InlineRollouts):
@@ -84,19 +91,20 @@ class AsyncRollouts:
     """Real concurrency: worker threads, a bounded buffer, a staleness bound.
 
     Args:
-      generate_group, store, prompts: as for `RolloutWorker`.
+      generate_groups, store, prompts: as for `RolloutWorker`.
       groups_per_batch: groups per learner step.
       max_staleness: ROLL Flash's alpha; None for unbounded.
       stale_policy: the buffer's "drop" or "block".
       capacity: buffer size in groups (default 2 batches).
       num_threads: worker threads.
+      groups_per_call: groups each worker generates in one sampler call.
       seed: sampling seed.
       take_timeout: seconds `next_batch` waits before raising TimeoutError (None: forever).
     """
 
     def __init__(
         self,
-        generate_group: GenerateGroup,
+        generate_groups: GenerateGroups,
         store: ParamStore,
         prompts: PromptOrder,
         groups_per_batch: int,
@@ -105,6 +113,7 @@ class AsyncRollouts:
         stale_policy: str = "block",
         capacity: int | None = None,
         num_threads: int = 1,
+        groups_per_call: int = 1,
         seed: int = 0,
         take_timeout: float | None = 600.0,
     ):
@@ -113,7 +122,13 @@ class AsyncRollouts:
         )
         self._take_timeout = take_timeout
         self.worker = RolloutWorker(
-            generate_group, store, self.buffer, prompts, num_threads=num_threads, seed=seed
+            generate_groups,
+            store,
+            self.buffer,
+            prompts,
+            num_threads=num_threads,
+            groups_per_call=groups_per_call,
+            seed=seed,
         ).start()
 
     def next_batch(self, step: int) -> list[Rollout]:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
-from typing import Any, Protocol
+from collections.abc import Sequence
+from typing import Any, NamedTuple, Protocol
 
 import jax
 import numpy as np
@@ -20,12 +20,24 @@ logger = logging.getLogger(__name__)
 _POLL_SECONDS = 0.05
 
 
-class GenerateGroup(Protocol):
-    """Samples and scores one GRPO group: the only model-facing call of the rollout system."""
+class GroupRequest(NamedTuple):
+    """One group to generate: which prompt, and the group's unique id."""
+
+    prompt_id: int
+    group_id: int
+
+
+class GenerateGroups(Protocol):
+    """Samples and scores GRPO groups: the only model-facing call of the rollout system.
+
+    Given params of `version`, returns one `Rollout` per request, in order. Several groups
+    share one sampler call (one batch), so `key` is per call; callers derive it from the
+    first group id, which keeps every mode reproducible.
+    """
 
     def __call__(
-        self, params: Any, version: int, prompt_id: int, group_id: int, key: jax.Array
-    ) -> Rollout: ...
+        self, params: Any, version: int, requests: Sequence[GroupRequest], key: jax.Array
+    ) -> list[Rollout]: ...
 
 
 class PromptOrder:
@@ -60,36 +72,42 @@ def group_key(seed: int, group_id: int) -> jax.Array:
 class RolloutWorker:
     """Threads that keep the buffer full with groups sampled from the latest params.
 
-    Each thread: take the next group id (a shared counter) and its prompt, reserve a slot
-    (the buffer's block policy may make it wait), read the newest params, generate, put.
-    An exception in `generate_group` fails the buffer, so the learner's next `take` raises
+    Each thread: reserve `groups_per_call` slots (the buffer's block policy may make it
+    wait), read the newest params, take the next group ids (a shared counter) and their
+    prompts, generate them in one call, put them.
+    An exception in `generate_groups` fails the buffer, so the learner's next `take` raises
     it as `RolloutWorkerError` at once; `stop()` ends every thread within a poll interval
     (plus the group being generated).
 
     Args:
-      generate_group: see `GenerateGroup`.
+      generate_groups: see `GenerateGroups`.
       store: where the learner publishes params.
       buffer: where groups go.
       prompts: the prompt order.
       num_threads: generation threads.
+      groups_per_call: groups generated together (one sampler batch) by a thread.
       seed: sampling seed (group keys are `group_key(seed, group_id)`).
       first_group_id: group ids continue from here (for resumed runs).
     """
 
     def __init__(
         self,
-        generate_group: GenerateGroup | Callable[..., Rollout],
+        generate_groups: GenerateGroups,
         store: ParamStore,
         buffer: RolloutBuffer,
         prompts: PromptOrder,
         *,
         num_threads: int = 1,
+        groups_per_call: int = 1,
         seed: int = 0,
         first_group_id: int = 0,
     ):
         if num_threads < 1:
             raise ValueError(f"num_threads={num_threads} must be >= 1.")
-        self._generate = generate_group
+        if groups_per_call < 1:
+            raise ValueError(f"groups_per_call={groups_per_call} must be >= 1.")
+        self._generate = generate_groups
+        self._groups_per_call = groups_per_call
         self._store = store
         self._buffer = buffer
         self._prompts = prompts
@@ -117,29 +135,38 @@ class RolloutWorker:
     def alive(self) -> bool:
         return any(thread.is_alive() for thread in self._threads)
 
-    def _claim_group(self) -> int:
+    def _claim_groups(self) -> list[GroupRequest]:
         with self._counter_lock:
-            group_id = self._next_group
-            self._next_group += 1
-            return group_id
+            first = self._next_group
+            self._next_group += self._groups_per_call
+        return [
+            GroupRequest(self._prompts.prompt_id(g), g)
+            for g in range(first, first + self._groups_per_call)
+        ]
+
+    def _reserve(self) -> bool:
+        """Reserves one slot per group of the next call; False if asked to stop first."""
+        reserved = 0
+        while reserved < self._groups_per_call:
+            if self._stop.is_set():
+                return False
+            if not self._store.wait_for_version(0, timeout=_POLL_SECONDS):
+                continue
+            if self._buffer.reserve(self._store.latest_version, timeout=_POLL_SECONDS):
+                reserved += 1
+        return True
 
     def _run(self) -> None:
         try:
-            while not self._stop.is_set():
-                if not self._store.wait_for_version(0, timeout=_POLL_SECONDS):
-                    continue
-                if not self._buffer.reserve(self._store.latest_version, timeout=_POLL_SECONDS):
-                    continue
+            while self._reserve():
                 # Read after the reservation: a newer version is only fresher.
                 params, version = self._store.latest()
-                group_id = self._claim_group()
-                prompt_id = self._prompts.prompt_id(group_id)
-                rollout = self._generate(
-                    params, version, prompt_id, group_id, group_key(self._seed, group_id)
-                )
-                while not self._stop.is_set():
-                    if self._buffer.put(rollout, timeout=_POLL_SECONDS):
-                        break
+                requests = self._claim_groups()
+                key = group_key(self._seed, requests[0].group_id)
+                for rollout in self._generate(params, version, requests, key):
+                    while not self._buffer.put(rollout, timeout=_POLL_SECONDS):
+                        if self._stop.is_set():
+                            return
         except RolloutBufferClosed:
             return
         except BaseException as error:  # noqa: BLE001 - every failure must reach the learner

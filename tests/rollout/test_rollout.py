@@ -42,11 +42,15 @@ def make_rollout(version, group_id=0, prompt_id=0, key=None):
 
 
 def fake_generate(delay=0.0):
-    def generate(params, version, prompt_id, group_id, key):
+    def generate(params, version, requests, key):
         assert params["version"] == version  # The worker samples with the version it reports.
         if delay:
             time.sleep(random.uniform(0, delay))
-        return make_rollout(version, group_id, prompt_id, key)
+        keys = jax.random.split(key, len(requests))
+        return [
+            make_rollout(version, r.group_id, r.prompt_id, k)
+            for r, k in zip(requests, keys, strict=True)
+        ]
 
     return generate
 
@@ -297,8 +301,8 @@ def test_prompt_order_is_a_permutation_per_epoch():
     assert [order.prompt_id(i) for i in range(7)] != [order.prompt_id(7 + i) for i in range(7)]
 
 
-@pytest.mark.parametrize("policy", ["block", "drop"])
-def test_async_mode_respects_the_bound(policy):
+@pytest.mark.parametrize("policy, groups_per_call", [("block", 1), ("drop", 1), ("block", 2)])
+def test_async_mode_respects_the_bound(policy, groups_per_call):
     store = _store_with([0], history=1)
     source = AsyncRollouts(
         fake_generate(delay=0.004),
@@ -308,6 +312,7 @@ def test_async_mode_respects_the_bound(policy):
         max_staleness=1,
         stale_policy=policy,
         num_threads=3,
+        groups_per_call=groups_per_call,
         take_timeout=10.0,
     )
     try:
@@ -348,11 +353,11 @@ def test_async_block_policy_with_one_worker_never_drops():
 def test_worker_exception_reaches_the_learner_within_seconds():
     calls = [0]
 
-    def flaky(params, version, prompt_id, group_id, key):
+    def flaky(params, version, requests, key):
         calls[0] += 1
         if calls[0] == 3:
             raise ZeroDivisionError("model exploded")
-        return make_rollout(version, group_id)
+        return [make_rollout(version, r.group_id) for r in requests]
 
     store = _store_with([0], history=1)
     source = AsyncRollouts(

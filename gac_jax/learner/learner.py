@@ -1,0 +1,113 @@
+"""`GRPOLearner`: the sharded, jitted, donated train step over a device mesh."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from gac_jax.learner.batch import TrainBatch
+from gac_jax.learner.step import make_train_step
+from gac_jax.models.sharding import ShardingRules, state_shardings
+
+# The batch dimension is split over every axis that does not shard the weights' width.
+BATCH_AXES = ("data", "fsdp")
+
+
+def optimizer_shardings(tx, abstract_params, param_shardings, mesh: Mesh):
+    """Shardings of `tx`'s state: each param-shaped leaf (moments, GAC's reference) takes
+    its param's sharding; scalars and counters are replicated."""
+    abstract_state = jax.eval_shape(tx.init, abstract_params)
+    replicated = NamedSharding(mesh, P())
+    return optax.tree_utils.tree_map_params(
+        tx,
+        lambda _, sharding: sharding,
+        abstract_state,
+        param_shardings,
+        transform_non_params=lambda _: replicated,
+        is_leaf=lambda x: isinstance(x, NamedSharding),
+    )
+
+
+class GRPOLearner:
+    """Holds params and optimizer state on a mesh and runs the GRPO step on batches.
+
+    Params and optimizer state (GAC's reference direction included) carry `NamedSharding`s
+    from the model's logical axes; the step is `jax.jit` with in/out shardings and both
+    donated. Under `jax.distributed`, each process passes its own rows (`local_batch`) and
+    they form one global batch.
+
+    Args:
+      model: a `gac_jax.models.Decoder` (its params are resharded onto `mesh`).
+      tx: the optimizer chain (`make_optimizer`).
+      mesh: a mesh with axes ("data", "fsdp", "tensor").
+      rules: logical-to-mesh sharding rules.
+      step_kwargs: keyword arguments of `make_train_step` (objective, estimator, ...).
+    """
+
+    def __init__(
+        self,
+        model: nnx.Module,
+        tx: optax.GradientTransformationExtraArgs,
+        mesh: Mesh,
+        *,
+        rules: ShardingRules | None = None,
+        step_kwargs: Mapping[str, Any] | None = None,
+    ):
+        self.mesh = mesh
+        self.tx = tx
+        rules = ShardingRules() if rules is None else rules
+        self.graphdef, params = nnx.split(model)
+        self.param_shardings = state_shardings(params, mesh, rules)
+        self.params = jax.device_put(params, self.param_shardings)
+        self.opt_shardings = optimizer_shardings(tx, self.params, self.param_shardings, mesh)
+        self.opt_state = jax.jit(tx.init, out_shardings=self.opt_shardings)(self.params)
+        self.batch_sharding = NamedSharding(mesh, P(BATCH_AXES))
+        self.replicated = NamedSharding(mesh, P())
+        self.batch_divisor = int(np.prod([mesh.shape[a] for a in BATCH_AXES]))
+        step = make_train_step(self.graphdef, tx, **(step_kwargs or {}))
+        self._step = jax.jit(
+            step,
+            in_shardings=(self.param_shardings, self.opt_shardings, self.batch_sharding, None),
+            out_shardings=(self.param_shardings, self.opt_shardings, self.replicated),
+            donate_argnums=(0, 1),
+        )
+
+    def place_batch(self, local_batch: TrainBatch) -> TrainBatch:
+        """Host rows -> one global batch sharded over ("data", "fsdp").
+
+        With several processes, each passes its own rows (the same count everywhere);
+        `jax.make_array_from_process_local_data` assembles the global arrays.
+        """
+        rows = local_batch.num_sequences * jax.process_count()
+        if rows % self.batch_divisor:
+            raise ValueError(
+                f"the global batch of {rows} sequences is not divisible by the "
+                f"{self.batch_divisor} devices of the mesh's data x fsdp axes "
+                f"({dict(self.mesh.shape)})."
+            )
+        if jax.process_count() == 1:
+            return jax.device_put(local_batch, self.batch_sharding)
+        return jax.tree.map(
+            lambda x: jax.make_array_from_process_local_data(self.batch_sharding, x),
+            local_batch,
+        )
+
+    def step(self, batch: TrainBatch, learner_version: int) -> dict[str, float]:
+        """One update on `batch` (host or placed); returns the metrics as Python floats."""
+        if not isinstance(batch.tokens, jax.Array) or batch.tokens.sharding != self.batch_sharding:
+            batch = self.place_batch(batch)
+        self.params, self.opt_state, metrics = self._step(
+            self.params, self.opt_state, batch, np.int32(learner_version)
+        )
+        return {k: float(v) for k, v in jax.device_get(metrics).items()}
+
+    def model(self) -> nnx.Module:
+        """The current params merged into a model (shares the arrays)."""
+        return nnx.merge(self.graphdef, self.params)

@@ -1,0 +1,114 @@
+"""`TaskGroupGenerator`: the real `GenerateGroups`, sampling task prompts with the decoder."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+
+from gac_jax.models import Sampler, left_pad
+from gac_jax.models.tokenizers import Tokenizer
+from gac_jax.rollout.record import Rollout
+from gac_jax.rollout.worker import GroupRequest
+from gac_jax.tasks import Task
+
+
+class TaskGroupGenerator:
+    """Samples G completions per task prompt with a `Sampler`, scores them, makes `Rollout`s.
+
+    Every call samples all requested groups as one batch (G rows per group), prompts
+    left-padded to the fixed `prompt_length` so the sampler compiles once. The behaviour
+    log-probabilities stored are the temperature-1 policy's (`policy_logps`), the quantity
+    the learner's `per_token_logps` recomputes, so the importance ratio compares like with
+    like; sampling at another temperature is an explicit choice of the caller.
+
+    Args:
+      graphdef: the model's `nnx.GraphDef` (params arrive per call, as an `nnx.State`).
+      sampler: a `gac_jax.models.Sampler` for the model.
+      task: a `gac_jax.tasks.Task` (prompt, reward).
+      examples: the task split's data source (indexable by prompt id).
+      tokenizer: encodes prompts and decodes completions.
+      group_size: G, completions per prompt.
+      prompt_length: fixed left-padded prompt length (longer prompts are an error).
+      temperature, top_k, top_p: sampling settings.
+    """
+
+    def __init__(
+        self,
+        graphdef: nnx.GraphDef,
+        sampler: Sampler,
+        task: Task,
+        examples: Sequence[Any],
+        tokenizer: Tokenizer,
+        *,
+        group_size: int,
+        prompt_length: int,
+        temperature: float = 1.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+    ):
+        if group_size < 1:
+            raise ValueError(f"group_size={group_size} must be >= 1.")
+        self.graphdef = graphdef
+        self.sampler = sampler
+        self.task = task
+        self.examples = examples
+        self.tokenizer = tokenizer
+        self.group_size = group_size
+        self.prompt_length = prompt_length
+        self.sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p)
+
+    def encode_prompt(self, prompt_id: int) -> np.ndarray:
+        text = self.task.prompt(self.examples[prompt_id])
+        ids = self.tokenizer.encode(text, add_bos=self.tokenizer.bos_id is not None)
+        if len(ids) > self.prompt_length:
+            raise ValueError(
+                f"prompt {prompt_id} has {len(ids)} tokens, more than prompt_length="
+                f"{self.prompt_length}: {text!r}"
+            )
+        return np.asarray(ids, np.int32)
+
+    def __call__(
+        self, params: nnx.State, version: int, requests: Sequence[GroupRequest], key: jax.Array
+    ) -> list[Rollout]:
+        g = self.group_size
+        prompts = [self.encode_prompt(r.prompt_id) for r in requests]
+        rows = [p for p in prompts for _ in range(g)]
+        tokens, mask = left_pad(rows, self.tokenizer.pad_id, self.prompt_length)
+        start = time.monotonic()
+        out = self.sampler(self.graphdef, params, tokens, mask, key, **self.sampling)
+        out = jax.device_get(out)
+        generate_seconds = (time.monotonic() - start) / len(requests)
+        rollouts = []
+        for i, request in enumerate(requests):
+            rows_i = slice(i * g, (i + 1) * g)
+            completion_tokens = np.asarray(out.tokens[rows_i], np.int32)
+            completion_mask = np.asarray(out.completion_mask[rows_i], bool)
+            start = time.monotonic()
+            example = self.examples[request.prompt_id]
+            rewards = np.asarray(
+                [
+                    self.task.reward(self.tokenizer.decode(row[row_mask].tolist()), example)
+                    for row, row_mask in zip(completion_tokens, completion_mask, strict=True)
+                ],
+                np.float32,
+            )
+            rollouts.append(
+                Rollout(
+                    prompt_id=request.prompt_id,
+                    group_id=request.group_id,
+                    prompt_tokens=prompts[i],
+                    completion_tokens=completion_tokens,
+                    completion_mask=completion_mask,
+                    behaviour_logp=np.asarray(out.policy_logps[rows_i], np.float32),
+                    rewards=rewards,
+                    policy_version=int(version),
+                    generate_seconds=generate_seconds,
+                    score_seconds=time.monotonic() - start,
+                )
+            )
+        return rollouts

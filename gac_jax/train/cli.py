@@ -1,0 +1,180 @@
+"""The ``gac-jax`` command: train, evaluate, list presets, show a resolved config, plot a run.
+
+    gac-jax train --config demo --set rollout.lag=8 gac.enabled=false --out runs/lag8
+    gac-jax eval --checkpoint runs/lag8/checkpoints/50
+    gac-jax presets
+    gac-jax show-config --config countdown_sync --set steps=10
+    gac-jax plot runs/lag8 --out runs/lag8/metrics.png
+
+The command is thin: configs come from `gac_jax.train.overrides`, runs from
+`gac_jax.train.loop`. A bad config (unknown key, ill-typed value, failed validation) prints
+the message and exits with status 2, as argparse does for bad arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from gac_jax.train.config import preset_names
+from gac_jax.train.overrides import apply_overrides, config_to_dict, load_config
+
+CONFIG_FILE = "config.json"  # Written into the run directory by `loop.train`.
+
+
+def _loop():
+    # Imported when a run starts, not with the CLI: `presets` and `show-config` stay fast,
+    # and tests can put a fake loop in sys.modules.
+    return importlib.import_module("gac_jax.train.loop")
+
+
+def _resolve(parser: argparse.ArgumentParser, config: str, overrides: Sequence[str]):
+    try:
+        return apply_overrides(load_config(config), overrides)
+    except ValueError as e:
+        parser.error(str(e))
+
+
+def _default_out(config: str) -> Path:
+    return Path("runs") / Path(config).stem
+
+
+def _cmd_train(args, parser) -> int:
+    config = _resolve(parser, args.config, args.set)
+    out_dir = Path(args.out) if args.out is not None else _default_out(args.config)
+    _loop().train(config, out_dir, resume=args.resume)
+    print(f"Run written to {out_dir}")
+    return 0
+
+
+def _find_run_config(checkpoint: Path) -> Path | None:
+    """The config.json of the run a checkpoint belongs to (run/checkpoints/<step>/...)."""
+    for directory in (checkpoint, *list(checkpoint.parents)[:2]):
+        if (directory / CONFIG_FILE).is_file():
+            return directory / CONFIG_FILE
+    return None
+
+
+def _json_value(value):
+    from gac_jax.train.metrics import to_json_scalar
+
+    try:
+        return to_json_scalar(value)
+    except TypeError:
+        return str(value)
+
+
+def _cmd_eval(args, parser) -> int:
+    checkpoint = Path(args.checkpoint)
+    config_name = args.config
+    if config_name is None:
+        found = _find_run_config(checkpoint)
+        if found is None:
+            parser.error(
+                f"no {CONFIG_FILE} found in {checkpoint} or the two directories above it; "
+                "pass --config."
+            )
+        config_name = str(found)
+    config = _resolve(parser, config_name, args.set)
+    metrics = _loop().evaluate_checkpoint(config, checkpoint)
+    print(json.dumps({k: _json_value(v) for k, v in dict(metrics).items()}, indent=2))
+    return 0
+
+
+def _cmd_presets(args, parser) -> int:
+    for name in preset_names():
+        print(name)
+    return 0
+
+
+def _cmd_show_config(args, parser) -> int:
+    config = _resolve(parser, args.config, args.set)
+    print(json.dumps(config_to_dict(config), indent=2, sort_keys=True))
+    return 0
+
+
+def _cmd_plot(args, parser) -> int:
+    from gac_jax.train import plots
+
+    keys = args.key or list(plots.DEFAULT_KEYS)
+    try:
+        if len(args.runs) == 1:
+            run = Path(args.runs[0])
+            out = args.out or (run if run.is_dir() else run.parent) / "metrics.png"
+            path = plots.plot_run(run, out, keys)
+        else:
+            if len(keys) != 1:
+                parser.error("comparing several runs needs exactly one --key.")
+            path = plots.plot_runs(
+                {run: run for run in args.runs}, args.out or "compare.png", keys[0]
+            )
+    except (ValueError, FileNotFoundError) as e:
+        parser.error(str(e))
+    print(path)
+    return 0
+
+
+def _add_config_args(p: argparse.ArgumentParser, *, default: str | None) -> None:
+    p.add_argument(
+        "--config",
+        default=default,
+        metavar="NAME_OR_PATH",
+        help=f"a preset ({', '.join(preset_names())}) or a JSON config file"
+        + (f" (default: {default})" if default else ""),
+    )
+    p.add_argument(
+        "--set",
+        action="extend",
+        nargs="+",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a field by dotted name, e.g. rollout.lag=8 optimizer.clip_norm=none",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="gac-jax", description="Stable asynchronous RL of language models in JAX."
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("train", help="train a policy")
+    _add_config_args(p, default="demo")
+    p.add_argument("--out", metavar="DIR", help="run directory (default: runs/<config name>)")
+    p.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
+    p.set_defaults(func=_cmd_train, parser=p)
+
+    p = sub.add_parser("eval", help="evaluate a checkpoint on held-out problems")
+    p.add_argument("--checkpoint", required=True, metavar="DIR")
+    _add_config_args(p, default=None)
+    p.set_defaults(func=_cmd_eval, parser=p)
+
+    p = sub.add_parser("presets", help="list the config presets")
+    p.set_defaults(func=_cmd_presets, parser=p)
+
+    p = sub.add_parser("show-config", help="print the resolved config as JSON")
+    _add_config_args(p, default="demo")
+    p.set_defaults(func=_cmd_show_config, parser=p)
+
+    p = sub.add_parser("plot", help="plot a run's metrics, or compare runs on one metric")
+    p.add_argument("runs", nargs="+", metavar="RUN", help="run directory or metrics.jsonl")
+    p.add_argument("--key", action="append", help="metric to plot (repeatable)")
+    p.add_argument("--out", metavar="PNG", help="default: RUN/metrics.png or compare.png")
+    p.set_defaults(func=_cmd_plot, parser=p)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``gac-jax`` console script; returns the exit status."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    # Errors are reported by the subcommand's parser, so the usage shown is the relevant one.
+    return args.func(args, args.parser)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,91 @@
+"""Held-out evaluation of a policy on a task: greedy pass@1 and sampled pass@k."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+
+from gac_jax.models import Sampler, left_pad
+from gac_jax.models.tokenizers import Tokenizer
+from gac_jax.tasks import Task
+
+
+def pass_at_k(num_samples: int, num_correct: int, k: int) -> float:
+    r"""Unbiased pass@k from n samples with c correct (Chen et al., arXiv 2107.03374, Eq. 1):
+    :math:`1 - \binom{n-c}{k} / \binom{n}{k}`."""
+    if not 1 <= k <= num_samples:
+        raise ValueError(f"k={k} must lie in [1, num_samples={num_samples}].")
+    if num_samples - num_correct < k:
+        return 1.0
+    return float(1.0 - np.prod(1.0 - k / np.arange(num_samples - num_correct + 1, num_samples + 1)))
+
+
+def evaluate_policy(
+    graphdef: nnx.GraphDef,
+    params: nnx.State,
+    sampler: Sampler,
+    task: Task,
+    examples: Sequence[Any],
+    tokenizer: Tokenizer,
+    *,
+    prompt_length: int,
+    num_problems: int,
+    num_samples: int = 8,
+    key: jax.Array,
+    batch_rows: int = 256,
+) -> dict[str, float]:
+    """Greedy accuracy, mean sampled reward and pass@1 / pass@k on the first problems.
+
+    Args:
+      graphdef, params: the policy.
+      sampler: its sampler (any `max_new_tokens`).
+      task, examples, tokenizer: the task and its held-out split.
+      prompt_length: prompts are left-padded to it.
+      num_problems: how many problems (the first of the split).
+      num_samples: n samples per problem at temperature 1; pass@k for k = 1 and n.
+      key: sampling key.
+      batch_rows: most rows per sampler call.
+
+    Returns:
+      `{"greedy_accuracy", "sampled_reward", "pass@1", f"pass@{n}"}`.
+    """
+    num_problems = min(num_problems, len(examples))
+    if num_problems < 1:
+        raise ValueError(f"num_problems={num_problems} must be >= 1 (split has {len(examples)}).")
+    problems = [examples[i] for i in range(num_problems)]
+    prompts = [
+        tokenizer.encode(task.prompt(ex), add_bos=tokenizer.bos_id is not None) for ex in problems
+    ]
+
+    def rewards_of(rows_per_problem: int, temperature: float, call_key) -> np.ndarray:
+        rows = [p for p in prompts for _ in range(rows_per_problem)]
+        owners = [i for i in range(num_problems) for _ in range(rows_per_problem)]
+        out_rewards = np.zeros(len(rows), np.float32)
+        for start in range(0, len(rows), batch_rows):
+            chunk = slice(start, start + batch_rows)
+            tokens, mask = left_pad(rows[chunk], tokenizer.pad_id, prompt_length)
+            call_key, sub = jax.random.split(call_key)
+            out = jax.device_get(
+                sampler(graphdef, params, tokens, mask, sub, temperature=temperature)
+            )
+            for j, (row, row_mask) in enumerate(zip(out.tokens, out.completion_mask, strict=True)):
+                text = tokenizer.decode(row[row_mask].tolist())
+                out_rewards[start + j] = task.reward(text, problems[owners[start + j]])
+        return out_rewards.reshape(num_problems, rows_per_problem)
+
+    greedy_key, sample_key = jax.random.split(key)
+    greedy = rewards_of(1, 0.0, greedy_key)[:, 0]
+    sampled = rewards_of(num_samples, 1.0, sample_key)
+    correct = (sampled >= 1.0).sum(axis=1)
+    return {
+        "greedy_accuracy": float(np.mean(greedy >= 1.0)),
+        "sampled_reward": float(np.mean(sampled)),
+        "pass@1": float(np.mean([pass_at_k(num_samples, int(c), 1) for c in correct])),
+        f"pass@{num_samples}": float(
+            np.mean([pass_at_k(num_samples, int(c), num_samples) for c in correct])
+        ),
+    }

@@ -1,0 +1,329 @@
+"""The GRPO training loop: sync, lagged-k or async rollouts into the sharded learner.
+
+`train(config, out_dir)` builds everything from a `TrainConfig`, then per step: publish
+the params as version `step`, take the step's batch from the rollout source, update,
+write the metrics (JSON lines + TensorBoard), evaluate every `eval_every` steps and
+checkpoint every `checkpoint_every` steps. `resume=True` continues from the newest
+checkpoint in `out_dir/checkpoints`; lagged mode then reproduces an uninterrupted run
+exactly (the ParamStore's history is part of the checkpoint).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from gac_jax import models
+from gac_jax.learner import GRPOLearner, collate, make_optimizer
+from gac_jax.rollout import (
+    AsyncRollouts,
+    LaggedRollouts,
+    ParamStore,
+    PromptOrder,
+    SyncRollouts,
+)
+from gac_jax.rollout.generation import TaskGroupGenerator
+from gac_jax.tasks import get_task
+from gac_jax.train.checkpoint import CheckpointManager
+from gac_jax.train.config import TrainConfig, validate
+from gac_jax.train.evaluation import evaluate_policy
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class Run:
+    """Everything `train` builds from a config (also handy in notebooks and tests)."""
+
+    config: TrainConfig
+    task: Any
+    train_examples: Any
+    test_examples: Any
+    tokenizer: Any
+    learner: GRPOLearner
+    sampler: models.Sampler
+    generator: TaskGroupGenerator
+    store: ParamStore
+
+
+def config_hash(config: TrainConfig) -> str:
+    """A short stable hash of the config (for checkpoint metadata)."""
+    from gac_jax.train.overrides import config_to_dict
+
+    text = json.dumps(config_to_dict(config), sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+def resolve_mesh(config: TrainConfig) -> jax.sharding.Mesh:
+    """The mesh of `config.mesh`, a -1 axis taking the devices the others leave."""
+    sizes = {"data": config.mesh.data, "fsdp": config.mesh.fsdp, "tensor": config.mesh.tensor}
+    fixed = int(np.prod([s for s in sizes.values() if s != -1]))
+    count = jax.device_count()
+    if count % fixed:
+        raise ValueError(f"mesh {sizes} does not divide the {count} devices.")
+    sizes = {k: (count // fixed if v == -1 else v) for k, v in sizes.items()}
+    return models.make_mesh(**sizes)
+
+
+def build_model(config: TrainConfig, mesh):
+    """(model, tokenizer) for `config.init`: the shipped warm start, random, or an HF dir."""
+    if config.init == "warm_start":
+        from gac_jax.train.warm_start import load_warm_start
+
+        model, tokenizer, _ = load_warm_start()
+        return model, tokenizer
+    if config.init == "random":
+        model = models.create_sharded(
+            lambda: models.create_model(models.get_config(config.model), seed=config.seed), mesh
+        )
+        return model, models.CharTokenizer()
+    path = Path(config.init)
+    if not (path / "config.json").is_file():
+        raise ValueError(
+            f"init={config.init!r} is neither 'warm_start', 'random' nor a Hugging Face "
+            "checkpoint directory (with config.json)."
+        )
+    return models.load_hf_checkpoint(path, mesh=mesh), models.HFTokenizer.from_directory(path)
+
+
+def build_run(config: TrainConfig) -> Run:
+    """Builds the task, model, learner, sampler and generator of a run."""
+    config = validate(config)
+    task = get_task(config.task)
+    train_examples = task.data_source("train", data_dir=config.data_dir)
+    test_examples = task.data_source("test", data_dir=config.data_dir)
+    mesh = resolve_mesh(config)
+    model, tokenizer = build_model(config, mesh)
+    o, g, e, obj = config.optimizer, config.gac, config.ess, config.objective
+    tx = make_optimizer(
+        learning_rate=o.learning_rate,
+        weight_decay=o.weight_decay,
+        b1=o.b1,
+        b2=o.b2,
+        clip_norm=o.clip_norm,
+        gac=None
+        if not g.enabled
+        else dict(
+            tau_low=g.tau_low,
+            tau_high=g.tau_high,
+            projection=g.projection,
+            skip=g.skip,
+            reference=g.reference,
+            scope=g.scope,
+            thresholds=g.thresholds,
+        ),
+        ess=dict(rho_base=e.rho_base, power=e.power) if e.enabled else None,
+    )
+    learner = GRPOLearner(
+        model,
+        tx,
+        mesh,
+        step_kwargs=dict(
+            policy_loss=obj.policy_loss,
+            loss_kwargs=obj.loss_kwargs,
+            advantage=obj.advantage,
+            grad_norm=obj.grad_norm,
+            micro_batches=config.micro_batches,
+        ),
+    )
+    r = config.rollout
+    eos = model.config.eos_token_ids or (tokenizer.eos_id,)
+    sampler = models.Sampler(
+        model.config, max_new_tokens=r.max_new_tokens, eos_ids=eos, pad_id=tokenizer.pad_id
+    )
+    generator = TaskGroupGenerator(
+        learner.graphdef,
+        sampler,
+        task,
+        train_examples,
+        tokenizer,
+        group_size=r.group_size,
+        prompt_length=r.prompt_length,
+        temperature=r.temperature,
+    )
+    history = r.lag + 1 if r.mode == "lagged" else 1
+    store = ParamStore(history=history)
+    return Run(
+        config, task, train_examples, test_examples, tokenizer, learner, sampler, generator, store
+    )
+
+
+def make_source(run: Run):
+    r, seed = run.config.rollout, run.config.seed
+    prompts = PromptOrder(len(run.train_examples), seed=seed)
+    args = (run.generator, run.store, prompts, r.groups_per_batch)
+    if r.mode == "sync":
+        return SyncRollouts(*args, seed=seed)
+    if r.mode == "lagged":
+        return LaggedRollouts(*args, lag=r.lag, seed=seed)
+    return AsyncRollouts(
+        *args,
+        max_staleness=r.max_staleness,
+        stale_policy=r.stale_policy,
+        num_threads=r.num_workers,
+        groups_per_call=r.groups_per_call,
+        seed=seed,
+    )
+
+
+def _snapshot(params):
+    # The learner donates its params to the next step; what the store keeps is a copy.
+    return jax.tree.map(jnp.copy, params)
+
+
+def _rollout_metrics(rollouts, seconds: float) -> dict[str, float]:
+    tokens = sum(int(r.completion_mask.sum()) for r in rollouts)
+    generate = sum(r.generate_seconds for r in rollouts)
+    return {
+        "generated_tokens": float(tokens),
+        "generate_tokens_per_s": tokens / generate if generate > 0 else float("nan"),
+        "wait_seconds": seconds,
+    }
+
+
+def train(config: TrainConfig, out_dir: str | os.PathLike, *, resume: bool = False) -> Path:
+    """Runs the training described by `config`, writing everything under `out_dir`.
+
+    Writes `metrics.jsonl`, `tensorboard/`, `checkpoints/`, `config.json` and, at the end,
+    `plot.png`. Returns `out_dir`.
+    """
+    from gac_jax.train.metrics import MetricWriter, ProgressLine
+    from gac_jax.train.overrides import config_to_dict
+    from gac_jax.train.plots import plot_run
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    run = build_run(config)
+    (out_dir / "config.json").write_text(json.dumps(config_to_dict(run.config), indent=2))
+    learner, store = run.learner, run.store
+    checkpoints = CheckpointManager(out_dir / "checkpoints", max_to_keep=config.keep_checkpoints)
+    start_step = 0
+    if resume and checkpoints.latest_step() is not None:
+        start_step = _restore(run, checkpoints)
+    elif resume:
+        logger.info("no checkpoint in %s: starting from step 0", out_dir / "checkpoints")
+    source = make_source(run)
+    eval_key = jax.random.key(config.seed + 1)
+    progress = ProgressLine(total=config.steps)
+    try:
+        with MetricWriter(out_dir, start_step=start_step) as writer:
+            for step in range(start_step, config.steps):
+                if store.latest_version is None or store.latest_version < step:
+                    store.publish(_snapshot(learner.params), step)
+                started = time.monotonic()
+                rollouts = source.next_batch(step)
+                waited = time.monotonic() - started
+                batch = collate(rollouts, config.rollout.prompt_length)
+                started = time.monotonic()
+                metrics = learner.step(batch, step)
+                train_seconds = time.monotonic() - started
+                metrics.update(_rollout_metrics(rollouts, waited))
+                trained_tokens = float(np.sum(batch.loss_mask))
+                metrics["train_tokens_per_s"] = trained_tokens / max(train_seconds, 1e-9)
+                stats = source.stats()
+                metrics.update(buffer_depth=stats.depth, buffer_dropped=stats.dropped)
+                if config.eval_every and (step + 1) % config.eval_every == 0:
+                    metrics.update(_evaluate(run, jax.random.fold_in(eval_key, step)))
+                writer.write(step, metrics)
+                progress.update(step + 1, metrics)
+                if config.checkpoint_every and (
+                    (step + 1) % config.checkpoint_every == 0 or step + 1 == config.steps
+                ):
+                    _save(run, checkpoints, step + 1)
+    finally:
+        source.close()
+        checkpoints.close()
+        progress.close()
+    plot_run(out_dir / "metrics.jsonl", out_dir / "plot.png")
+    return out_dir
+
+
+def _evaluate(run: Run, key) -> dict[str, float]:
+    c = run.config
+    scores = evaluate_policy(
+        run.learner.graphdef,
+        run.learner.params,
+        run.sampler,
+        run.task,
+        run.test_examples,
+        run.tokenizer,
+        prompt_length=c.rollout.prompt_length,
+        num_problems=c.eval_size,
+        num_samples=c.eval_samples,
+        key=key,
+    )
+    return {f"eval/{k}": v for k, v in scores.items()}
+
+
+def _checkpoint_state(run: Run) -> dict[str, Any]:
+    store = run.store
+    history = {str(v): store.get(v) for v in store.versions()}
+    return {"params": run.learner.params, "opt_state": run.learner.opt_state, "history": history}
+
+
+def _save(run: Run, checkpoints: CheckpointManager, next_step: int) -> None:
+    """Saves what resuming at `next_step` needs: params, optimizer, the store's history."""
+    metadata = {
+        "next_step": next_step,
+        "seed": run.config.seed,
+        "config_hash": config_hash(run.config),
+        "store_versions": run.store.versions(),
+        "data_position": next_step * run.config.rollout.groups_per_batch,
+    }
+    checkpoints.save(next_step, _checkpoint_state(run), metadata)
+
+
+def _restore(run: Run, checkpoints: CheckpointManager) -> int:
+    metadata = checkpoints.read_metadata()
+    if metadata.get("config_hash") != config_hash(run.config):
+        raise ValueError(
+            "the checkpoint in the run directory was written by a different config "
+            f"(hash {metadata.get('config_hash')} != {config_hash(run.config)}); resume with "
+            "the same config or use a new directory."
+        )
+    versions = metadata["store_versions"]
+    target = {
+        "params": run.learner.params,
+        "opt_state": run.learner.opt_state,
+        "history": {str(v): run.learner.params for v in versions},
+    }
+    restored = checkpoints.restore(target=target).state
+    run.learner.params = restored["params"]
+    run.learner.opt_state = restored["opt_state"]
+    for v in versions:
+        run.store.publish(restored["history"][str(v)], v)
+    return int(metadata["next_step"])
+
+
+def evaluate_checkpoint(config: TrainConfig, checkpoint_dir: str | os.PathLike) -> dict:
+    """Held-out evaluation of the newest checkpoint in `checkpoint_dir` (a run's
+    `checkpoints/` folder or the run folder itself)."""
+    path = Path(checkpoint_dir)
+    if (path / "checkpoints").is_dir():
+        path = path / "checkpoints"
+    run = build_run(config)
+    with CheckpointManager(path, read_only=True) as checkpoints:
+        restored = checkpoints.restore(
+            target={
+                "params": run.learner.params,
+                "opt_state": run.learner.opt_state,
+                "history": {
+                    str(v): run.learner.params
+                    for v in checkpoints.read_metadata()["store_versions"]
+                },
+            }
+        )
+    run.learner.params = restored.state["params"]
+    scores = _evaluate(run, jax.random.key(config.seed + 2))
+    scores["step"] = restored.step
+    return scores

@@ -1,0 +1,264 @@
+"""Per-step metrics on disk (JSON lines and TensorBoard) and a one-line progress display.
+
+`MetricWriter(out_dir)` appends one JSON object per `write(step, metrics)` to
+``out_dir/metrics.jsonl``, flushed at once so a crash loses nothing already written, and
+writes the numeric values as TensorBoard scalars under ``out_dir/tensorboard/``.
+Non-finite floats are stored as the strings ``"nan"``, ``"inf"`` and ``"-inf"`` (the file is
+always strict JSON); `read_metrics` turns them back into floats.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, TextIO
+
+METRICS_FILE = "metrics.jsonl"
+TENSORBOARD_DIR = "tensorboard"
+
+_NONFINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
+
+
+def to_json_scalar(value: Any, key: str = "value") -> bool | int | float | str | None:
+    """A Python/NumPy/JAX scalar as a strict-JSON value; non-finite floats become strings."""
+    if value is None or isinstance(value, bool | str):
+        return value
+    if hasattr(value, "ndim") and hasattr(value, "item"):  # NumPy and JAX arrays.
+        if value.ndim != 0:
+            raise TypeError(f"Metric '{key}' must be a scalar, got shape {value.shape}.")
+        value = value.item()
+    if isinstance(value, bool | int):
+        return value
+    try:
+        value = float(value)
+    except (TypeError, ValueError):
+        raise TypeError(f"Metric '{key}' must be a scalar, got {value!r}.") from None
+    if math.isnan(value):
+        return "nan"
+    if math.isinf(value):
+        return "inf" if value > 0 else "-inf"
+    return value
+
+
+def _from_json_value(value: Any) -> Any:
+    if isinstance(value, str) and value in _NONFINITE:
+        return _NONFINITE[value]
+    return value
+
+
+def _metrics_path(path: str | os.PathLike) -> Path:
+    path = Path(path)
+    return path / METRICS_FILE if path.is_dir() else path
+
+
+def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
+    """The records of a metrics.jsonl file (or of the run directory holding one), in order.
+
+    Each record is ``{"step": int, **metrics}``, with non-finite floats restored. A last line
+    cut short by a crash is skipped; a bad line elsewhere is an error.
+    """
+    path = _metrics_path(path)
+    lines = path.read_text().splitlines(keepends=True)
+    records = []
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            if i == len(lines) - 1 and not line.endswith("\n"):
+                break  # The write of this line was interrupted.
+            raise ValueError(f"{path}:{i + 1} is not valid JSON: {line[:80]!r}") from None
+        records.append({k: _from_json_value(v) for k, v in record.items()})
+    return records
+
+
+def metric_series(records: Sequence[Mapping[str, Any]], key: str) -> tuple[list[int], list[float]]:
+    """(steps, values) of the records that hold a numeric `key` (non-finite values kept)."""
+    steps, values = [], []
+    for record in records:
+        value = record.get(key)
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            steps.append(record["step"])
+            values.append(float(value))
+    return steps, values
+
+
+class MetricWriter:
+    """Writes each step's flat dict of scalars to ``metrics.jsonl`` and TensorBoard.
+
+    Args:
+      out_dir: the run directory; created if missing.
+      start_step: the first step this writer will record. None starts a new
+        ``metrics.jsonl`` (replacing any old one). An int continues a run restored from a
+        checkpoint: records of steps >= `start_step`, written before the run stopped, are
+        dropped (from TensorBoard too, through its ``purge_step``) as they will be written
+        again; 0 is thus the same as None.
+      tensorboard: also write TensorBoard events (needs ``tensorboardX``).
+    """
+
+    def __init__(
+        self,
+        out_dir: str | os.PathLike,
+        *,
+        start_step: int | None = None,
+        tensorboard: bool = True,
+    ):
+        self.out_dir = Path(out_dir)
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.path = self.out_dir / METRICS_FILE
+        if start_step is not None and self.path.exists():
+            kept = [r for r in read_metrics(self.path) if r["step"] < start_step]
+            tmp = self.path.with_suffix(".jsonl.tmp")
+            with tmp.open("w") as f:
+                for record in kept:
+                    f.write(self._dumps(record))
+            os.replace(tmp, self.path)
+        self._file = self.path.open("a" if start_step is not None else "w")
+        self._tb = None
+        if tensorboard:
+            from tensorboardX import SummaryWriter
+
+            purge = start_step or None
+            self._tb = SummaryWriter(logdir=str(self.out_dir / TENSORBOARD_DIR), purge_step=purge)
+
+    @staticmethod
+    def _clean(record: Mapping[str, Any]) -> dict[str, Any]:
+        return {k: to_json_scalar(v, k) for k, v in record.items()}
+
+    @staticmethod
+    def _dumps(record: Mapping[str, Any]) -> str:
+        return json.dumps(MetricWriter._clean(record), allow_nan=False) + "\n"
+
+    def write(self, step: int, metrics: Mapping[str, Any]) -> None:
+        """Records `metrics` (name -> scalar) at `step`; flushed before returning."""
+        if self._file is None:
+            raise RuntimeError("MetricWriter is closed.")
+        step = int(step)
+        if "step" in metrics and int(metrics["step"]) != step:
+            raise ValueError(f"metrics['step']={metrics['step']} differs from step={step}.")
+        record = {"step": step, **{k: v for k, v in metrics.items() if k != "step"}}
+        clean = self._clean(record)  # Converts (and checks) every value before writing any.
+        self._file.write(json.dumps(clean, allow_nan=False) + "\n")
+        self._file.flush()
+        if self._tb is not None:
+            for key, value in clean.items():
+                value = _from_json_value(value)
+                if key != "step" and isinstance(value, int | float):
+                    self._tb.add_scalar(key, float(value), global_step=step)
+            self._tb.flush()
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+
+    def __enter__(self) -> MetricWriter:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+
+# Display label -> metric names tried in order; the first present is shown.
+DEFAULT_PROGRESS_FIELDS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("reward", ("reward", "reward_mean")),
+    ("ess", ("ess_ratio",)),
+    ("cos", ("gac_cosine", "cosine")),
+    ("tok/s", ("tokens_per_s", "generate_tokens_per_s", "train_tokens_per_s")),
+)
+
+
+def _format_value(value: Any) -> str:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return str(value)
+    if isinstance(value, int):
+        return str(value)
+    if value != 0 and (abs(value) >= 1e4 or abs(value) < 1e-3):
+        return f"{value:.2e}"
+    return f"{value:.4g}" if abs(value) < 100 else f"{value:.0f}"
+
+
+class ProgressLine:
+    """A one-line progress display: step/total and a few metrics.
+
+    On a terminal this is a tqdm bar whose postfix holds the metrics. Elsewhere (a log file,
+    CI) redrawing with ``\\r`` would pile every update onto one line, so a full line is
+    printed at most every `min_interval` seconds, and always for the last step.
+
+    Args:
+      total: the number of steps.
+      quiet: show nothing (`last_line` is still kept, for tests and callers).
+      stream: where to write; defaults to stderr.
+      fields: (label, metric names) pairs; see `DEFAULT_PROGRESS_FIELDS`.
+      min_interval: seconds between printed lines when `stream` is not a terminal.
+    """
+
+    def __init__(
+        self,
+        total: int,
+        *,
+        quiet: bool = False,
+        stream: TextIO | None = None,
+        fields: Sequence[tuple[str, Sequence[str]]] = DEFAULT_PROGRESS_FIELDS,
+        min_interval: float = 10.0,
+    ):
+        self.total = int(total)
+        self.quiet = quiet
+        self.stream = sys.stderr if stream is None else stream
+        self.fields = tuple((label, tuple(names)) for label, names in fields)
+        self.min_interval = min_interval
+        self.last_line = ""
+        self._last_print = -math.inf
+        self._bar = None
+        isatty = getattr(self.stream, "isatty", None)
+        if not quiet and isatty is not None and isatty():
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=self.total, file=self.stream, dynamic_ncols=True, leave=True)
+
+    def format(self, step: int, metrics: Mapping[str, Any]) -> str:
+        """The metrics part of the line, e.g. ``reward 0.41 ess 0.93 cos 0.71 tok/s 1200``."""
+        parts = []
+        for label, names in self.fields:
+            for name in names:
+                if name in metrics and metrics[name] is not None:
+                    parts.append(f"{label} {_format_value(to_json_scalar(metrics[name]))}")
+                    break
+        return " ".join(parts)
+
+    def update(self, step: int, metrics: Mapping[str, Any]) -> None:
+        """Shows `step` (the number of steps done, up to `total`) and its metrics."""
+        step = int(step)
+        postfix = self.format(step, metrics)
+        self.last_line = f"step {step}/{self.total} {postfix}".rstrip()
+        if self.quiet:
+            return
+        if self._bar is not None:
+            self._bar.set_postfix_str(postfix, refresh=False)
+            self._bar.update(max(0, min(step, self.total) - self._bar.n))
+            return
+        now = time.monotonic()
+        if step >= self.total or now - self._last_print >= self.min_interval:
+            self.stream.write(self.last_line + "\n")
+            self.stream.flush()
+            self._last_print = now
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+
+    def __enter__(self) -> ProgressLine:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()

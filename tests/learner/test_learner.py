@@ -1,0 +1,165 @@
+"""The GRPO learner: sharded steps equal the single-device step; micro-batching; VCPO norms."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from gac_jax import models
+from gac_jax.learner import (
+    GRPOLearner,
+    collate,
+    make_optimizer,
+    make_train_step,
+    per_example_grad_sq_norms,
+)
+from gac_jax.rollout import Rollout
+
+CONFIG = models.get_config("tiny")
+G, L, PROMPT = 4, 6, 8
+
+
+def _rollouts(num_groups=4, version=0, seed=0):
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(num_groups):
+        mask = np.ones((G, L), bool)
+        mask[1, 3:] = False  # A completion that ended early.
+        out.append(
+            Rollout(
+                prompt_id=i,
+                group_id=i,
+                prompt_tokens=rng.integers(3, 60, 3 + i % 3).astype(np.int32),
+                completion_tokens=rng.integers(3, 60, (G, L)).astype(np.int32),
+                completion_mask=mask,
+                behaviour_logp=(-3.0 * rng.random((G, L))).astype(np.float32),
+                rewards=rng.integers(0, 2, G).astype(np.float32),
+                policy_version=version,
+            )
+        )
+    return out
+
+
+def _learner(mesh_shape, **step_kwargs):
+    mesh = models.make_mesh(*mesh_shape)
+    tx = make_optimizer(learning_rate=1e-3, gac=dict(tau_low=0.1, tau_high=0.9), ess={})
+    model = models.create_model(CONFIG, seed=0)
+    return GRPOLearner(model, tx, mesh, step_kwargs=step_kwargs)
+
+
+def _specs(tree):
+    return [leaf.sharding.spec for leaf in jax.tree.leaves(tree)]
+
+
+def test_collate_lays_out_prompt_then_completion():
+    rollouts = _rollouts(2)
+    batch = collate(rollouts, PROMPT)
+    assert batch.tokens.shape == (2 * G, PROMPT + L)
+    p = len(rollouts[1].prompt_tokens)
+    row = G  # First row of the second group.
+    np.testing.assert_array_equal(batch.tokens[row, PROMPT - p : PROMPT], rollouts[1].prompt_tokens)
+    assert not batch.attention_mask[row, : PROMPT - p].any()
+    assert not batch.loss_mask[row, :PROMPT].any()
+    np.testing.assert_array_equal(batch.loss_mask[1, PROMPT:], rollouts[0].completion_mask[1])
+    np.testing.assert_array_equal(batch.group_ids, np.repeat([0, 1], G))
+    with pytest.raises(ValueError, match="longer than prompt_length=2"):
+        collate(rollouts, 2)
+
+
+@pytest.fixture(scope="module")
+def single_device_step():
+    """Params and metrics after one step on one device: the reference of the mesh tests."""
+    learner = _learner((1, 1, 1))
+    metrics = learner.step(collate(_rollouts(4, version=0), PROMPT), 1)
+    return jax.device_get(learner.params), metrics
+
+
+@pytest.mark.parametrize("mesh_shape", [(8, 1, 1), (2, 2, 2), (1, 4, 2)])
+def test_sharded_step_equals_single_device_step(mesh_shape, single_device_step):
+    single_params, m1 = single_device_step
+    sharded = _learner(mesh_shape)
+    param_specs, opt_specs = _specs(sharded.params), _specs(sharded.opt_state)
+    m2 = sharded.step(collate(_rollouts(4, version=0), PROMPT), 1)
+    for a, b in zip(jax.tree.leaves(single_params), jax.tree.leaves(sharded.params), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
+    for key in ("loss", "reward", "gac_cosine", "ess_ratio", "grad_norm", "loss/entropy"):
+        np.testing.assert_allclose(m2[key], m1[key], rtol=1e-5, atol=1e-6)
+    # Params and optimizer state (GAC's reference included) keep their shardings.
+    assert _specs(sharded.params) == param_specs
+    assert _specs(sharded.opt_state) == opt_specs
+    if mesh_shape != (8, 1, 1):
+        assert any(spec != jax.sharding.PartitionSpec() for spec in param_specs)
+
+
+def test_batch_not_divisible_by_data_axis_is_an_error():
+    learner = _learner((8, 1, 1))
+    batch = collate(_rollouts(1), PROMPT)  # 4 sequences over 8 devices.
+    with pytest.raises(ValueError, match="4 sequences is not divisible by the 8 devices"):
+        learner.step(batch, 0)
+
+
+def test_micro_batching_equals_one_batch():
+    batch = jax.tree.map(jnp.asarray, collate(_rollouts(4), PROMPT))
+    model = models.create_model(CONFIG, seed=1)
+    graphdef, params = nnx.split(model)
+    # Plain SGD: the parameter change is proportional to the gradient (Adam's first step,
+    # lr * sign(g), would magnify rounding noise in gradients near zero).
+    tx = optax.chain(optax.sgd(1.0))
+    outs = []
+    for m in (1, 2):
+        step = jax.jit(make_train_step(graphdef, tx, micro_batches=m))
+        outs.append(step(params, tx.init(params), batch, jnp.int32(0)))
+    for params_m, _, metrics_m in outs[1:]:
+        for a, b in zip(jax.tree.leaves(outs[0][0]), jax.tree.leaves(params_m), strict=True):
+            np.testing.assert_allclose(a, b, atol=1e-6)
+        np.testing.assert_allclose(metrics_m["loss"], outs[0][2]["loss"], rtol=1e-5)
+        np.testing.assert_allclose(metrics_m["grad_norm"], outs[0][2]["grad_norm"], rtol=1e-4)
+
+
+def test_exact_grad_norms_match_one_gradient_per_sequence():
+    batch = jax.tree.map(jnp.asarray, collate(_rollouts(2), PROMPT))
+    graphdef, params = nnx.split(models.create_model(CONFIG, seed=2))
+    norms = jax.jit(per_example_grad_sq_norms, static_argnums=0)(graphdef, params, batch)
+
+    @jax.jit
+    def one_gradient(p, tokens, attention, loss_mask):
+        def logp_sum(p):
+            logp = models.per_token_logps(nnx.merge(graphdef, p), tokens, attention)
+            return jnp.sum(jnp.where(loss_mask, logp, 0.0))
+
+        return jax.grad(logp_sum)(p)
+
+    for i in range(batch.tokens.shape[0]):
+        rows = slice(i, i + 1)
+        g = one_gradient(
+            params, batch.tokens[rows], batch.attention_mask[rows], batch.loss_mask[rows]
+        )
+        want = sum(np.sum(np.asarray(x, np.float64) ** 2) for x in jax.tree.leaves(g))
+        np.testing.assert_allclose(norms[i], want, rtol=1e-4)
+
+
+@pytest.mark.parametrize("loss", ["m2po", "decoupled_ppo"])
+def test_every_supported_loss_trains(loss):
+    learner = _learner((1, 1, 1), policy_loss=loss, advantage="grpo")
+    metrics = learner.step(collate(_rollouts(2), PROMPT), 2)
+    assert np.isfinite(metrics["loss"]) and metrics["version_gap_mean"] == 2.0
+
+
+def test_vcpo_advantage_runs_with_exact_norms_and_with_a_proxy():
+    for grad_norm in ("exact", "length"):
+        learner = _learner((1, 1, 1), advantage="vcpo", grad_norm=grad_norm)
+        metrics = learner.step(collate(_rollouts(2), PROMPT), 0)
+        assert np.isfinite(metrics["loss"])
+
+
+def test_step_rejects_unsupported_and_unknown_names():
+    graphdef, _ = nnx.split(models.create_model(CONFIG))
+    tx = make_optimizer(learning_rate=1e-3)
+    with pytest.raises(ValueError, match="not supported by the learner"):
+        make_train_step(graphdef, tx, policy_loss="tb")
+    with pytest.raises(ValueError, match="ppo"):
+        make_train_step(graphdef, tx, policy_loss="ppo2")
+    with pytest.raises(ValueError, match="grad_norm='l2'"):
+        make_train_step(graphdef, tx, advantage="vcpo", grad_norm="l2")

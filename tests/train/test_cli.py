@@ -1,0 +1,166 @@
+"""Tests of the gac-jax command, with a fake training loop."""
+
+import json
+import sys
+import types
+
+import pytest
+
+from gac_jax.train.cli import main
+from gac_jax.train.config import get_preset, preset_names
+from gac_jax.train.metrics import MetricWriter
+from gac_jax.train.overrides import apply_overrides, save_config
+
+
+@pytest.fixture
+def fake_loop(monkeypatch):
+    calls = []
+    fake = types.ModuleType("gac_jax.train.loop")
+
+    def train(config, out_dir, resume=False):
+        calls.append(("train", config, out_dir, resume))
+
+    def evaluate_checkpoint(config, checkpoint_dir):
+        calls.append(("eval", config, checkpoint_dir))
+        return {"pass@8": 0.5, "reward": float("nan")}
+
+    fake.train = train
+    fake.evaluate_checkpoint = evaluate_checkpoint
+    monkeypatch.setitem(sys.modules, "gac_jax.train.loop", fake)
+    return calls
+
+
+def test_train_passes_config_and_out_dir(fake_loop, tmp_path, capsys):
+    out = tmp_path / "run"
+    status = main(
+        [
+            "train",
+            "--config",
+            "countdown_sync",
+            "--set",
+            "rollout.lag=3",
+            "gac.enabled=true",
+            "--set",
+            "steps=5",
+            "--out",
+            str(out),
+            "--resume",
+        ]
+    )
+    assert status == 0
+    [(kind, config, out_dir, resume)] = fake_loop
+    expected = apply_overrides(
+        get_preset("countdown_sync"), ["rollout.lag=3", "gac.enabled=true", "steps=5"]
+    )
+    assert (kind, config, out_dir, resume) == ("train", expected, out, True)
+    assert str(out) in capsys.readouterr().out
+
+
+def test_train_defaults(fake_loop, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert main(["train"]) == 0
+    [(_, config, out_dir, resume)] = fake_loop
+    assert config == get_preset("demo") and not resume
+    assert str(out_dir) == "runs/demo"
+
+
+def test_train_from_a_json_file(fake_loop, tmp_path):
+    path = tmp_path / "exp.json"
+    path.write_text(json.dumps({"base": "countdown_lagged8", "seed": 3}))
+    main(["train", "--config", str(path), "--out", str(tmp_path / "o")])
+    config = fake_loop[0][1]
+    assert config.seed == 3 and config.rollout.lag == 8
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["train", "--set", "rollout.lagg=3"], "rollout.lagg"),
+        (["train", "--set", "gac.enabled=maybe"], "'maybe'"),
+        (["train", "--set", "steps"], "Malformed override 'steps'"),
+        (["train", "--config", "nosuch"], "'nosuch'"),
+        (["show-config", "--set", "gac.tau_low=0.9"], "gac.tau_low=0.9"),
+    ],
+)
+def test_config_errors_exit_2_without_traceback(fake_loop, tmp_path, capsys, argv, needle):
+    with pytest.raises(SystemExit) as e:
+        main([*argv, *(["--out", str(tmp_path)] if argv[0] == "train" else [])])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert needle in err and "error:" in err and "Traceback" not in err
+    assert fake_loop == []
+
+
+def test_eval_with_config_and_without(fake_loop, tmp_path, capsys):
+    ckpt = tmp_path / "run" / "checkpoints" / "50"
+    ckpt.mkdir(parents=True)
+    assert (
+        main(
+            [
+                "eval",
+                "--checkpoint",
+                str(ckpt),
+                "--config",
+                "countdown_sync",
+                "--set",
+                "eval_size=4",
+            ]
+        )
+        == 0
+    )
+    kind, config, checkpoint_dir = fake_loop[-1]
+    assert kind == "eval" and checkpoint_dir == ckpt
+    assert config == apply_overrides(get_preset("countdown_sync"), ["eval_size=4"])
+    printed = json.loads(capsys.readouterr().out)
+    assert printed == {"pass@8": 0.5, "reward": "nan"}
+
+    # Without --config, the config the run saved is used.
+    with pytest.raises(SystemExit) as e:
+        main(["eval", "--checkpoint", str(ckpt)])
+    assert e.value.code == 2 and "--config" in capsys.readouterr().err
+    save_config(get_preset("countdown_lagged8"), tmp_path / "run" / "config.json")
+    main(["eval", "--checkpoint", str(ckpt), "--set", "seed=9"])
+    assert fake_loop[-1][1] == apply_overrides(get_preset("countdown_lagged8"), ["seed=9"])
+
+
+def test_presets_and_show_config(capsys):
+    assert main(["presets"]) == 0
+    assert capsys.readouterr().out.split() == preset_names()
+    assert (
+        main(
+            [
+                "show-config",
+                "--config",
+                "demo",
+                "--set",
+                "optimizer.clip_norm=none",
+                "objective.loss_kwargs.tau_m2=0.04",
+            ]
+        )
+        == 0
+    )
+    d = json.loads(capsys.readouterr().out)
+    assert d["optimizer"]["clip_norm"] is None
+    assert d["objective"]["loss_kwargs"] == {"tau_m2": 0.04}
+    assert d["rollout"]["mode"] == get_preset("demo").rollout.mode
+
+
+def test_plot(tmp_path, capsys):
+    for name in ("a", "b"):
+        with MetricWriter(tmp_path / name, tensorboard=False) as writer:
+            for step in range(5):
+                writer.write(step, {"reward": step / 5})
+    assert main(["plot", str(tmp_path / "a")]) == 0
+    assert (tmp_path / "a" / "metrics.png").read_bytes()[:4] == b"\x89PNG"
+    out = tmp_path / "cmp.png"
+    assert (
+        main(
+            ["plot", str(tmp_path / "a"), str(tmp_path / "b"), "--key", "reward", "--out", str(out)]
+        )
+        == 0
+    )
+    assert out.read_bytes()[:4] == b"\x89PNG"
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        main(["plot", str(tmp_path / "a"), "--key", "nosuch"])
+    assert e.value.code == 2 and "nosuch" in capsys.readouterr().err

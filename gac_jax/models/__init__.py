@@ -55,7 +55,12 @@ from gac_jax.models.sharding import (
     shard_model,
     state_shardings,
 )
-from gac_jax.models.tokenizers import CharTokenizer, HFTokenizer, Tokenizer
+from gac_jax.models.tokenizers import (
+    CharTokenizer,
+    HFTokenizer,
+    Tokenizer,
+    decode_completion,
+)
 
 __all__ = [
     "PRESETS",
@@ -68,6 +73,7 @@ __all__ = [
     "Sampler",
     "ShardingRules",
     "Tokenizer",
+    "decode_completion",
     "config_from_hf",
     "config_to_hf",
     "create_model",

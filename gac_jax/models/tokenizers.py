@@ -270,3 +270,27 @@ def encode_batch(
 ) -> list[list[int]]:
     """`tokenizer.encode` of each text (use `gac_jax.models.left_pad` to batch them)."""
     return [tokenizer.encode(text, add_bos=add_bos) for text in texts]
+
+
+# What an id outside the tokenizer's vocabulary decodes to in model output. A model's
+# embedding table is often larger than its tokenizer (the tiny presets: 128 rows, 87
+# characters), and an untrained model samples those rows.
+UNKNOWN_TOKEN_TEXT = "\ufffd"
+
+
+def decode_completion(tokenizer: Tokenizer, ids: Iterable[int]) -> str:
+    """Decodes sampled ids for scoring: never raises, ids outside the vocabulary become
+    U+FFFD (which no verifier accepts), special tokens are skipped."""
+    vocab = tokenizer.vocab_size
+    pieces, run = [], []
+    for token in ids:
+        if 0 <= int(token) < vocab:
+            run.append(int(token))
+            continue
+        if run:
+            pieces.append(tokenizer.decode(run))
+            run = []
+        pieces.append(UNKNOWN_TOKEN_TEXT)
+    if run:
+        pieces.append(tokenizer.decode(run))
+    return "".join(pieces)

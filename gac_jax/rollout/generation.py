@@ -11,7 +11,7 @@ import numpy as np
 from flax import nnx
 
 from gac_jax.models import Sampler, left_pad
-from gac_jax.models.tokenizers import Tokenizer
+from gac_jax.models.tokenizers import Tokenizer, decode_completion
 from gac_jax.rollout.record import Rollout
 from gac_jax.rollout.worker import GroupRequest
 from gac_jax.tasks import Task
@@ -92,7 +92,7 @@ class TaskGroupGenerator:
             example = self.examples[request.prompt_id]
             rewards = np.asarray(
                 [
-                    self.task.reward(self.tokenizer.decode(row[row_mask].tolist()), example)
+                    self.task.reward(decode_completion(self.tokenizer, row[row_mask]), example)
                     for row, row_mask in zip(completion_tokens, completion_mask, strict=True)
                 ],
                 np.float32,

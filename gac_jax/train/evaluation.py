@@ -10,7 +10,7 @@ import numpy as np
 from flax import nnx
 
 from gac_jax.models import Sampler, left_pad
-from gac_jax.models.tokenizers import Tokenizer
+from gac_jax.models.tokenizers import Tokenizer, decode_completion
 from gac_jax.tasks import Task
 
 
@@ -73,7 +73,7 @@ def evaluate_policy(
                 sampler(graphdef, params, tokens, mask, sub, temperature=temperature)
             )
             for j, (row, row_mask) in enumerate(zip(out.tokens, out.completion_mask, strict=True)):
-                text = tokenizer.decode(row[row_mask].tolist())
+                text = decode_completion(tokenizer, row[row_mask])
                 out_rewards[start + j] = task.reward(text, problems[owners[start + j]])
         return out_rewards.reshape(num_problems, rows_per_problem)
 

@@ -57,10 +57,13 @@ class Run:
 
 
 def config_hash(config: TrainConfig) -> str:
-    """A short stable hash of the config (for checkpoint metadata)."""
+    """A short stable hash of what a checkpoint depends on: the config but for `steps`
+    (resuming with more steps is how a finished run is trained further)."""
     from gac_jax.train.overrides import config_to_dict
 
-    text = json.dumps(config_to_dict(config), sort_keys=True, default=str)
+    fields = config_to_dict(config)
+    fields.pop("steps", None)
+    text = json.dumps(fields, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 

@@ -82,3 +82,12 @@ def test_hf_tokenizer_special_token_errors(hf_dir, tmp_path):
     assert llama_style.pad_id == llama_style.eos_id  # No pad token: pad with EOS.
     with pytest.raises(FileNotFoundError, match="tokenizer.json"):
         HFTokenizer.from_directory(tmp_path, eos_token="x")
+
+
+def test_decode_completion_never_raises_on_out_of_vocabulary_ids():
+    from gac_jax.models.tokenizers import UNKNOWN_TOKEN_TEXT, decode_completion
+
+    tok = CharTokenizer()
+    ids = tok.encode("12+3") + [tok.vocab_size, 127] + tok.encode("4") + [tok.eos_id]
+    assert decode_completion(tok, ids) == "12+3" + 2 * UNKNOWN_TOKEN_TEXT + "4"
+    assert decode_completion(tok, []) == ""

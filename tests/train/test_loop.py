@@ -9,7 +9,13 @@ import pytest
 from gac_jax.tasks import get_task
 from gac_jax.train import loop
 from gac_jax.train.checkpoint import restore_checkpoint
-from gac_jax.train.config import MeshConfig, RolloutConfig, TrainConfig
+from gac_jax.train.config import (
+    GACConfig,
+    MeshConfig,
+    ObjectiveConfig,
+    RolloutConfig,
+    TrainConfig,
+)
 from gac_jax.train.metrics import read_metrics
 
 TIMING = ("per_s", "seconds", "wait")
@@ -94,6 +100,8 @@ def test_resume_refuses_a_different_config(tmp_path, digit_task):
         (dict(rollout=RolloutConfig(group_size=1)), "group_size=1"),
         (dict(mesh=MeshConfig(data=16)), "does not divide the 8 devices"),
         (dict(mesh=MeshConfig(data=8)), "not divisible by the 8 devices"),
+        (dict(objective=ObjectiveConfig(policy_loss="ppo3")), "policy_loss='ppo3'"),
+        (dict(gac=GACConfig(tau_low=0.9, tau_high=0.3)), "tau_low=0.9"),
     ],
 )
 def test_config_errors_are_clear(tmp_path, digit_task, change, fragment):

@@ -83,7 +83,7 @@ def build_model(config: TrainConfig, mesh):
     if config.init == "warm_start":
         from gac_jax.train.warm_start import load_warm_start
 
-        model, tokenizer, _ = load_warm_start()
+        model, tokenizer, _ = load_warm_start(mesh=mesh)
         return model, tokenizer
     if config.init == "random":
         model = models.create_sharded(

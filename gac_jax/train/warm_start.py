@@ -1,0 +1,568 @@
+r"""A warm-started tiny policy: supervised training on reference solutions, then pass@k.
+
+Reinforcement learning from a randomly initialised character model gets no reward to
+learn from. `warm_start` first fits the model to the task's reference completions
+(teacher forcing, loss on the completion tokens only), just long enough that it solves
+some problems, then measures it on the test split with the RL loop's own evaluation
+(`gac_jax.train.evaluation.evaluate_policy`), so RL runs compare against the same figures:
+
+* pass@1: the unbiased estimator from n samples at temperature 1 (the mean reward);
+* pass@k: the unbiased estimator :math:`1 - \binom{n-c}{k} / \binom{n}{k}` (Chen et al.,
+  2021, arXiv 2107.03374, eq. 1) with c correct out of n samples, averaged over problems;
+* greedy accuracy: one greedy completion per problem.
+
+The result is an orbax checkpoint (`gac_jax.train.checkpoint`) whose metadata holds the
+config, its hash, the model config, the tokenizer and the measured metrics. The default
+config's checkpoint ships with the package (`SHIPPED_WARM_START_DIR`), so a fresh
+machine starts RL from it without training::
+
+    model, tokenizer, metadata = load_warm_start()        # the shipped checkpoint
+    metadata["metrics"]["pass@1"]
+
+A sequence is ``<bos> prompt completion <eos>``, the same prompt encoding the rollout
+workers use (`tokenizer.encode(prompt, add_bos=True)`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import json
+import os
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from gac_jax.models import (
+    CharTokenizer,
+    ModelConfig,
+    RopeScaling,
+    Sampler,
+    ShardingRules,
+    create_model,
+    get_config,
+    per_token_logps,
+    state_shardings,
+)
+from gac_jax.tasks import Task, get_task
+from gac_jax.train.checkpoint import (
+    CheckpointManager,
+    abstract_tree,
+    load_model_params,
+    model_params,
+    read_metadata,
+)
+from gac_jax.train.evaluation import evaluate_policy
+
+__all__ = [
+    "SHIPPED_WARM_START_DIR",
+    "WarmStartConfig",
+    "config_hash",
+    "encode_sft_batch",
+    "ensure_warm_start",
+    "evaluate_warm_start",
+    "load_warm_start",
+    "masked_nll",
+    "sft_loss",
+    "train_sft",
+    "warm_start",
+]
+
+#: The checkpoint of `WarmStartConfig()`, shipped as package data.
+SHIPPED_WARM_START_DIR = (
+    Path(__file__).resolve().parent.parent / "assets" / "warm_start" / "countdown_n3_max20_tiny"
+)
+
+_METADATA_KIND = "gac_jax.warm_start"
+
+
+@dataclasses.dataclass(frozen=True)
+class WarmStartConfig:
+    """Supervised warm start and its evaluation. The defaults make the shipped checkpoint.
+
+    Attributes:
+      task: a `gac_jax.tasks` name; its train split is the supervised data.
+      model: a `gac_jax.models` preset (float32 compute; its vocabulary must hold the
+        character tokenizer's).
+      steps: optimizer steps.
+      batch_size: sequences per step.
+      learning_rate: AdamW peak learning rate (linear warm-up, cosine decay to 10%).
+      warmup_steps: linear warm-up steps.
+      weight_decay: AdamW decoupled weight decay.
+      clip_norm: global gradient-norm clip.
+      train_examples: train on the first this many examples of the train split; 0 for
+        all.
+      max_length: every training sequence is padded to this many tokens (one
+        compilation); a longer one is an error.
+      seed: model initialisation, batch order and evaluation samples.
+      eval_problems: test problems evaluated (the first ones of the split); 0 for all.
+      eval_samples: n samples per problem at temperature 1 (pass@1 and pass@n).
+      eval_batch_size: rows per sampler call (a divisor of the sampled rows and at least
+        the problems keeps the sampler to one compilation).
+      prompt_length: evaluation prompts are left-padded to this many tokens.
+      max_new_tokens: longest sampled completion.
+    """
+
+    task: str = "countdown/n3_max20"
+    model: str = "tiny"
+    steps: int = 800
+    batch_size: int = 128
+    learning_rate: float = 3e-3
+    warmup_steps: int = 100
+    weight_decay: float = 0.01
+    clip_norm: float = 1.0
+    train_examples: int = 0
+    max_length: int = 40
+    seed: int = 0
+    eval_problems: int = 0
+    eval_samples: int = 8
+    eval_batch_size: int = 500
+    prompt_length: int = 32
+    max_new_tokens: int = 16
+
+    def __post_init__(self):
+        positive = (
+            "steps",
+            "batch_size",
+            "max_length",
+            "eval_samples",
+            "eval_batch_size",
+            "prompt_length",
+            "max_new_tokens",
+        )
+        for name in positive:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"WarmStartConfig.{name}={value!r} must be a positive int.")
+        for name in ("warmup_steps", "train_examples", "eval_problems", "seed"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"WarmStartConfig.{name}={value!r} must be an int >= 0.")
+        if not self.learning_rate > 0:
+            raise ValueError(f"learning_rate={self.learning_rate!r} must be positive.")
+        if not self.weight_decay >= 0:
+            raise ValueError(f"weight_decay={self.weight_decay!r} must be >= 0.")
+        if not self.clip_norm > 0:
+            raise ValueError(f"clip_norm={self.clip_norm!r} must be positive.")
+
+    def to_dict(self) -> dict[str, Any]:
+        """The fields as a JSON-able dict."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, fields: Mapping[str, Any]) -> WarmStartConfig:
+        """The config from `to_dict`'s output (unknown keys are an error)."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(fields) - known)
+        if unknown:
+            raise ValueError(f"Unknown WarmStartConfig fields {unknown}; known: {sorted(known)}.")
+        return cls(**fields)
+
+
+def config_hash(config: WarmStartConfig) -> str:
+    """A short stable hash of every field (names the cache directory of a config)."""
+    text = json.dumps(config.to_dict(), sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+# ----------------------------------------------------------------------------- data
+
+
+def encode_sft_batch(
+    tokenizer, prompts: Sequence[str], completions: Sequence[str], length: int
+) -> dict[str, np.ndarray]:
+    """Right-padded ``<bos> prompt completion <eos>`` rows and their masks.
+
+    Args:
+      tokenizer: a `gac_jax.models.Tokenizer` with a BOS id.
+      prompts: B prompt texts.
+      completions: B completion texts.
+      length: T, the padded length.
+
+    Returns:
+      ``{"tokens": int32 [B, T], "mask": bool [B, T] (real tokens),
+      "loss_mask": bool [B, T] (the completion and its EOS)}``.
+
+    Raises:
+      ValueError: if a row is longer than `length`.
+    """
+    if len(prompts) != len(completions):
+        raise ValueError(f"{len(prompts)} prompts but {len(completions)} completions.")
+    batch = len(prompts)
+    tokens = np.full((batch, length), tokenizer.pad_id, np.int32)
+    mask = np.zeros((batch, length), bool)
+    loss_mask = np.zeros((batch, length), bool)
+    for row, (prompt, completion) in enumerate(zip(prompts, completions, strict=True)):
+        prompt_ids = tokenizer.encode(prompt, add_bos=True)
+        completion_ids = tokenizer.encode(completion, add_eos=True)
+        n = len(prompt_ids) + len(completion_ids)
+        if n > length:
+            raise ValueError(
+                f"Row {row} has {n} tokens, more than length={length}: "
+                f"{prompt!r} + {completion!r}. Raise WarmStartConfig.max_length."
+            )
+        tokens[row, :n] = prompt_ids + completion_ids
+        mask[row, :n] = True
+        loss_mask[row, len(prompt_ids) : n] = True
+    return {"tokens": tokens, "mask": mask, "loss_mask": loss_mask}
+
+
+def _task_texts(task: Task, examples, count: int = 0):
+    count = len(examples) if count == 0 else min(count, len(examples))
+    rows = [examples[i] for i in range(count)]
+    return rows, [task.prompt(ex) for ex in rows], [task.reference_completion(ex) for ex in rows]
+
+
+# ----------------------------------------------------------------------------- loss
+
+
+def masked_nll(logps_bt: jax.Array, loss_mask_bt: jax.Array) -> jax.Array:
+    r"""Mean negative log-likelihood over the masked tokens.
+
+    .. math::
+
+        L = -\frac{\sum_{b,t} m_{bt} \log p_{bt}}{\max(1, \sum_{b,t} m_{bt})}
+
+    Args:
+      logps_bt: float [B, T], `log p(x_t | x_<t)`.
+      loss_mask_bt: bool [B, T], True for the tokens trained on.
+    """
+    weights = loss_mask_bt.astype(jnp.float32)
+    return -jnp.sum(logps_bt * weights) / jnp.maximum(jnp.sum(weights), 1.0)
+
+
+def sft_loss(model, tokens_bt, mask_bt, loss_mask_bt) -> jax.Array:
+    """Teacher-forced `masked_nll` of `model` on a batch from `encode_sft_batch`."""
+    return masked_nll(per_token_logps(model, tokens_bt, mask_bt), loss_mask_bt)
+
+
+# The model structure and the optimizer are static (hashable); `_optimizer` is cached per
+# config, so runs of one config in one process share a compilation.
+@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(2, 3))
+def _train_step(graphdef, tx, params, opt_state, rest, batch):
+    def loss_fn(p):
+        model = nnx.merge(graphdef, p, rest)
+        return sft_loss(model, batch["tokens"], batch["mask"], batch["loss_mask"])
+
+    loss, grads = jax.value_and_grad(loss_fn)(params)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss
+
+
+@functools.lru_cache(maxsize=8)
+def _optimizer(config: WarmStartConfig) -> optax.GradientTransformation:
+    schedule = optax.warmup_cosine_decay_schedule(
+        init_value=0.0,
+        peak_value=config.learning_rate,
+        warmup_steps=min(config.warmup_steps, config.steps - 1),
+        decay_steps=config.steps,
+        end_value=0.1 * config.learning_rate,
+    )
+    return optax.chain(
+        optax.clip_by_global_norm(config.clip_norm),
+        optax.adamw(schedule, weight_decay=config.weight_decay),
+    )
+
+
+# ------------------------------------------------------------------------ evaluation
+
+
+def evaluate_warm_start(
+    model, tokenizer, config: WarmStartConfig, *, data_dir: str | os.PathLike | None = None
+) -> dict[str, float]:
+    """pass@1, pass@n and greedy accuracy of `model` on the test split, measured by
+    `gac_jax.train.evaluation.evaluate_policy` (the RL loop's own evaluation), so the
+    warm start's figures and an RL run's are comparable.
+
+    Returns:
+      ``{"greedy_accuracy", "sampled_reward", "pass@1", f"pass@{n}", "eval_problems",
+      "eval_samples"}`` with n = `config.eval_samples`.
+    """
+    task = get_task(config.task)
+    examples = task.data_source("test", data_dir=data_dir)
+    num_problems = len(examples) if config.eval_problems == 0 else config.eval_problems
+    num_problems = min(num_problems, len(examples))
+    sampler = Sampler(
+        model.config,
+        max_new_tokens=config.max_new_tokens,
+        eos_ids=tokenizer.eos_id,
+        pad_id=tokenizer.pad_id,
+    )
+    graphdef, state = nnx.split(model)
+    metrics = evaluate_policy(
+        graphdef,
+        state,
+        sampler,
+        task,
+        examples,
+        tokenizer,
+        prompt_length=config.prompt_length,
+        num_problems=num_problems,
+        num_samples=config.eval_samples,
+        key=jax.random.key(config.seed + 1),
+        batch_rows=config.eval_batch_size,
+    )
+    return {**metrics, "eval_problems": num_problems, "eval_samples": config.eval_samples}
+
+
+# --------------------------------------------------------------------------- warm start
+
+
+def _versions() -> dict[str, str]:
+    import flax
+    import orbax.checkpoint as ocp
+
+    return {
+        "jax": jax.__version__,
+        "flax": flax.__version__,
+        "optax": optax.__version__,
+        "orbax-checkpoint": ocp.__version__,
+    }
+
+
+def _model_config(config: WarmStartConfig, tokenizer: CharTokenizer) -> ModelConfig:
+    model_config = get_config(config.model, dtype="float32")
+    if model_config.vocab_size < tokenizer.vocab_size:
+        raise ValueError(
+            f"Model preset {config.model!r} has vocab_size={model_config.vocab_size}, fewer "
+            f"than the character tokenizer's {tokenizer.vocab_size} ids."
+        )
+    return model_config.replace(
+        bos_token_id=tokenizer.bos_id,
+        eos_token_ids=(tokenizer.eos_id,),
+        pad_token_id=tokenizer.pad_id,
+    )
+
+
+def train_sft(
+    config: WarmStartConfig,
+    *,
+    data_dir: str | os.PathLike | None = None,
+    log_every: int = 0,
+):
+    """Supervised training on the task's reference completions (no evaluation, no save).
+
+    Deterministic for a config on a given machine: the initialisation and the batch
+    order derive from `config.seed`.
+
+    Args:
+      config: what to train.
+      data_dir: tfds data directory of the task (tfds's default if None).
+      log_every: print the mean training loss every this many steps (0: never).
+
+    Returns:
+      `(model, tokenizer, metrics)`: the trained `Decoder`, its `CharTokenizer`, and
+      training statistics (losses, parameter count, timings).
+    """
+    started = time.perf_counter()
+    task = get_task(config.task)
+    tokenizer = CharTokenizer()
+    model_config = _model_config(config, tokenizer)
+
+    train = task.data_source("train", data_dir=data_dir)
+    _, prompts, completions = _task_texts(task, train, config.train_examples)
+    data = encode_sft_batch(tokenizer, prompts, completions, config.max_length)
+    num_train = len(prompts)
+    rng = np.random.default_rng(config.seed)
+
+    model = create_model(model_config, seed=config.seed)
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    num_params = sum(x.size for x in jax.tree.leaves(params))
+    tx = _optimizer(config)
+    opt_state = tx.init(params)
+    data_seconds = time.perf_counter() - started
+
+    losses = []
+    order = np.empty(0, np.int64)
+    train_started = time.perf_counter()
+    for step in range(config.steps):
+        # Epochs of fresh permutations, so every example is seen once per epoch.
+        if len(order) < config.batch_size:
+            order = np.concatenate([order, rng.permutation(num_train)])
+        rows, order = order[: config.batch_size], order[config.batch_size :]
+        batch = {name: jnp.asarray(array[rows]) for name, array in data.items()}
+        params, opt_state, loss = _train_step(graphdef, tx, params, opt_state, rest, batch)
+        losses.append(loss)
+        if log_every and (step + 1) % log_every == 0:
+            recent = float(np.mean(jax.device_get(losses[-log_every:])))
+            print(f"step {step + 1:5d}  loss {recent:.4f}", flush=True)
+    losses = np.asarray(jax.device_get(losses), np.float64)
+    train_seconds = time.perf_counter() - train_started
+    nnx.update(model, params)
+
+    tokens_trained = float(data["mask"].sum(axis=1).mean()) * config.batch_size * config.steps
+    metrics = {
+        "first_train_loss": float(losses[0]),
+        "final_train_loss": float(losses[-min(50, len(losses)) :].mean()),
+        "num_params": int(num_params),
+        "train_examples": num_train,
+        "epochs": config.steps * config.batch_size / num_train,
+        "data_seconds": data_seconds,
+        "train_seconds": train_seconds,
+        "train_tokens_per_second": tokens_trained / train_seconds,
+    }
+    return model, tokenizer, metrics
+
+
+def warm_start(
+    config: WarmStartConfig,
+    out_dir: str | os.PathLike,
+    *,
+    data_dir: str | os.PathLike | None = None,
+    log_every: int = 0,
+) -> dict[str, Any]:
+    """Trains the warm start (`train_sft`), evaluates it on the test split
+    (`evaluate_warm_start`), and saves it as an orbax checkpoint with its config and
+    metrics as metadata.
+
+    Args:
+      config: what to train and how to evaluate.
+      out_dir: checkpoint directory (the checkpoint is step `config.steps`; the
+        directory must not hold that step already).
+      data_dir: tfds data directory of the task (tfds's default if None).
+      log_every: print the training loss every this many steps (0: never).
+
+    Returns:
+      The metrics: "pass@1", f"pass@{n}", "greedy_accuracy", training losses and
+      timings ("total_seconds" covers data, training and evaluation),
+      "checkpoint_dir" and "checkpoint_bytes".
+    """
+    started = time.perf_counter()
+    model, tokenizer, metrics = train_sft(config, data_dir=data_dir, log_every=log_every)
+    eval_started = time.perf_counter()
+    metrics.update(evaluate_warm_start(model, tokenizer, config, data_dir=data_dir))
+    metrics["eval_seconds"] = time.perf_counter() - eval_started
+    metrics["total_seconds"] = time.perf_counter() - started
+
+    metadata = {
+        "kind": _METADATA_KIND,
+        "config": config.to_dict(),
+        "config_hash": config_hash(config),
+        "model_config": _model_config_to_dict(model.config),
+        "tokenizer": {"kind": "char", "characters": tokenizer.characters},
+        "prompt_format": {"add_bos": True, "sequence": "<bos> prompt completion <eos>"},
+        "metrics": metrics,
+        "versions": _versions(),
+    }
+    with CheckpointManager(out_dir, max_to_keep=1) as checkpoints:
+        checkpoints.save(config.steps, model_params(model), metadata)
+        step_dir = checkpoints.directory / str(config.steps)
+    metrics = dict(metrics)
+    metrics["checkpoint_dir"] = str(step_dir.parent)
+    metrics["checkpoint_bytes"] = sum(p.stat().st_size for p in step_dir.rglob("*") if p.is_file())
+    return metrics
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def _model_config_to_dict(config: ModelConfig) -> dict[str, Any]:
+    return dataclasses.asdict(config)
+
+
+def _model_config_from_dict(fields: Mapping[str, Any]) -> ModelConfig:
+    fields = dict(fields)
+    if fields.get("rope_scaling") is not None:
+        fields["rope_scaling"] = RopeScaling(**fields["rope_scaling"])
+    fields["eos_token_ids"] = tuple(fields.get("eos_token_ids", ()))
+    return ModelConfig(**fields)
+
+
+def load_warm_start(
+    directory: str | os.PathLike | None = None,
+    *,
+    step: int | None = None,
+    mesh: jax.sharding.Mesh | None = None,
+    rules: ShardingRules | None = None,
+):
+    """Loads a warm-start checkpoint.
+
+    Args:
+      directory: a directory written by `warm_start`; the shipped one by default.
+      step: which step; the latest by default.
+      mesh: if given, every parameter is restored directly onto its `NamedSharding`
+        (from the model's logical axes and `rules`); else onto the first local device.
+      rules: logical-to-mesh rules; `ShardingRules()` by default.
+
+    Returns:
+      `(model, tokenizer, metadata)`: the `Decoder` with the saved parameters, its
+      `CharTokenizer`, and the checkpoint's metadata (config, metrics, ...).
+
+    Raises:
+      FileNotFoundError: if there is no checkpoint there.
+      ValueError: if the checkpoint is not a warm start.
+    """
+    directory = SHIPPED_WARM_START_DIR if directory is None else Path(directory)
+    rules = ShardingRules() if rules is None else rules
+    with CheckpointManager(directory, read_only=True) as checkpoints:
+        metadata = checkpoints.read_metadata(step)
+        if metadata.get("kind") != _METADATA_KIND:
+            raise ValueError(
+                f"{str(directory)!r} holds no warm start (metadata kind "
+                f"{metadata.get('kind')!r}, expected {_METADATA_KIND!r})."
+            )
+        model_config = _model_config_from_dict(metadata["model_config"])
+        # Restore into an abstract model: no random initialisation to throw away.
+        abstract = nnx.eval_shape(lambda: create_model(model_config, rules=rules))
+        shardings = None
+        if mesh is not None:
+            shardings = nnx.to_pure_dict(
+                state_shardings(nnx.state(abstract, nnx.Param), mesh, rules)
+            )
+        target = abstract_tree(model_params(abstract), shardings)
+        restored = checkpoints.restore(step, target=target)
+    model = load_model_params(abstract, restored.state)
+    tokenizer_info = metadata["tokenizer"]
+    if tokenizer_info.get("kind") != "char":
+        raise ValueError(f"Unknown tokenizer kind {tokenizer_info.get('kind')!r}.")
+    return model, CharTokenizer(tokenizer_info["characters"]), metadata
+
+
+def default_cache_dir() -> Path:
+    """`$GAC_JAX_CACHE/warm_start`, or `~/.cache/gac_jax/warm_start`."""
+    root = os.environ.get("GAC_JAX_CACHE") or Path.home() / ".cache" / "gac_jax"
+    return Path(root) / "warm_start"
+
+
+def ensure_warm_start(
+    config: WarmStartConfig | None = None,
+    *,
+    cache_dir: str | os.PathLike | None = None,
+    data_dir: str | os.PathLike | None = None,
+) -> Path:
+    """The checkpoint directory of `config`'s warm start, training it if needed.
+
+    The shipped checkpoint serves its own config; any other config is trained once and
+    cached under `cache_dir / config_hash(config)`.
+
+    Args:
+      config: the warm start; `WarmStartConfig()` (the shipped one) by default.
+      cache_dir: where trained warm starts are kept; `default_cache_dir()` by default.
+      data_dir: tfds data directory, if training is needed.
+
+    Returns:
+      A directory for `load_warm_start`.
+    """
+    config = WarmStartConfig() if config is None else config
+    digest = config_hash(config)
+    if _holds(SHIPPED_WARM_START_DIR, digest):
+        return SHIPPED_WARM_START_DIR
+    cached = Path(cache_dir or default_cache_dir()) / digest
+    if not _holds(cached, digest):
+        warm_start(config, cached, data_dir=data_dir)
+    return cached
+
+
+def _holds(directory: Path, digest: str) -> bool:
+    try:
+        return read_metadata(directory).get("config_hash") == digest
+    except FileNotFoundError:
+        return False

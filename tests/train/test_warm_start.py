@@ -1,0 +1,204 @@
+"""The supervised warm start: its loss, a short run end to end, and the shipped checkpoint."""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from gac_jax.models import (
+    CharTokenizer,
+    create_model,
+    get_config,
+    make_mesh,
+    token_logps_from_logits,
+)
+from gac_jax.train.checkpoint import model_params, read_metadata
+from gac_jax.train.warm_start import (
+    SHIPPED_WARM_START_DIR,
+    WarmStartConfig,
+    config_hash,
+    encode_sft_batch,
+    ensure_warm_start,
+    load_warm_start,
+    masked_nll,
+    sft_loss,
+    train_sft,
+    warm_start,
+)
+
+
+def _log_softmax64(logits):
+    logits = np.asarray(logits, np.float64)
+    shifted = logits - logits.max(axis=-1, keepdims=True)
+    return shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _jitted_logits(graphdef, state, tokens):
+    return nnx.merge(graphdef, state)(tokens)[0]
+
+
+def _logits(model, tokens) -> np.ndarray:
+    return np.asarray(_jitted_logits(*nnx.split(model), tokens))
+
+
+def test_encode_sft_batch_layout():
+    tokenizer = CharTokenizer()
+    batch = encode_sft_batch(tokenizer, ["Use 1 2: ", "ab"], ["1+2", "c"], length=16)
+    tokens, mask, loss_mask = batch["tokens"], batch["mask"], batch["loss_mask"]
+    assert tokens.shape == mask.shape == loss_mask.shape == (2, 16)
+    expected = [tokenizer.bos_id, *tokenizer.encode("Use 1 2: 1+2"), tokenizer.eos_id]
+    assert tokens[0, : len(expected)].tolist() == expected
+    assert (tokens[0, len(expected) :] == tokenizer.pad_id).all()
+    assert mask[0].sum() == len(expected)
+    # The loss covers exactly the completion and its EOS: "1+2<eos>" is 4 tokens at 10..13.
+    assert np.flatnonzero(loss_mask[0]).tolist() == [10, 11, 12, 13]
+    assert np.flatnonzero(loss_mask[1]).tolist() == [3, 4]
+    with pytest.raises(ValueError, match="max_length"):
+        encode_sft_batch(tokenizer, ["x" * 10], ["y" * 10], length=16)
+
+
+def test_sft_loss_matches_numpy_and_ignores_the_prompt():
+    tokenizer = CharTokenizer()
+    model = create_model(get_config("tiny", dtype="float32"), seed=0)
+    batch = encode_sft_batch(tokenizer, ["Use 3 4: ", "Use 9 1 2: "], ["3*4", "9+1*2"], 20)
+    tokens, mask, loss_mask = (jnp.asarray(batch[k]) for k in ("tokens", "mask", "loss_mask"))
+
+    graphdef, state = nnx.split(model)
+
+    @jax.jit
+    def loss_and_logits(state, tokens, mask, loss_mask):
+        model = nnx.merge(graphdef, state)
+        return sft_loss(model, tokens, mask, loss_mask), model(tokens, None, mask)[0]
+
+    loss, logits = loss_and_logits(state, tokens, mask, loss_mask)
+    # NumPy float64: -mean over completion tokens t of log softmax(logits[t-1])[tokens[t]].
+    logp = _log_softmax64(logits)
+    picked = [
+        logp[b, t - 1, int(batch["tokens"][b, t])]
+        for b in range(2)
+        for t in range(20)
+        if batch["loss_mask"][b, t]
+    ]
+    np.testing.assert_allclose(float(loss), -np.mean(picked), rtol=1e-5)
+
+    # The loss has no gradient through the logits that predict prompt tokens (or padding).
+    def loss_of_logits(logits):
+        return masked_nll(token_logps_from_logits(logits, tokens, mask), loss_mask)
+
+    grad = np.asarray(jax.jit(jax.grad(loss_of_logits))(logits))
+    predicts_completion = np.zeros((2, 20), bool)
+    predicts_completion[:, :-1] = batch["loss_mask"][:, 1:]
+    assert np.abs(grad[~predicts_completion]).max() == 0.0
+    assert np.abs(grad[predicts_completion]).sum(axis=-1).min() > 0.0
+
+
+def test_masked_nll_reference():
+    logps = jnp.asarray([[-1.0, -2.0, -3.0], [-0.5, -4.0, 0.0]], jnp.float32)
+    mask = jnp.asarray([[False, True, True], [True, False, False]])
+    np.testing.assert_allclose(float(jax.jit(masked_nll)(logps, mask)), (2 + 3 + 0.5) / 3)
+    assert float(masked_nll(logps, jnp.zeros_like(mask))) == 0.0
+
+
+def test_config_validation_and_hash():
+    config = WarmStartConfig()
+    assert WarmStartConfig.from_dict(config.to_dict()) == config
+    assert config_hash(config) == config_hash(WarmStartConfig())
+    assert config_hash(dataclasses.replace(config, steps=config.steps + 1)) != config_hash(config)
+    with pytest.raises(ValueError, match="steps"):
+        WarmStartConfig(steps=0)
+    with pytest.raises(ValueError, match="Unknown WarmStartConfig fields"):
+        WarmStartConfig.from_dict({"stpes": 3})
+
+
+# A run short enough for a test: a few steps, four test problems, two samples each.
+_SHORT = WarmStartConfig(
+    steps=3,
+    batch_size=8,
+    warmup_steps=1,
+    train_examples=64,
+    eval_problems=4,
+    eval_samples=2,
+    eval_batch_size=8,
+)
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("tfds")
+
+
+@pytest.fixture(scope="module")
+def short_run(data_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("warm_start")
+    return out, warm_start(_SHORT, out, data_dir=data_dir)
+
+
+def test_short_run_writes_a_checkpoint_with_its_metrics(short_run):
+    out, metrics = short_run
+    for key in ("pass@1", "pass@2", "greedy_accuracy"):
+        assert 0.0 <= metrics[key] <= 1.0
+    assert metrics["pass@2"] >= metrics["pass@1"]
+    assert metrics["eval_problems"] == 4 and metrics["checkpoint_bytes"] > 0
+    metadata = read_metadata(out)
+    assert metadata["config"] == _SHORT.to_dict()
+    assert metadata["config_hash"] == config_hash(_SHORT)
+    assert metadata["metrics"]["pass@1"] == metrics["pass@1"]
+    assert metadata["prompt_format"]["add_bos"] is True
+
+
+def test_reload_gives_the_trained_params_and_logits(short_run, data_dir):
+    out, _ = short_run
+    # Training is deterministic, so a second run gives the params the checkpoint holds.
+    trained, _, _ = train_sft(_SHORT, data_dir=data_dir)
+    loaded, tokenizer, _ = load_warm_start(out)
+    assert loaded.config == trained.config
+    assert tokenizer.characters == CharTokenizer().characters
+    trained_params, loaded_params = model_params(trained), model_params(loaded)
+    assert jax.tree.structure(trained_params) == jax.tree.structure(loaded_params)
+    for a, b in zip(jax.tree.leaves(trained_params), jax.tree.leaves(loaded_params), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+    tokens = jnp.asarray([tokenizer.encode("Use 3 4 5 to make 17: 3*4+5", add_bos=True)])
+    np.testing.assert_array_equal(_logits(loaded, tokens), _logits(trained, tokens))
+
+
+def test_reload_onto_a_mesh(short_run):
+    out, _ = short_run
+    mesh = make_mesh(data=2, fsdp=2, tensor=2)
+    sharded, _, _ = load_warm_start(out, mesh=mesh)
+    plain, _, _ = load_warm_start(out)
+    params = model_params(sharded)
+    assert any(len(x.sharding.device_set) > 1 for x in jax.tree.leaves(params))
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(model_params(plain)), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_load_rejects_a_checkpoint_that_is_not_a_warm_start(tmp_path):
+    from gac_jax.train.checkpoint import save_checkpoint
+
+    save_checkpoint(tmp_path, 0, {"w": jnp.zeros(3)}, {"kind": "something else"})
+    with pytest.raises(ValueError, match="no warm start"):
+        load_warm_start(tmp_path)
+
+
+def test_the_shipped_checkpoint_is_the_default_configs_and_solves_some_problems():
+    metadata = read_metadata(SHIPPED_WARM_START_DIR)
+    assert metadata["config"] == WarmStartConfig().to_dict()
+    assert metadata["config_hash"] == config_hash(WarmStartConfig())
+    metrics = metadata["metrics"]
+    n = WarmStartConfig().eval_samples
+    assert 0.1 <= metrics["pass@1"] <= 0.4, metrics
+    assert metrics[f"pass@{n}"] >= metrics["pass@1"] + 0.2, metrics
+    assert metrics["eval_problems"] >= 500
+    size = sum(p.stat().st_size for p in SHIPPED_WARM_START_DIR.rglob("*") if p.is_file())
+    assert size < 10 * 2**20
+
+    model, tokenizer, loaded_metadata = load_warm_start()
+    assert loaded_metadata == metadata
+    assert model.config.vocab_size >= tokenizer.vocab_size
+    assert ensure_warm_start() == SHIPPED_WARM_START_DIR  # Served without training.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
@@ -83,7 +84,9 @@ class GRPOLearner:
         """Host rows -> one global batch sharded over ("data", "fsdp").
 
         With several processes, each passes its own rows (the same count everywhere);
-        `jax.make_array_from_process_local_data` assembles the global arrays.
+        `jax.make_array_from_process_local_data` assembles the global arrays. Group ids are
+        local to each process's rows (`collate` numbers groups from 0 everywhere), so they
+        are made globally distinct first: `id * process_count + process_index`.
         """
         rows = local_batch.num_sequences * jax.process_count()
         if rows % self.batch_divisor:
@@ -94,10 +97,23 @@ class GRPOLearner:
             )
         if jax.process_count() == 1:
             return jax.device_put(local_batch, self.batch_sharding)
-        return jax.tree.map(
+        group_ids = np.asarray(local_batch.group_ids)
+        local_batch = dataclasses.replace(
+            local_batch,
+            group_ids=group_ids * jax.process_count() + jax.process_index(),
+        )
+        batch = jax.tree.map(
             lambda x: jax.make_array_from_process_local_data(self.batch_sharding, x),
             local_batch,
         )
+        if batch.num_sequences != rows:
+            # The batch axes do not split the processes apart: each would claim the same rows.
+            raise ValueError(
+                f"the mesh's data x fsdp axes ({dict(self.mesh.shape)}) must give every one of "
+                f"the {jax.process_count()} processes its own rows; the global batch has "
+                f"{batch.num_sequences} sequences, not {rows}."
+            )
+        return batch
 
     def step(self, batch: TrainBatch, learner_version: int) -> dict[str, float]:
         """One update on `batch` (host or placed); returns the metrics as Python floats."""

@@ -164,6 +164,11 @@ class RolloutBuffer:
         if dropped:
             self._queue = collections.deque(fresh)
             self._dropped += dropped
+            if self.stale_policy == "block":
+                # A dropped group's slot goes back: the groups behind it move up one place
+                # in the consumption order. Without this every drop would shrink, for
+                # good, how far ahead producers may run.
+                self._reserved -= dropped
             self._lock.notify_all()
 
     # ----------------------------------------------------------------------------- lifecycle

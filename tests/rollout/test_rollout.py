@@ -372,3 +372,17 @@ def test_worker_exception_reaches_the_learner_within_seconds():
     assert time.monotonic() - start < 5.0
     source.close()
     assert not source.worker.alive
+
+
+def test_block_policy_gives_a_dropped_groups_slot_back():
+    buffer = RolloutBuffer(capacity=2, groups_per_batch=1, max_staleness=0, stale_policy="block")
+    assert buffer.reserve(0)
+    buffer.put(make_rollout(0, 0))
+    buffer.take(learner_version=0)
+    assert not buffer.reserve(0, timeout=0.01)  # It would be consumed at step 1: too late.
+    assert buffer.reserve(1)  # Slot 1, for step 1 ...
+    buffer.put(make_rollout(0, 1))  # ... but a straggler of version 0 lands in it.
+    with pytest.raises(TimeoutError):
+        buffer.take(learner_version=1, timeout=0.01)  # Dropped as too stale.
+    assert buffer.stats().dropped == 1
+    assert buffer.reserve(1, timeout=0.01)  # Its slot came back.

@@ -1,0 +1,553 @@
+"""A discrete-event simulation of the rollout pipeline: what does asynchrony buy?
+
+`simulate(config)` plays the learner, the `RolloutBuffer` and W generation workers forward
+in simulated time (an event heap, no threads, no sleeping) and reports throughput, the
+staleness of the groups trained on, worker utilisation, learner idle time and dropped
+groups. It is deterministic for a seed, and it runs thousands of learner steps in well
+under a second, so it can answer "how much faster is async than sync for this staleness
+bound and this many workers?" from a few measured costs.
+
+The model, and the assumptions it makes:
+
+- **Groups.** A group is G completions of one prompt, sampled in one call. Completion
+  lengths come from a `LengthDistribution` (heavy-tailed, clipped to `max_tokens`, i.e.
+  max_new_tokens); the call lasts `group_overhead_seconds + token_seconds * max length`,
+  because the KV-cache sampler steps every row until the longest one ends. Group k's
+  lengths are the k-th draw of one seeded stream, whatever the mode, so sync and async
+  see the same groups in the same order.
+- **Workers.** W identical workers, each generating one group at a time
+  (`groups_per_call=1`), none slowing another or the learner: each has its own
+  accelerator, the deployment asynchronous RL is for. (On a shared host, real threads
+  contend; the simulation does not model that.) A group is tagged with the version
+  published when it starts and never picks up a newer one mid-generation, as in
+  `RolloutWorker`.
+- **Learner.** Step t publishes version t, takes B groups, and trains for a fixed
+  `train_seconds` (batches are padded to max_new_tokens, so a step's cost does not depend
+  on the lengths); version t + 1 is published when the step ends. Version 0 is published
+  at time 0. Copying params into the `ParamStore` and moving them to the workers is free.
+- **Async mode** follows `RolloutWorker` and `RolloutBuffer` exactly: a worker reserves a
+  slot (block policy: the j-th reservation with latest version v is granted only if
+  j < (v + max_staleness + 1) * B; drop policy: always), generates, puts the group
+  (waiting while the buffer holds `capacity` groups), and loops. The learner's `take`
+  discards groups with staleness > max_staleness (under both policies) and then pops the
+  oldest B. Waiters are served first come, first served, and re-check the moment the state
+  changes (the real worker polls every 50 ms; the learner is woken at once).
+  `record_trace=True` keeps every buffer call and its outcome, so a test can replay the
+  run against the real `RolloutBuffer`.
+- **Sync mode** is `SyncRollouts` spread over W workers: the B groups of step t are
+  generated with version t, each by the next free worker, then the learner trains; the
+  workers idle while it does. (The real `SyncRollouts` samples all B groups in one call;
+  giving both modes the same W workers and per-group costs isolates the scheduling.)
+
+Under the block policy a group can still arrive too stale (it started long before groups
+that finished first); `take` drops it and gives its reservation back, as `RolloutBuffer`
+does, so the window of groups in flight stays (max_staleness + 1) * B beyond what was
+consumed. (Should the learner ever wait for a batch nothing can produce any more, the run
+ends with `deadlocked=True`.)
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import heapq
+import itertools
+import math
+from collections.abc import Sequence
+
+import numpy as np
+
+from gac_jax.rollout.buffer import STALE_POLICIES
+
+MODES = ("sync", "async")
+LENGTH_KINDS = ("constant", "lognormal", "pareto")
+
+# Event kinds; the heap orders (time, sequence number), so ties keep insertion order.
+_FINISHED, _TRAINED = 0, 1
+# Lengths are drawn this many groups at a time from one stream (any chunk size gives the
+# same lengths for the same group ids only if it never changes, so it is fixed).
+_CHUNK = 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class LengthDistribution:
+    """Completion lengths in tokens, rounded up and clipped to [min_tokens, max_tokens].
+
+    - "constant": every completion has `scale` tokens.
+    - "lognormal": median `scale`, log-space standard deviation `shape`.
+    - "pareto": P(length > x) = (scale / x) ** shape for x >= scale (tail index `shape`;
+      the mean is infinite for shape <= 1 before clipping).
+
+    Args:
+      kind: one of `LENGTH_KINDS`.
+      scale: the constant, the median, or the Pareto minimum (tokens, > 0).
+      shape: lognormal sigma or Pareto tail index (> 0; unused for "constant").
+      max_tokens: the clip, max_new_tokens.
+      min_tokens: the smallest length (1: the EOS token alone).
+    """
+
+    kind: str = "lognormal"
+    scale: float = 32.0
+    shape: float = 1.0
+    max_tokens: int = 256
+    min_tokens: int = 1
+
+    def __post_init__(self):
+        if self.kind not in LENGTH_KINDS:
+            raise ValueError(f"kind={self.kind!r} is not one of {LENGTH_KINDS}.")
+        if not self.scale > 0:
+            raise ValueError(f"scale={self.scale} must be > 0.")
+        if self.kind != "constant" and not self.shape > 0:
+            raise ValueError(f"shape={self.shape} must be > 0.")
+        if not 1 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(
+                f"need 1 <= min_tokens={self.min_tokens} <= max_tokens={self.max_tokens}."
+            )
+
+    def sample(self, rng: np.random.Generator, size) -> np.ndarray:
+        """int64 lengths of the given shape."""
+        if self.kind == "constant":
+            raw = np.full(size, self.scale, np.float64)
+        elif self.kind == "lognormal":
+            raw = rng.lognormal(math.log(self.scale), self.shape, size)
+        else:  # numpy's pareto is the Lomax distribution: 1 + it is Pareto with minimum 1.
+            raw = self.scale * (1.0 + rng.pareto(self.shape, size))
+        return np.clip(np.ceil(raw), self.min_tokens, self.max_tokens).astype(np.int64)
+
+    def describe(self) -> str:
+        if self.kind == "constant":
+            body = f"{self.scale:g} tokens"
+        elif self.kind == "lognormal":
+            body = f"median {self.scale:g}, sigma {self.shape:g}"
+        else:
+            body = f"minimum {self.scale:g}, tail index {self.shape:g}"
+        return f"{self.kind} ({body}) clipped to [{self.min_tokens}, {self.max_tokens}]"
+
+
+@dataclasses.dataclass(frozen=True)
+class SimulationConfig:
+    """One simulated run. Times are in seconds.
+
+    Args:
+      mode: "sync" or "async".
+      num_workers: W, generation workers.
+      groups_per_batch: B, groups per learner step.
+      group_size: G, completions per group (the group lasts as long as its longest).
+      max_staleness: async only: the bound alpha, or None for none (drop policy only).
+      stale_policy: async only: "block" or "drop", as `RolloutBuffer`.
+      capacity: async only: buffer size in groups; None is `AsyncRollouts`' 2 * B.
+      token_seconds: time to generate one token of every row of a group.
+      group_overhead_seconds: fixed time per group (prefill, dispatch, scoring).
+      train_seconds: time of one learner step.
+      lengths: the completion length distribution.
+      num_steps: learner steps to simulate.
+      seed: seed of the length stream.
+    """
+
+    mode: str = "async"
+    num_workers: int = 1
+    groups_per_batch: int = 8
+    group_size: int = 8
+    max_staleness: int | None = 1
+    stale_policy: str = "block"
+    capacity: int | None = None
+    token_seconds: float = 1e-3
+    group_overhead_seconds: float = 0.0
+    train_seconds: float = 0.1
+    lengths: LengthDistribution = LengthDistribution()
+    num_steps: int = 200
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise ValueError(f"mode={self.mode!r} is not one of {MODES}.")
+        for name in ("num_workers", "groups_per_batch", "group_size", "num_steps"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 1.")
+        if self.max_staleness is not None and self.max_staleness < 0:
+            raise ValueError(f"max_staleness={self.max_staleness} must be >= 0 or None.")
+        if self.stale_policy not in STALE_POLICIES:
+            raise ValueError(f"stale_policy={self.stale_policy!r} is not one of {STALE_POLICIES}.")
+        if self.mode == "async" and self.stale_policy == "block" and self.max_staleness is None:
+            raise ValueError("stale_policy='block' needs a max_staleness bound.")
+        if self.buffer_capacity < self.groups_per_batch:
+            raise ValueError(
+                f"capacity={self.capacity} must be >= groups_per_batch={self.groups_per_batch}."
+            )
+        for name in ("token_seconds", "group_overhead_seconds", "train_seconds"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 0.")
+        if not self.group_overhead_seconds + self.token_seconds * self.lengths.min_tokens > 0:
+            # Zero-time groups would let the event loop spin forever at one instant.
+            raise ValueError("a group must take some time: raise token_seconds or the overhead.")
+
+    @property
+    def buffer_capacity(self) -> int:
+        return 2 * self.groups_per_batch if self.capacity is None else self.capacity
+
+
+@dataclasses.dataclass(frozen=True)
+class SimulationResult:
+    """What a simulated run measured.
+
+    Attributes:
+      config: the run's configuration.
+      steps: learner steps completed (`num_steps` unless the run deadlocked).
+      seconds: simulated time when the last completed step ended.
+      step_end_times: when each step ended (its version + 1 was published).
+      produced: groups put into the buffer (sync: generated).
+      consumed: groups trained on.
+      dropped: groups discarded as too stale.
+      depth: groups left in the buffer at the end.
+      staleness_histogram: learner version - group version -> groups trained on.
+      worker_busy_seconds: generation time summed over workers, up to `seconds`.
+      dropped_busy_seconds: the part of it spent on groups that were dropped.
+      deadlocked: the learner waits for a batch that can never come.
+      trace: with `record_trace`, every buffer call in order: ("reserve", version, ok),
+        ("put", group_id, version, ok), ("take", learner_version, group ids or None).
+    """
+
+    config: SimulationConfig
+    steps: int
+    seconds: float
+    step_end_times: tuple[float, ...]
+    produced: int
+    consumed: int
+    dropped: int
+    depth: int
+    staleness_histogram: dict[int, int]
+    worker_busy_seconds: float
+    dropped_busy_seconds: float
+    deadlocked: bool
+    trace: tuple[tuple, ...] | None = None
+
+    @property
+    def steps_per_second(self) -> float:
+        return self.steps / self.seconds if self.seconds > 0 else math.inf
+
+    @property
+    def groups_per_second(self) -> float:
+        """Groups trained on per second."""
+        return self.consumed / self.seconds if self.seconds > 0 else math.inf
+
+    @property
+    def mean_staleness(self) -> float:
+        total = sum(self.staleness_histogram.values())
+        return sum(k * n for k, n in self.staleness_histogram.items()) / max(total, 1)
+
+    @property
+    def max_staleness(self) -> int:
+        return max(self.staleness_histogram, default=0)
+
+    @property
+    def worker_utilisation(self) -> float:
+        """Fraction of worker time spent generating (dropped groups included)."""
+        return self.worker_busy_seconds / (self.config.num_workers * self.seconds)
+
+    @property
+    def learner_idle_fraction(self) -> float:
+        """Fraction of the run the learner spent waiting for a batch."""
+        return 1.0 - self.steps * self.config.train_seconds / self.seconds
+
+    def summary(self) -> dict[str, float]:
+        return {
+            "steps_per_second": self.steps_per_second,
+            "groups_per_second": self.groups_per_second,
+            "mean_staleness": self.mean_staleness,
+            "max_staleness": float(self.max_staleness),
+            "worker_utilisation": self.worker_utilisation,
+            "learner_idle_fraction": self.learner_idle_fraction,
+            "dropped": float(self.dropped),
+            "deadlocked": float(self.deadlocked),
+        }
+
+
+class _GroupCosts:
+    """Generation time of group k: the k-th draw of one seeded stream of lengths."""
+
+    def __init__(self, config: SimulationConfig):
+        self._config = config
+        self._rng = np.random.default_rng(config.seed)
+        self._seconds: list[float] = []
+
+    def seconds(self, group_id: int) -> float:
+        c = self._config
+        while group_id >= len(self._seconds):
+            longest = c.lengths.sample(self._rng, (_CHUNK, c.group_size)).max(axis=1)
+            self._seconds.extend((c.group_overhead_seconds + c.token_seconds * longest).tolist())
+        return self._seconds[group_id]
+
+
+def simulate(config: SimulationConfig, *, record_trace: bool = False) -> SimulationResult:
+    """Runs the simulation described by `config` (see the module docstring)."""
+    if config.mode == "sync":
+        return _simulate_sync(config)
+    return _AsyncPipeline(config, record_trace).run()
+
+
+def _simulate_sync(c: SimulationConfig) -> SimulationResult:
+    costs = _GroupCosts(c)
+    now, busy, ends, group_id = 0.0, 0.0, [], 0
+    for _ in range(c.num_steps):
+        free = [(now, w) for w in range(c.num_workers)]  # (free at, worker): a heap.
+        finished = now
+        for _ in range(c.groups_per_batch):
+            start, worker = heapq.heappop(free)
+            end = start + costs.seconds(group_id)
+            group_id += 1
+            busy += end - start
+            finished = max(finished, end)
+            heapq.heappush(free, (end, worker))
+        now = finished + c.train_seconds
+        ends.append(now)
+    groups = c.num_steps * c.groups_per_batch
+    return SimulationResult(
+        config=c,
+        steps=c.num_steps,
+        seconds=now,
+        step_end_times=tuple(ends),
+        produced=groups,
+        consumed=groups,
+        dropped=0,
+        depth=0,
+        staleness_histogram={0: groups},
+        worker_busy_seconds=busy,
+        dropped_busy_seconds=0.0,
+        deadlocked=False,
+    )
+
+
+class _AsyncPipeline:
+    """The event loop of async mode: workers, buffer and learner as plain state."""
+
+    def __init__(self, config: SimulationConfig, record_trace: bool):
+        self.c = config
+        self.costs = _GroupCosts(config)
+        self.trace: list[tuple] | None = [] if record_trace else None
+        self.now = 0.0
+        self.events: list[tuple] = []
+        self.sequence = itertools.count()
+        self.version = 0  # Latest published version == the learner's current step.
+        self.steps = 0
+        self.step_end_times: list[float] = []
+        self.learner_waiting = True
+        self.queue_changed = True  # Whether a waiting learner has something new to look at.
+        self.queue: collections.deque[tuple[int, int]] = collections.deque()  # (id, version)
+        self.reserved = self.produced = self.consumed = self.dropped = 0
+        self.histogram: collections.Counter[int] = collections.Counter()
+        self.next_group = 0
+        self.intervals: dict[int, tuple[float, float]] = {}  # group id -> generation time.
+        self.dropped_ids: list[int] = []
+        self.reserve_waiters: collections.deque[int] = collections.deque(range(config.num_workers))
+        self.blocked_recorded: set[int] = set()
+        self.put_waiters: collections.deque[tuple[int, int, int]] = collections.deque()
+
+    def _record(self, *event) -> None:
+        if self.trace is not None:
+            self.trace.append(event)
+
+    def _push(self, delay: float, kind: int, data) -> None:
+        heapq.heappush(self.events, (self.now + delay, next(self.sequence), kind, data))
+
+    # ------------------------------------------------------------------- buffer semantics
+
+    def _slot_free(self) -> bool:
+        c = self.c
+        if c.stale_policy != "block":
+            return True
+        held = self.reserved - self.dropped  # Dropped groups' slots were given back.
+        return held < (self.version + c.max_staleness + 1) * c.groups_per_batch
+
+    def _start(self, worker: int) -> None:
+        self.reserved += 1
+        self._record("reserve", self.version, True)
+        group_id, self.next_group = self.next_group, self.next_group + 1
+        seconds = self.costs.seconds(group_id)
+        self.intervals[group_id] = (self.now, self.now + seconds)
+        self._push(seconds, _FINISHED, (worker, group_id, self.version))
+
+    def _put(self, group_id: int, version: int) -> None:
+        self.queue.append((group_id, version))
+        self.produced += 1
+        self.queue_changed = True
+        self._record("put", group_id, version, True)
+
+    def _try_take(self) -> bool:
+        c, t = self.c, self.version
+        self.queue_changed = False
+        if c.max_staleness is not None:
+            fresh = [g for g in self.queue if t - g[1] <= c.max_staleness]
+            if len(fresh) < len(self.queue):
+                self.dropped_ids.extend(g[0] for g in self.queue if t - g[1] > c.max_staleness)
+                self.dropped += len(self.queue) - len(fresh)
+                self.queue = collections.deque(fresh)
+        if len(self.queue) < c.groups_per_batch:
+            self._record("take", t, None)
+            return False
+        batch = [self.queue.popleft() for _ in range(c.groups_per_batch)]
+        for _, version in batch:
+            self.histogram[t - version] += 1
+        self.consumed += len(batch)
+        self._record("take", t, tuple(g[0] for g in batch))
+        self.learner_waiting = False
+        self._push(c.train_seconds, _TRAINED, None)
+        return True
+
+    def _settle(self) -> None:
+        """Lets every waiter that can proceed at `now` do so, until nobody can."""
+        capacity = self.c.buffer_capacity
+        progress = True
+        while progress:
+            progress = False
+            if self.learner_waiting and self.queue_changed:
+                progress |= self._try_take()
+            while self.put_waiters and len(self.queue) < capacity:
+                worker, group_id, version = self.put_waiters.popleft()
+                self._put(group_id, version)
+                self.reserve_waiters.append(worker)
+                progress = True
+            while self.reserve_waiters and self._slot_free():
+                worker = self.reserve_waiters.popleft()
+                self.blocked_recorded.discard(worker)
+                self._start(worker)
+                progress = True
+        for worker in self.reserve_waiters:
+            if worker not in self.blocked_recorded:
+                self.blocked_recorded.add(worker)
+                self._record("reserve", self.version, False)
+
+    # ------------------------------------------------------------------------ event loop
+
+    def run(self) -> SimulationResult:
+        c = self.c
+        self._settle()
+        deadlocked = False
+        while self.steps < c.num_steps:
+            if not self.events:
+                deadlocked = True
+                break
+            self.now, _, kind, data = heapq.heappop(self.events)
+            if kind == _FINISHED:
+                worker, group_id, version = data
+                if not self.put_waiters and len(self.queue) < c.buffer_capacity:
+                    self._put(group_id, version)
+                    self.reserve_waiters.append(worker)
+                else:
+                    self._record("put", group_id, version, False)
+                    self.put_waiters.append(data)
+            else:
+                self.steps += 1
+                self.step_end_times.append(self.now)
+                self.version += 1
+                self.learner_waiting = self.queue_changed = self.steps < c.num_steps
+            self._settle()
+        end = self.step_end_times[-1] if self.step_end_times else self.now
+        busy = sum(max(0.0, min(stop, end) - start) for start, stop in self.intervals.values())
+        wasted = sum(
+            max(0.0, min(self.intervals[g][1], end) - self.intervals[g][0])
+            for g in self.dropped_ids
+        )
+        return SimulationResult(
+            config=c,
+            steps=self.steps,
+            seconds=end,
+            step_end_times=tuple(self.step_end_times),
+            produced=self.produced,
+            consumed=self.consumed,
+            dropped=self.dropped,
+            depth=len(self.queue),
+            staleness_histogram=dict(sorted(self.histogram.items())),
+            worker_busy_seconds=busy,
+            dropped_busy_seconds=wasted,
+            deadlocked=deadlocked,
+            trace=None if self.trace is None else tuple(self.trace),
+        )
+
+
+# ----------------------------------------------------------------------------- sweeps
+
+
+@dataclasses.dataclass(frozen=True)
+class Comparison:
+    """Async and sync runs of one (workers, staleness bound) cell."""
+
+    sync: SimulationResult
+    async_: SimulationResult
+
+    @property
+    def speedup(self) -> float:
+        """Async steps/s over sync steps/s (both over the steps they completed)."""
+        return self.async_.steps_per_second / self.sync.steps_per_second
+
+
+def compare_async_to_sync(
+    base: SimulationConfig,
+    staleness_bounds: Sequence[int],
+    worker_counts: Sequence[int],
+    **async_overrides,
+) -> dict[tuple[int, int], Comparison]:
+    """Sync and async runs for every (workers, bound); `async_overrides` set async fields.
+
+    Returns {(workers, bound): Comparison}. The sync run of a worker count is shared.
+    """
+    out = {}
+    for workers in worker_counts:
+        sync = simulate(dataclasses.replace(base, mode="sync", num_workers=workers))
+        for bound in staleness_bounds:
+            config = dataclasses.replace(
+                base, mode="async", num_workers=workers, max_staleness=bound, **async_overrides
+            )
+            out[(workers, bound)] = Comparison(sync, simulate(config))
+    return out
+
+
+def format_comparison(
+    comparisons: dict[tuple[int, int], Comparison], title: str | None = None
+) -> str:
+    """A table: rows are worker counts, columns staleness bounds.
+
+    A cell is "speedup (mean staleness)", then ", N dropped" when groups were dropped;
+    a deadlocked run shows "deadlock @ step k" instead.
+    """
+    workers = sorted({w for w, _ in comparisons})
+    bounds = sorted({b for _, b in comparisons})
+
+    def cell(result: Comparison) -> str:
+        a = result.async_
+        if a.deadlocked:
+            return f"deadlock @ step {a.steps}"
+        text = f"{result.speedup:.2f}x ({a.mean_staleness:.2f})"
+        return text + (f", {a.dropped} dropped" if a.dropped else "")
+
+    header = ["workers", "sync steps/s"] + [f"alpha={b}" for b in bounds]
+    rows = [
+        [str(w), f"{comparisons[(w, bounds[0])].sync.steps_per_second:.3f}"]
+        + [cell(comparisons[(w, b)]) for b in bounds]
+        for w in workers
+    ]
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    lines = [title] if title else []
+    for r in [header, *rows]:
+        lines.append("  ".join(s.ljust(n) for s, n in zip(r, widths, strict=True)).rstrip())
+    return "\n".join(lines)
+
+
+def format_utilisation(comparisons: dict[tuple[int, int], Comparison], bound: int) -> str:
+    """Worker utilisation and learner idle fraction, sync vs async at one bound, per W."""
+    header = ["workers", "sync util", "sync idle", f"async util (a={bound})", "async idle"]
+    rows = []
+    for workers in sorted({w for w, b in comparisons if b == bound}):
+        cell = comparisons[(workers, bound)]
+        rows.append(
+            [str(workers)]
+            + [
+                f"{x:.2f}"
+                for r in (cell.sync, cell.async_)
+                for x in (r.worker_utilisation, r.learner_idle_fraction)
+            ]
+        )
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    return "\n".join(
+        "  ".join(s.ljust(n) for s, n in zip(r, widths, strict=True)).rstrip()
+        for r in [header, *rows]
+    )

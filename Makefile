@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/python experiments/demo.py
+	$(BIN)/gac-jax train --config demo --out runs/demo
 
 lint: $(STAMP)
 	$(BIN)/ruff check gac_jax tests benchmarks experiments
@@ -28,6 +28,8 @@ test: $(STAMP) lint
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/transforms.py
+	$(BIN)/python benchmarks/learner.py --quick
+	$(BIN)/python benchmarks/pipeline.py --quick
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis

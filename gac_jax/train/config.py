@@ -174,10 +174,18 @@ def validate(config: TrainConfig) -> TrainConfig:
 
 
 def _preset_demo() -> TrainConfig:
+    # Sized from short sweeps here: at lr 1e-3 the warm start degraded, at 1e-4 to 2e-4 the
+    # batch reward rose; 16 prompts per step keep the reward curve readable.
     return TrainConfig(
-        steps=60,
+        steps=300,
+        eval_every=100,
+        eval_size=128,
+        checkpoint_every=100,
+        optimizer=OptimizerConfig(learning_rate=2e-4),
         gac=GACConfig(enabled=True),
-        rollout=RolloutConfig(mode="async", max_staleness=2, num_workers=1, groups_per_call=8),
+        rollout=RolloutConfig(
+            mode="async", max_staleness=2, num_workers=1, groups_per_batch=16, groups_per_call=16
+        ),
     )
 
 

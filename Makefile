@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
-PYTEST_ARGS ?=
+PYTEST_ARGS ?= --durations=20
 
 .PHONY: install demo test lint bench clean
 

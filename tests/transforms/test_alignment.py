@@ -152,9 +152,11 @@ def _with_reference(tx, params, reference):
     return state._replace(gac_reference=reference)
 
 
+# Two lengths only: every new shape is a new compilation, and the properties do not
+# depend on the length.
 finite_vectors = hnp.arrays(
     np.float32,
-    st.integers(2, 40),
+    st.sampled_from([7, 40]),
     elements=st.floats(-100, 100, width=32, allow_subnormal=False),
 )
 

@@ -24,7 +24,7 @@ def _reference_ess(log_w, mask=None):
 
 
 log_weight_vectors = hnp.arrays(
-    np.float32, st.integers(1, 64), elements=st.floats(-1e4, 1e4, width=32)
+    np.float32, st.sampled_from([1, 5, 64]), elements=st.floats(-1e4, 1e4, width=32)
 )
 
 
@@ -41,7 +41,7 @@ def test_ess_matches_reference_and_lies_in_range(log_w, data):
         assert 1.0 - 1e-5 <= float(result.ess) <= n * (1 + 1e-5)
 
 
-@given(value=st.floats(-1e4, 1e4, width=32), n=st.integers(1, 50))
+@given(value=st.floats(-1e4, 1e4, width=32), n=st.sampled_from([1, 2, 50]))
 def test_equal_weights_give_full_sample_size(value, n):
     result = jax.jit(effective_sample_size)(jnp.full((n,), value, jnp.float32))
     np.testing.assert_allclose(result.ess, n, rtol=1e-5)

@@ -8,7 +8,10 @@ The KV cache is a plain dict of arrays (`init_cache`)::
 
     {"index": int32 [],                  # next slot to write
      "key_mask": bool [B, S],            # slots holding real tokens
-     "layers": ({"k": [B, S, K, H], "v": [B, S, K, H]}, ...)}  # one dict per layer
+     "layers": ({"k": [B, K, H, S], "v": [B, K, S, H]}, ...)}  # one dict per layer
+
+Keys are stored with the slot axis last and values with it second to last, so both
+attention products of a decode step are batched matmuls that read the cache in place.
 
 Every call with a cache writes its T tokens at `index` with `jax.lax.dynamic_update_slice`
 and advances `index` by T. The caller keeps `index + T <= S`.
@@ -21,7 +24,13 @@ import jax.numpy as jnp
 from flax import nnx
 
 from gac_jax.models.config import ModelConfig
-from gac_jax.models.layers import DecoderLayer, RMSNorm, _param
+from gac_jax.models.layers import (
+    DecoderLayer,
+    RMSNorm,
+    _param,
+    rope_inverse_frequencies,
+    rope_tables,
+)
 from gac_jax.models.sharding import ShardingRules, constrain
 
 Cache = dict
@@ -50,12 +59,15 @@ def init_cache(config: ModelConfig, batch_size: int, max_length: int, dtype=None
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name}={value!r} must be a positive int.")
     dtype = config.compute_dtype if dtype is None else jnp.dtype(dtype)
-    shape = (batch_size, max_length, config.num_kv_heads, config.head_dim)
+    k, h = config.num_kv_heads, config.head_dim
     return {
         "index": jnp.zeros((), jnp.int32),
         "key_mask": jnp.zeros((batch_size, max_length), bool),
         "layers": tuple(
-            {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
+            {
+                "k": jnp.zeros((batch_size, k, h, max_length), dtype),
+                "v": jnp.zeros((batch_size, k, max_length, h), dtype),
+            }
             for _ in range(config.num_layers)
         ),
     }
@@ -67,8 +79,8 @@ def _remat_policy(name: str):
     return None  # "full": save nothing, recompute the whole layer.
 
 
-def _run_layer(layer, x_btd, positions_bt, mask_bts, cache, cache_index):
-    return layer(x_btd, positions_bt, mask_bts, cache, cache_index)
+def _run_layer(layer, x_btd, positions_bt, mask_bts, cache, cache_index, rope):
+    return layer(x_btd, positions_bt, mask_bts, cache, cache_index, rope)
 
 
 class Decoder(nnx.Module):
@@ -121,6 +133,7 @@ class Decoder(nnx.Module):
         positions_bt: jax.Array | None = None,
         input_mask_bt: jax.Array | None = None,
         cache: Cache | None = None,
+        rope: tuple[jax.Array, jax.Array] | None = None,
     ) -> tuple[jax.Array, Cache | None]:
         """The final-normed hidden states [B, T, D] (compute dtype), and the new cache.
 
@@ -131,6 +144,9 @@ class Decoder(nnx.Module):
           input_mask_bt: bool [B, T], True for real tokens; all True by default. Padding
             tokens are never attended to.
           cache: a cache from `init_cache` (or a previous call), or None.
+          rope: `self.rope_tables(positions_bt)` if the caller has them already (a
+            decode loop computes them for every step before the loop, so no step
+            evaluates sin and cos); computed here otherwise.
 
         Returns:
           `(hidden_btd, new_cache)`; `new_cache` is None when `cache` is None.
@@ -170,10 +186,12 @@ class Decoder(nnx.Module):
         run = _run_layer
         if cfg.remat != "none":
             run = nnx.remat(_run_layer, policy=_remat_policy(cfg.remat))
+        if rope is None:
+            rope = self.rope_tables(positions_bt)  # Shared by every layer.
         new_layer_caches = []
         for layer, layer_cache in zip(self.layers, layer_caches, strict=True):
             x_btd, new_layer_cache = run(
-                layer, x_btd, positions_bt, mask_bts, layer_cache, cache_index
+                layer, x_btd, positions_bt, mask_bts, layer_cache, cache_index, rope
             )
             new_layer_caches.append(new_layer_cache)
         x_btd = self.final_norm(x_btd)
@@ -187,24 +205,31 @@ class Decoder(nnx.Module):
             }
         return x_btd, new_cache
 
+    def rope_tables(self, positions_bt: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """`(cos, sin)` [B, T, 1, H/2] of the rotary angles at `positions_bt`."""
+        cfg = self.config
+        inv_freq = rope_inverse_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        return rope_tables(positions_bt, inv_freq)
+
     def logits(self, hidden_btd: jax.Array) -> jax.Array:
         """Output logits [B, T, V] in float32 from hidden states [B, T, D]."""
         dtype = self.config.compute_dtype
-        x = hidden_btd.astype(dtype)
+        *lead, d = hidden_btd.shape
+        # One 2-D matmul over all positions (see `layers.dense` for why not an einsum).
+        x_rd = jnp.reshape(hidden_btd.astype(dtype), (-1, d))
         if self.lm_head_dv is None:
-            logits = jnp.einsum(
-                "BTD,VD->BTV",
-                x,
+            contract_d = (((1,), (1,)), ((), ()))  # [R, D] x [V, D] -> [R, V]
+            logits = jax.lax.dot_general(
+                x_rd,
                 self.embedding_vd[...].astype(dtype),
+                contract_d,
                 preferred_element_type=jnp.float32,
             )
         else:
-            logits = jnp.einsum(
-                "BTD,DV->BTV",
-                x,
-                self.lm_head_dv[...].astype(dtype),
-                preferred_element_type=jnp.float32,
+            logits = jnp.dot(
+                x_rd, self.lm_head_dv[...].astype(dtype), preferred_element_type=jnp.float32
             )
+        logits = jnp.reshape(logits, (*lead, logits.shape[-1]))
         return constrain(logits.astype(jnp.float32), self.rules.act_btv)
 
     def __call__(

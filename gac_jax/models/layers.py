@@ -52,6 +52,31 @@ class RMSNorm(nnx.Module):
         return normed * jnp.reshape(scale, (1,) * (x.ndim - 1) + scale.shape)
 
 
+def dense(x: jax.Array, w: jax.Array, num_contracted: int = 1) -> jax.Array:
+    """Contracts the last `num_contracted` axes of `x` with the first ones of `w`.
+
+    Computed as one 2-D matmul `[rows, in] @ [in, out]` between reshapes, which is the
+    einsum `"...I,IO->...O"` but lowers better: XLA:CPU turns the weight gradient of an
+    einsum with two free activation axes (B, T) into a dot that first writes the
+    activation gradient transposed ([F, B*T]), an extra, slow pass over memory for every
+    projection; with one row axis it multiplies in place. Reshapes that merge a sharded
+    leading axis with unsharded trailing ones keep their sharding under GSPMD.
+
+    Args:
+      x: activations [..., *in_shape], in the compute dtype.
+      w: weights [*in_shape, *out_shape], already cast to the compute dtype.
+      num_contracted: how many axes `in_shape` has.
+
+    Returns:
+      [..., *out_shape] in the result dtype of `x @ w`.
+    """
+    lead = x.shape[: x.ndim - num_contracted]
+    in_size = math.prod(x.shape[x.ndim - num_contracted :])
+    out_shape = w.shape[num_contracted:]
+    y = jnp.dot(jnp.reshape(x, (-1, in_size)), jnp.reshape(w, (in_size, -1)))
+    return jnp.reshape(y, (*lead, *out_shape))
+
+
 def rope_inverse_frequencies(
     head_dim: int, theta: float, scaling: RopeScaling | None = None
 ) -> np.ndarray:
@@ -84,6 +109,27 @@ def rope_inverse_frequencies(
     return inv_freq.astype(np.float32)
 
 
+def rope_tables(positions_bt: jax.Array, inv_freq_h: np.ndarray) -> tuple[jax.Array, jax.Array]:
+    """`(cos, sin)` of the rotary angles, float32 [B, T, 1, H/2] each.
+
+    Every layer rotates by the same angles, so the decoder takes them once per call (or
+    precomputed by its caller, as the sampler does for all decode steps before its loop).
+    """
+    inv_freq = jnp.asarray(inv_freq_h, jnp.float32)
+    angles_bth = positions_bt.astype(jnp.float32)[:, :, None] * inv_freq[None, None, :]
+    return jnp.cos(angles_bth)[:, :, None, :], jnp.sin(angles_bth)[:, :, None, :]
+
+
+def rotate(x_btnh: jax.Array, rope: tuple[jax.Array, jax.Array]) -> jax.Array:
+    """Rotates `x` [B, T, N, H] by `rope = rope_tables(...)` ("rotate half" layout)."""
+    cos, sin = rope
+    half = x_btnh.shape[-1] // 2
+    x32 = x_btnh.astype(jnp.float32)
+    x1, x2 = x32[..., :half], x32[..., half:]
+    rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return rotated.astype(x_btnh.dtype)
+
+
 def apply_rope(x_btnh: jax.Array, positions_bt: jax.Array, inv_freq_h: np.ndarray) -> jax.Array:
     """Rotates `x` by its positions, HF's "rotate half" layout (not interleaved pairs).
 
@@ -95,15 +141,7 @@ def apply_rope(x_btnh: jax.Array, positions_bt: jax.Array, inv_freq_h: np.ndarra
     Returns:
       The rotated array, same shape and dtype as `x_btnh`.
     """
-    half = x_btnh.shape[-1] // 2
-    inv_freq = jnp.asarray(inv_freq_h, jnp.float32)
-    angles_bth = positions_bt.astype(jnp.float32)[:, :, None] * inv_freq[None, None, :]
-    cos = jnp.cos(angles_bth)[:, :, None, :]
-    sin = jnp.sin(angles_bth)[:, :, None, :]
-    x32 = x_btnh.astype(jnp.float32)
-    x1, x2 = x32[..., :half], x32[..., half:]
-    rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-    return rotated.astype(x_btnh.dtype)
+    return rotate(x_btnh, rope_tables(positions_bt, inv_freq_h))
 
 
 class Attention(nnx.Module):
@@ -133,6 +171,7 @@ class Attention(nnx.Module):
         mask_bts: jax.Array,
         cache: dict[str, jax.Array] | None = None,
         cache_index: jax.Array | None = None,
+        rope: tuple[jax.Array, jax.Array] | None = None,
     ) -> tuple[jax.Array, dict[str, jax.Array] | None]:
         """Attends from the T new tokens to the S visible keys.
 
@@ -141,8 +180,9 @@ class Attention(nnx.Module):
           positions_bt: rotary positions of the new tokens [B, T].
           mask_bts: bool [B, T, S], True where query t may attend to key s. Without a
             cache S = T; with one S is the cache length.
-          cache: this layer's cache `{"k": [B, S, K, H], "v": [B, S, K, H]}`, or None.
+          cache: this layer's cache `{"k": [B, K, H, S], "v": [B, K, S, H]}`, or None.
           cache_index: int32 [] slot where the new keys are written (with `cache`).
+          rope: `rope_tables(positions_bt, ...)` if already computed, else None.
 
         Returns:
           `(out_btd, new_cache)`; `new_cache` is None when `cache` is None.
@@ -150,46 +190,71 @@ class Attention(nnx.Module):
         cfg, rules = self.config, self.rules
         dtype = cfg.compute_dtype
         b, t, _ = x_btd.shape
-        inv_freq = rope_inverse_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
 
-        q_btnh = jnp.einsum("BTD,DNH->BTNH", x_btd, self.q_dnh[...].astype(dtype))
-        k_btkh = jnp.einsum("BTD,DKH->BTKH", x_btd, self.k_dkh[...].astype(dtype))
-        v_btkh = jnp.einsum("BTD,DKH->BTKH", x_btd, self.v_dkh[...].astype(dtype))
+        q_btnh = dense(x_btd, self.q_dnh[...].astype(dtype))
+        k_btkh = dense(x_btd, self.k_dkh[...].astype(dtype))
+        v_btkh = dense(x_btd, self.v_dkh[...].astype(dtype))
         if self.q_norm is not None:
             q_btnh = self.q_norm(q_btnh)
             k_btkh = self.k_norm(k_btkh)
-        q_btnh = constrain(apply_rope(q_btnh, positions_bt, inv_freq), rules.act_btnh)
-        k_btkh = constrain(apply_rope(k_btkh, positions_bt, inv_freq), rules.act_btkh)
+        if rope is None:
+            inv_freq = rope_inverse_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+            rope = rope_tables(positions_bt, inv_freq)
+        q_btnh = constrain(rotate(q_btnh, rope), rules.act_btnh)
+        k_btkh = constrain(rotate(k_btkh, rope), rules.act_btkh)
         v_btkh = constrain(v_btkh, rules.act_btkh)
-
-        new_cache = None
-        if cache is not None:
-            zero = jnp.zeros((), jnp.int32)
-            start = (zero, cache_index.astype(jnp.int32), zero, zero)
-            k_bskh = jax.lax.dynamic_update_slice(
-                cache["k"], k_btkh.astype(cache["k"].dtype), start
-            )
-            v_bskh = jax.lax.dynamic_update_slice(
-                cache["v"], v_btkh.astype(cache["v"].dtype), start
-            )
-            k_bskh = constrain(k_bskh, rules.act_btkh)
-            v_bskh = constrain(v_bskh, rules.act_btkh)
-            new_cache = {"k": k_bskh, "v": v_bskh}
-            k_bskh, v_bskh = k_bskh.astype(dtype), v_bskh.astype(dtype)
-        else:
-            k_bskh, v_bskh = k_btkh, v_btkh
 
         kv, g, h = cfg.num_kv_heads, cfg.group_size, cfg.head_dim
         q_btkgh = jnp.reshape(q_btnh, (b, t, kv, g, h))
-        scores = jnp.einsum(
-            "BTKGH,BSKH->BKGTS", q_btkgh, k_bskh, preferred_element_type=jnp.float32
-        )
+        new_cache = None
+        if cache is not None:
+            # The cache keeps keys as [B, K, H, S] and values as [B, K, S, H]: the layouts
+            # in which both attention products are plain batched matmuls over (B, K), so
+            # a decode step reads the cache once instead of first copying it transposed.
+            zero = jnp.zeros((), jnp.int32)
+            index = cache_index.astype(jnp.int32)
+            k_bkhs = jax.lax.dynamic_update_slice(
+                cache["k"],
+                jnp.transpose(k_btkh, (0, 2, 3, 1)).astype(cache["k"].dtype),
+                (zero, zero, zero, index),
+            )
+            v_bksh = jax.lax.dynamic_update_slice(
+                cache["v"],
+                jnp.transpose(v_btkh, (0, 2, 1, 3)).astype(cache["v"].dtype),
+                (zero, zero, index, zero),
+            )
+            k_bkhs = constrain(k_bkhs, rules.spec("batch", "kv_heads", "head_dim", "sequence"))
+            v_bksh = constrain(v_bksh, rules.spec("batch", "kv_heads", "sequence", "head_dim"))
+            new_cache = {"k": k_bkhs, "v": v_bksh}
+            # [B, K, G*T, H] @ [B, K, H, S]: rows of queries times the key columns.
+            q_bkrh = jnp.reshape(jnp.transpose(q_btkgh, (0, 2, 3, 1, 4)), (b, kv, g * t, h))
+            scores = jax.lax.dot_general(
+                q_bkrh,
+                k_bkhs.astype(dtype),
+                (((3,), (2,)), ((0, 1), (0, 1))),
+                preferred_element_type=jnp.float32,
+            )
+            scores = jnp.reshape(scores, (b, kv, g, t, -1))
+        else:
+            v_bksh = None
+            scores = jnp.einsum(
+                "BTKGH,BSKH->BKGTS", q_btkgh, k_btkh, preferred_element_type=jnp.float32
+            )
         scores = scores * (h**-0.5)
         scores = jnp.where(mask_bts[:, None, None, :, :], scores, _MASKED_SCORE)
         probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
-        out_btkgh = jnp.einsum("BKGTS,BSKH->BTKGH", probs, v_bskh)
+        if v_bksh is not None:
+            # [B, K, G*T, S] @ [B, K, S, H].
+            out_bkrh = jax.lax.dot_general(
+                jnp.reshape(probs, (b, kv, g * t, -1)),
+                v_bksh.astype(dtype),
+                (((3,), (2,)), ((0, 1), (0, 1))),
+            )
+            out_btkgh = jnp.transpose(jnp.reshape(out_bkrh, (b, kv, g, t, h)), (0, 3, 1, 2, 4))
+        else:
+            out_btkgh = jnp.einsum("BKGTS,BSKH->BTKGH", probs, v_btkh)
         out_btnh = constrain(jnp.reshape(out_btkgh, (b, t, kv * g, h)), rules.act_btnh)
-        out_btd = jnp.einsum("BTNH,NHD->BTD", out_btnh, self.o_nhd[...].astype(dtype))
+        out_btd = dense(out_btnh, self.o_nhd[...].astype(dtype), num_contracted=2)
         return constrain(out_btd, rules.act_btd), new_cache
 
 
@@ -207,10 +272,10 @@ class MLP(nnx.Module):
     def __call__(self, x_btd: jax.Array) -> jax.Array:
         """[B, T, D] -> [B, T, D]."""
         dtype = self.config.compute_dtype
-        gate_btf = jnp.einsum("BTD,DF->BTF", x_btd, self.gate_df[...].astype(dtype))
-        up_btf = jnp.einsum("BTD,DF->BTF", x_btd, self.up_df[...].astype(dtype))
+        gate_btf = dense(x_btd, self.gate_df[...].astype(dtype))
+        up_btf = dense(x_btd, self.up_df[...].astype(dtype))
         hidden_btf = constrain(jax.nn.silu(gate_btf) * up_btf, self.rules.act_btf)
-        out_btd = jnp.einsum("BTF,FD->BTD", hidden_btf, self.down_fd[...].astype(dtype))
+        out_btd = dense(hidden_btf, self.down_fd[...].astype(dtype))
         return constrain(out_btd, self.rules.act_btd)
 
 
@@ -224,10 +289,10 @@ class DecoderLayer(nnx.Module):
         self.mlp_norm = RMSNorm(config.embed_dim, eps=eps, param_dtype=pdt, rngs=rngs)
         self.mlp = MLP(config, rules, rngs=rngs)
 
-    def __call__(self, x_btd, positions_bt, mask_bts, cache=None, cache_index=None):
+    def __call__(self, x_btd, positions_bt, mask_bts, cache=None, cache_index=None, rope=None):
         """See `Attention.__call__`; returns `(x_btd, new_cache)`."""
         attn_out, new_cache = self.attn(
-            self.attn_norm(x_btd), positions_bt, mask_bts, cache, cache_index
+            self.attn_norm(x_btd), positions_bt, mask_bts, cache, cache_index, rope
         )
         x_btd = x_btd + attn_out
         x_btd = x_btd + self.mlp(self.mlp_norm(x_btd))

@@ -92,6 +92,13 @@ def filter_logits(
     return jnp.where(scaled >= cutoff, scaled, -jnp.inf)
 
 
+def _scale_logits(logits_bv, temperature_b, top_k_b, top_p_b):
+    """`filter_logits` when no row filters: only the temperature scaling."""
+    del top_k_b, top_p_b
+    safe_temperature = jnp.where(temperature_b > 0, temperature_b, 1.0)
+    return logits_bv.astype(jnp.float32) / safe_temperature[:, None]
+
+
 def sample_step(
     logits_bv: jax.Array,
     key: jax.Array,
@@ -106,10 +113,28 @@ def sample_step(
       filtered sampling distribution (0 for greedy rows) and under `log_softmax(logits)`.
     """
     logits = logits_bv.astype(jnp.float32)
-    filtered = filter_logits(logits, temperature_b, top_k_b, top_p_b)
-    sampled = jax.random.categorical(key, filtered, axis=-1).astype(jnp.int32)
+    vocab = logits.shape[-1]
+    # Top-k / top-p need a sort of every row; skip it at run time when no row filters.
+    filters = jnp.any(((top_k_b > 0) & (top_k_b < vocab)) | (top_p_b < 1.0))
+    filtered = jax.lax.cond(
+        filters, filter_logits, _scale_logits, logits, temperature_b, top_k_b, top_p_b
+    )
     greedy_row = temperature_b <= 0
-    tokens = jnp.where(greedy_row, jnp.argmax(logits, axis=-1).astype(jnp.int32), sampled)
+    # Inverse-CDF sampling: one uniform per row against the running sum of the filtered
+    # probabilities, instead of `jax.random.categorical`'s Gumbel noise for every logit
+    # and an arg-max over it (on CPU those two passes cost more than the rest of the
+    # sampling head). u is in (0, 1], so the chosen token always has nonzero probability.
+    unnormalised = jnp.exp(filtered - jnp.max(filtered, axis=-1, keepdims=True))
+    cdf = jnp.cumsum(unnormalised, axis=-1)
+    u = 1.0 - jax.random.uniform(key, (filtered.shape[0], 1), jnp.float32)
+    sampled = jnp.sum(cdf < u * cdf[:, -1:], axis=-1, dtype=jnp.int32)
+    greedy = jax.lax.cond(
+        jnp.any(greedy_row),
+        lambda x: jnp.argmax(x, axis=-1).astype(jnp.int32),
+        lambda x: jnp.zeros(x.shape[:1], jnp.int32),
+        logits,
+    )
+    tokens = jnp.where(greedy_row, greedy, sampled)
     logps = jnp.where(greedy_row, 0.0, logps_of_tokens(filtered, tokens))
     return tokens, logps, logps_of_tokens(logits, tokens)
 
@@ -311,11 +336,18 @@ class Sampler:
         hidden, cache = model.hidden_states(prompt_tokens, positions_bp, prompt_mask, cache)
         logits_bv = model.logits(hidden[:, -1:])[:, 0]
 
+        # Rotary tables for every decode step, computed once outside the loop: inside it
+        # XLA would evaluate sin and cos again in every fusion that rotates a head.
+        positions_b0 = jnp.sum(prompt_mask, axis=1, dtype=jnp.int32)
+        rope_cos, rope_sin = model.rope_tables(
+            positions_b0[:, None] + jnp.arange(n, dtype=jnp.int32)[None, :]
+        )
+
         init = _LoopState(
             step=jnp.zeros((), jnp.int32),
             cache=cache,
             logits_bv=logits_bv,
-            positions_b=jnp.sum(prompt_mask, axis=1, dtype=jnp.int32),
+            positions_b=positions_b0,
             done_b=jnp.zeros((batch,), bool),
             tokens_bn=jnp.full((batch, n), self.pad_id, jnp.int32),
             mask_bn=jnp.zeros((batch, n), bool),
@@ -338,8 +370,12 @@ class Sampler:
 
             done = s.done_b | (active & jnp.any(tokens[:, None] == eos[None, :], axis=1))
             decoder = nnx.merge(graphdef, state)
+            step_rope = tuple(
+                jax.lax.dynamic_slice_in_dim(table, s.step, 1, axis=1)
+                for table in (rope_cos, rope_sin)
+            )
             hidden, cache = decoder.hidden_states(
-                tokens[:, None], s.positions_b[:, None], active[:, None], s.cache
+                tokens[:, None], s.positions_b[:, None], active[:, None], s.cache, step_rope
             )
             return _LoopState(
                 step=s.step + 1,

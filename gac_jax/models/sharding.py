@@ -83,7 +83,7 @@ class ShardingRules:
 
     @property
     def act_btkh(self) -> PartitionSpec:
-        """Keys and values [B, T, K, H] (also the KV cache [B, S, K, H])."""
+        """Keys and values [B, T, K, H]."""
         return self.spec("batch", "sequence", "kv_heads", "head_dim")
 
     @property

@@ -1,0 +1,479 @@
+"""gac_jax versus Tunix: sampling and GRPO-training throughput on the same tiny Qwen3.
+
+    python benchmarks/vs_tunix.py [--quick] [--rounds N]
+
+Tunix (`google-tunix`) is not a dependency of gac_jax. When it cannot be imported, the
+script creates a separate virtual environment (`.venv-bench` at the repository root, or
+`$GAC_JAX_BENCH_VENV`), installs this checkout (editable) and `google-tunix==0.1.7` into
+it once, and re-runs itself there; the project's own `.venv` is never touched. Any
+`python3 >= 3.11` can start it, so from a fresh clone the one command above is enough.
+
+What runs, for two configurations in both libraries:
+
+  small  4 layers, width 256, SwiGLU 768, 4 query heads of 64, 2 KV heads
+  10M    6 layers, width 384, SwiGLU 1024, 6 query heads of 64, 2 KV heads
+
+both with vocabulary 512, tied embeddings, RoPE theta 1e6 (Tunix's Qwen3 hard-codes it),
+fp32 parameters and compute. gac_jax's randomly initialised model is written with
+`save_hf_checkpoint` and Tunix loads that directory with its own safetensors loader
+(`tunix.models.qwen3.params.create_model_from_safe_tensors`), so both hold the same
+weights; the script checks that their logits agree and that greedy decoding gives the
+same tokens before timing anything.
+
+  (a) sampling: 64 prompts of 16 random tokens, 48 new tokens, temperature 1 (no top-k,
+      no top-p), each library's own KV-cache sampler: `gac_jax.models.Sampler` (which
+      also returns each token's log-probabilities under the sampling and the policy
+      distribution) and `tunix.generate.sampler.Sampler` (strings in, token lists out,
+      `top_p=1.0` so it samples instead of decoding greedily). Generated tokens = 64 x 48
+      decode slots per call: both loops run until every row has ended, which with random
+      weights never happens before step 48.
+  (b) one GRPO training step on 64 sequences (8 groups of 8) of 16 prompt + 48 completion
+      tokens: PPO-clip policy loss with clip 0.2, token-mean aggregation, no reference
+      model, global-norm clip 1 then AdamW (lr 1e-4). gac_jax: `GRPOLearner.step`
+      (advantages inside the step, metrics returned to the host; its chain also runs the
+      gradient-alignment monitor, which gac_jax always has). Tunix: the jitted train step
+      of `tunix.rl.trainer.Trainer` with `grpo_loss_fn` wired exactly as Tunix's
+      `GRPOLearner.__init__` wires it (advantages from Tunix's "grpo" estimator, computed
+      outside the step as Tunix does). Trained tokens = 64 x 64 per step. The two steps
+      are checked to give the same loss and gradient norm on the first batch.
+
+Timing: after warm-up (compilation and two compiled calls per variant, excluded), every
+round runs all four (library, task) pairs, alternating which library goes first, so
+machine noise hits both; the reported figure is the median over rounds. Each timed call
+ends with its outputs on the host (gac_jax: `np.asarray` of the tokens / metrics as
+floats; Tunix: its returned lists / `block_until_ready` of loss, aux and grad norm).
+
+The last lines printed are the four ratios gac_jax / Tunix of tokens/s.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+TUNIX_REQUIREMENT = "google-tunix==0.1.7"
+_CHILD_FLAG = "GAC_JAX_BENCH_CHILD"
+
+
+def _ensure_tunix() -> None:
+    """Re-executes this script inside a venv that has Tunix, creating it if needed."""
+    try:
+        import tunix  # noqa: F401
+
+        import gac_jax  # noqa: F401
+
+        return
+    except ImportError:
+        pass
+    venv = Path(os.environ.get("GAC_JAX_BENCH_VENV", REPO / ".venv-bench"))
+    if os.environ.get(_CHILD_FLAG):
+        raise SystemExit(f"tunix or gac_jax is still not importable inside {venv}.")
+    python = venv / "bin" / "python"
+    stamp = venv / ".tunix-installed"
+    if not python.exists():
+        print(f"[vs_tunix] creating {venv} (Tunix lives there, not in .venv)", flush=True)
+        subprocess.check_call([sys.executable, "-m", "venv", str(venv)])
+    if not stamp.exists():
+        print(f"[vs_tunix] installing gac_jax (editable) + {TUNIX_REQUIREMENT}", flush=True)
+        pip = [str(python), "-m", "pip", "install", "--quiet"]
+        subprocess.check_call([*pip, "--upgrade", "pip"])
+        subprocess.check_call([*pip, "-e", str(REPO), TUNIX_REQUIREMENT])
+        stamp.touch()
+    os.environ[_CHILD_FLAG] = "1"
+    os.execv(str(python), [str(python), str(Path(__file__).resolve()), *sys.argv[1:]])
+
+
+if __name__ == "__main__":
+    _ensure_tunix()
+
+# ruff: noqa: E402  (everything below needs the environment set up above)
+import argparse
+import logging
+import statistics
+import tempfile
+import time
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from gac_jax import models
+from gac_jax.learner import GRPOLearner, collate, make_optimizer
+from gac_jax.rollout import Rollout
+
+BATCH, PROMPT, NEW = 64, 16, 48
+GROUPS, GROUP_SIZE = 8, 8
+PAD, EOS = 0, 2  # Random prompt / completion tokens are drawn from [3, vocab).
+LEARNING_RATE = 1e-4
+CLIP_EPS = 0.2
+GRAD_CLIP = 1.0
+
+SIZES = {
+    "small": dict(num_layers=4, embed_dim=256, mlp_dim=768, num_heads=4, num_kv_heads=2),
+    "10M": dict(num_layers=6, embed_dim=384, mlp_dim=1024, num_heads=6, num_kv_heads=2),
+}
+
+
+def gac_config(size: dict) -> models.ModelConfig:
+    return models.get_config(
+        "tiny",
+        vocab_size=512,
+        head_dim=64,
+        rope_theta=1_000_000.0,
+        dtype="float32",
+        param_dtype="float32",
+        tie_word_embeddings=True,
+        bos_token_id=None,
+        eos_token_ids=(EOS,),
+        pad_token_id=PAD,
+        **size,
+    )
+
+
+def tunix_config(cfg: models.ModelConfig):
+    from tunix.models.qwen3 import model as tunix_qwen3
+
+    return tunix_qwen3.ModelConfig(
+        num_layers=cfg.num_layers,
+        vocab_size=cfg.vocab_size,
+        embed_dim=cfg.embed_dim,
+        hidden_dim=cfg.mlp_dim,
+        num_heads=cfg.num_heads,
+        head_dim=cfg.head_dim,
+        num_kv_heads=cfg.num_kv_heads,
+        rope_theta=int(cfg.rope_theta),
+        norm_eps=cfg.rms_norm_eps,
+        use_tied_embedding=cfg.tie_word_embeddings,
+        dtype=jnp.float32,
+        param_dtype=jnp.float32,
+    )
+
+
+class IdTokenizer:
+    """Space-separated ids <-> token ids: what Tunix's string-in sampler needs."""
+
+    def encode(self, text: str, **_) -> list[int]:
+        return [int(t) for t in text.split()]
+
+    def decode(self, ids, **_) -> str:
+        return " ".join(str(int(t)) for t in ids)
+
+    def bos_id(self):
+        return None
+
+    def eos_id(self) -> int:
+        return EOS
+
+    def pad_id(self) -> int:
+        return PAD
+
+
+# ---------------------------------------------------------------------------------------
+# The two models, same weights
+# ---------------------------------------------------------------------------------------
+
+
+def build_models(cfg: models.ModelConfig, ckpt_dir: str):
+    """(gac_jax Decoder, Tunix Qwen3) holding the same weights, via an HF checkpoint."""
+    from tunix.models.qwen3 import params as tunix_params
+
+    gac_model = models.create_model(cfg, seed=0)
+    models.save_hf_checkpoint(gac_model, ckpt_dir)
+    tunix_model = tunix_params.create_model_from_safe_tensors(ckpt_dir, tunix_config(cfg))
+    return gac_model, tunix_model
+
+
+def check_same_model(gac_model, tunix_model, prompts: np.ndarray) -> float:
+    """Largest |logit difference| of the two models on the prompts (teacher-forced)."""
+    from tunix.generate import utils as tunix_utils
+
+    tokens = jnp.asarray(prompts)
+    mask = jnp.ones(tokens.shape, bool)
+    gac_logits, _ = gac_model(tokens, None, mask)
+    positions = tunix_utils.build_positions_from_mask(mask)
+    attn = tunix_utils.make_causal_attn_mask(mask, tokens.shape[1])
+    tunix_logits, _ = tunix_model(tokens, positions, None, attn)
+    return float(jnp.max(jnp.abs(gac_logits - tunix_logits)))
+
+
+# ---------------------------------------------------------------------------------------
+# (a) Sampling
+# ---------------------------------------------------------------------------------------
+
+
+def make_samplers(cfg, gac_model, tunix_model, prompts: np.ndarray):
+    """Two callables `seed -> [B, NEW] generated tokens on the host`, and a greedy check."""
+    from tunix.generate import sampler as tunix_sampler
+
+    gac = models.Sampler(cfg, max_new_tokens=NEW, eos_ids=EOS, pad_id=PAD)
+    graphdef, state = nnx.split(gac_model)
+    gac_tokens, gac_mask = jnp.asarray(prompts), jnp.ones(prompts.shape, bool)
+
+    def gac_sample(seed: int, temperature: float = 1.0) -> np.ndarray:
+        out = gac(
+            graphdef, state, gac_tokens, gac_mask, jax.random.key(seed), temperature=temperature
+        )
+        return np.asarray(out.tokens)
+
+    tunix = tunix_sampler.Sampler(
+        tunix_model,
+        IdTokenizer(),
+        tunix_sampler.CacheConfig(
+            cache_size=PROMPT + NEW,
+            num_layers=cfg.num_layers,
+            num_kv_heads=cfg.num_kv_heads,
+            head_dim=cfg.head_dim,
+        ),
+    )
+    strings = [" ".join(str(t) for t in row) for row in prompts]
+
+    def tunix_sample(seed: int, temperature: float = 1.0):
+        sampling = dict(temperature=temperature, top_p=1.0) if temperature > 0 else {}
+        out = tunix(
+            strings,
+            max_generation_steps=NEW,
+            max_prompt_length=PROMPT,
+            eos_tokens=[EOS],
+            seed=seed,
+            **sampling,
+        )
+        return out.tokens
+
+    def greedy_agreement() -> int:
+        """Rows whose greedy completions (up to EOS) are identical in both libraries."""
+        ours = gac_sample(0, temperature=0.0)
+        theirs = tunix_sample(0, temperature=0.0)
+        same = 0
+        for row, their_row in zip(ours, theirs, strict=True):
+            end = np.flatnonzero(row == EOS)
+            row = row[: end[0]] if end.size else row  # Tunix drops the EOS token.
+            same += np.array_equal(row, np.asarray(their_row)[: len(row)])
+        return same
+
+    return gac_sample, tunix_sample, greedy_agreement
+
+
+# ---------------------------------------------------------------------------------------
+# (b) One GRPO training step
+# ---------------------------------------------------------------------------------------
+
+
+def fake_rollouts(cfg, seed: int) -> list[Rollout]:
+    """8 groups of 8 full-length completions with random tokens, behaviour log-probs near
+    the uniform policy's and 0/1 rewards."""
+    rng = np.random.default_rng(seed)
+    v = cfg.vocab_size
+    return [
+        Rollout(
+            prompt_id=i,
+            group_id=i,
+            prompt_tokens=rng.integers(3, v, PROMPT).astype(np.int32),
+            completion_tokens=rng.integers(3, v, (GROUP_SIZE, NEW)).astype(np.int32),
+            completion_mask=np.ones((GROUP_SIZE, NEW), bool),
+            behaviour_logp=(np.log(1.0 / v) - 0.1 * rng.random((GROUP_SIZE, NEW))).astype(
+                np.float32
+            ),
+            rewards=rng.integers(0, 2, GROUP_SIZE).astype(np.float32),
+            policy_version=0,
+        )
+        for i in range(GROUPS)
+    ]
+
+
+def make_gac_trainer(gac_model, batch):
+    learner = GRPOLearner(
+        gac_model,
+        make_optimizer(learning_rate=LEARNING_RATE, clip_norm=GRAD_CLIP),
+        models.make_mesh(),  # One CPU device; XLA's intra-op threads use both cores.
+        step_kwargs=dict(
+            policy_loss="ppo",
+            loss_kwargs=dict(eps_low=CLIP_EPS, eps_high=CLIP_EPS, aggregation="token-mean"),
+            advantage="grpo",
+        ),
+    )
+    placed = learner.place_batch(batch)
+    version = [0]
+
+    def step() -> dict[str, float]:
+        version[0] += 1
+        return learner.step(placed, version[0])
+
+    return step
+
+
+def make_tunix_trainer(tunix_model, batch):
+    """Tunix's RL actor trainer with its GRPO loss, as `tunix.rl.grpo.GRPOLearner` sets
+    it up (minus rollout, reward and reference-model machinery)."""
+    from tunix.rl import algo_core
+    from tunix.rl import common as tunix_common
+    from tunix.rl import trainer as tunix_trainer
+    from tunix.rl.grpo import grpo_learner
+    from tunix.sft import peft_trainer
+
+    algo_config = grpo_learner.GRPOConfig(
+        num_generations=GROUP_SIZE,
+        num_iterations=1,
+        beta=0.0,  # No reference model, no KL term.
+        epsilon=CLIP_EPS,
+        loss_agg_mode="token-mean",
+    )
+    algo_config.temperature = 1.0  # GRPOLearner copies it from the rollout config.
+    trainer = tunix_trainer.Trainer(
+        tunix_model,
+        optax.chain(optax.clip_by_global_norm(GRAD_CLIP), optax.adamw(LEARNING_RATE)),
+        peft_trainer.TrainingConfig(eval_every_n_steps=10**9, max_steps=10**9),
+        custom_checkpoint_metadata_fn=lambda: {},
+    )
+    trainer.with_loss_fn(
+        lambda model, train_example, algo_config: algo_core.grpo_loss_fn(
+            model, train_example, algo_config=algo_config, pad_id=PAD, eos_id=EOS
+        ),
+        has_aux=True,
+    )
+    trainer.with_gen_model_input_fn(lambda x: {"train_example": x, "algo_config": algo_config})
+    # `Trainer.train` uses cache_nnx_graph=True by default; so do we.
+    train_step, _ = trainer.jit_train_and_eval_step(cache_nnx_graph=True)
+
+    tokens = np.asarray(batch.tokens)
+    advantages = algo_core.compute_advantages(np.asarray(batch.rewards), GROUP_SIZE)
+    example = tunix_common.TrainExample(
+        prompt_ids=jnp.asarray(tokens[:, :PROMPT]),
+        prompt_mask=jnp.asarray(batch.attention_mask[:, :PROMPT]).astype(jnp.int32),
+        completion_ids=jnp.asarray(tokens[:, PROMPT:]),
+        completion_mask=jnp.asarray(batch.loss_mask[:, PROMPT:]).astype(jnp.int32),
+        advantages=jnp.asarray(advantages, jnp.float32),
+        ref_per_token_logps=None,
+        old_per_token_logps=jnp.asarray(batch.behaviour_logp[:, PROMPT:]),
+    )
+
+    def step() -> dict[str, float]:
+        loss, aux, grad_norm = train_step(example)
+        jax.block_until_ready((loss, aux, grad_norm))
+        return {"loss": float(loss), "grad_norm": float(grad_norm)}
+
+    return step
+
+
+# ---------------------------------------------------------------------------------------
+# Driver
+# ---------------------------------------------------------------------------------------
+
+
+def timed(fn, *args) -> float:
+    start = time.perf_counter()
+    fn(*args)
+    return time.perf_counter() - start
+
+
+def bench_size(name: str, size: dict, rounds: int) -> dict[str, dict[str, list[float]]]:
+    cfg = gac_config(size)
+    rng = np.random.default_rng(1234)
+    prompts = rng.integers(3, cfg.vocab_size, (BATCH, PROMPT)).astype(np.int32)
+    with tempfile.TemporaryDirectory() as ckpt:
+        gac_sampling_model, tunix_sampling_model = build_models(cfg, ckpt)
+        gac_training_model, tunix_training_model = build_models(cfg, ckpt)
+    n_params = sum(x.size for x in jax.tree.leaves(nnx.state(gac_sampling_model, nnx.Param)))
+    logit_gap = check_same_model(gac_sampling_model, tunix_sampling_model, prompts)
+
+    gac_sample, tunix_sample, greedy_agreement = make_samplers(
+        cfg, gac_sampling_model, tunix_sampling_model, prompts
+    )
+    batch = collate(fake_rollouts(cfg, seed=0), PROMPT)
+    gac_step = make_gac_trainer(gac_training_model, batch)
+    tunix_step = make_tunix_trainer(tunix_training_model, batch)
+
+    # Warm-up: compile, then two compiled calls each. The first training step of each
+    # library runs on identical weights and data, so loss and gradient norm must agree.
+    first_gac, first_tunix = gac_step(), tunix_step()
+    agree = greedy_agreement()
+    for _ in range(2):
+        gac_sample(0), tunix_sample(0), gac_step(), tunix_step()
+
+    print(
+        f"\n{name}: {n_params / 1e6:.2f}M params (V={cfg.vocab_size} D={cfg.embed_dim} "
+        f"L={cfg.num_layers} N={cfg.num_heads}x{cfg.head_dim} K={cfg.num_kv_heads} "
+        f"F={cfg.mlp_dim}, tied, fp32)\n"
+        f"  same model: max |logit gap| {logit_gap:.1e}; greedy 48-token completions "
+        f"identical in {agree}/{BATCH} rows\n"
+        f"  first train step: loss gac_jax {first_gac['loss']:+.6f} / Tunix "
+        f"{first_tunix['loss']:+.6f}; grad norm {first_gac['grad_norm']:.6f} / "
+        f"{first_tunix['grad_norm']:.6f}",
+        flush=True,
+    )
+
+    times = {t: {"gac_jax": [], "tunix": []} for t in ("sample", "train")}
+    tasks = {
+        ("sample", "gac_jax"): gac_sample,
+        ("sample", "tunix"): tunix_sample,
+        ("train", "gac_jax"): lambda _: gac_step(),
+        ("train", "tunix"): lambda _: tunix_step(),
+    }
+    for r in range(rounds):
+        libs = ("gac_jax", "tunix") if r % 2 == 0 else ("tunix", "gac_jax")
+        for task in ("sample", "train"):
+            for lib in libs:
+                times[task][lib].append(timed(tasks[task, lib], 1 + r))
+    return times
+
+
+def summarise(name: str, times) -> dict[str, float]:
+    tokens = {"sample": BATCH * NEW, "train": BATCH * (PROMPT + NEW)}
+    label = {"sample": "generated", "train": "trained"}
+    ratios = {}
+    print(f"  {name}: median over {len(times['sample']['gac_jax'])} rounds")
+    for task in ("sample", "train"):
+        rates = {}
+        for lib in ("gac_jax", "tunix"):
+            t = times[task][lib]
+            median = statistics.median(t)
+            rates[lib] = tokens[task] / median
+            print(
+                f"    {task:<6} {lib:<7} {1e3 * median:8.1f} ms (min {1e3 * min(t):.1f}, "
+                f"max {1e3 * max(t):.1f})  {rates[lib]:8.0f} {label[task]} tokens/s"
+            )
+        ratios[task] = rates["gac_jax"] / rates["tunix"]
+    return ratios
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="3 timed rounds instead of 10")
+    parser.add_argument("--rounds", type=int, default=None, help="timed rounds per size")
+    parser.add_argument(
+        "--sizes", nargs="+", choices=sorted(SIZES), default=list(SIZES), help="sizes to run"
+    )
+    args = parser.parse_args()
+    rounds = args.rounds or (3 if args.quick else 10)
+
+    warnings.filterwarnings("ignore")
+    logging.getLogger("absl").setLevel(logging.ERROR)
+    from importlib.metadata import version
+
+    print(
+        f"jax {jax.__version__}, flax {version('flax')}, optax {version('optax')}, "
+        f"gac_jax {version('gac_jax')}, google-tunix {version('google-tunix')}; backend "
+        f"{jax.default_backend()}, {jax.device_count()} device(s), {os.cpu_count()} CPU "
+        f"core(s); {rounds} timed rounds per size, A/B order alternating"
+    )
+    print(
+        f"(a) sampling: {BATCH} prompts x {PROMPT} tokens, {NEW} new tokens, temperature 1; "
+        f"(b) GRPO step: {BATCH} x {PROMPT + NEW} tokens, PPO clip {CLIP_EPS}, no reference "
+        f"model, clip-by-norm {GRAD_CLIP} + AdamW"
+    )
+    results = {name: bench_size(name, SIZES[name], rounds) for name in args.sizes}
+    print("\nThroughput")
+    ratios = {name: summarise(name, times) for name, times in results.items()}
+    print("\nRatios gac_jax / Tunix (tokens/s; >1 means gac_jax is faster)")
+    for name, r in ratios.items():
+        for task, label in (("sample", "sampling"), ("train", "GRPO train step")):
+            print(f"  {name:<5} {label:<16} {r[task]:.2f}x")
+
+
+if __name__ == "__main__":
+    main()

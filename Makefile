@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 PYTEST_ARGS ?= --durations=20
 
-.PHONY: install demo test lint bench clean
+.PHONY: install demo test lint bench bench-tunix clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -30,6 +30,10 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/transforms.py
 	$(BIN)/python benchmarks/learner.py --quick
 	$(BIN)/python benchmarks/pipeline.py --quick
+
+# Tunix goes into its own environment (.venv-bench), created by the script itself.
+bench-tunix:
+	$(PYTHON) benchmarks/vs_tunix.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis

@@ -8,6 +8,8 @@ and donation. Everything method-specific comes from the registries of
 
 from __future__ import annotations
 
+import functools
+import inspect
 from collections.abc import Mapping
 from typing import Any
 
@@ -70,6 +72,8 @@ def make_train_step(
     advantage: str = "grpo",
     grad_norm: str = "exact",
     micro_batches: int = 1,
+    correction: str | None = None,
+    correction_kwargs: Mapping[str, Any] | None = None,
 ):
     """The step function (not jitted: the learner adds shardings and donation).
 
@@ -86,6 +90,12 @@ def make_train_step(
         accumulated (weighted by their share of tokens for "token-mean" aggregation, of
         sequences otherwise), so the global batch does not depend on memory. Advantages
         are computed on the whole batch first, so groups are never split.
+      correction: None, or a name of `objectives.IMPORTANCE_CORRECTIONS` ("tis", "mis",
+        "icepop"): its weights of the current policy against the behaviour policy (no
+        gradient) go to the loss as `is_weights` and its mask replaces the loss mask. The
+        loss must take `is_weights` ("reinforce" or "ppo"); sequence-level TIS is
+        ``correction="tis", correction_kwargs={"level": "sequence"}`` with "reinforce".
+      correction_kwargs: the correction's keyword arguments (cap, level, ...).
     """
     if policy_loss in UNSUPPORTED_LOSSES:
         raise ValueError(
@@ -103,6 +113,16 @@ def make_train_step(
         )
     if micro_batches < 1:
         raise ValueError(f"micro_batches={micro_batches} must be >= 1.")
+    correct = None
+    if correction is not None:
+        correct = functools.partial(
+            objectives.get_importance_correction(correction), **(correction_kwargs or {})
+        )
+        if "is_weights" not in inspect.signature(loss_impl).parameters:
+            raise ValueError(
+                f"correction={correction!r} needs a policy loss that takes is_weights; "
+                f"policy_loss={policy_loss!r} does not (use 'reinforce' or 'ppo')."
+            )
 
     def advantages_of(params, batch: TrainBatch):
         if advantage != "vcpo":
@@ -124,14 +144,16 @@ def make_train_step(
 
     def chunk_loss(params, chunk: TrainBatch, adv_n, weight):
         logp, entropy = _forward(graphdef, params, chunk)
-        extra = {}
+        extra, mask, correction_aux = {}, chunk.loss_mask, {}
         if policy_loss == "decoupled_ppo":
             # One update per batch: the proximal policy is the current one, held fixed.
             extra["proximal_logp"] = jax.lax.stop_gradient(logp)
-        loss, aux = loss_impl(
-            logp, chunk.behaviour_logp, adv_n, chunk.loss_mask, **loss_kwargs, **extra
-        )
-        aux = dict(aux, entropy=_masked_mean(entropy, chunk.loss_mask))
+        if correct is not None:
+            weights = correct(jax.lax.stop_gradient(logp), chunk.behaviour_logp, mask)
+            extra["is_weights"], mask = weights.weights, weights.mask
+            correction_aux["correction_fraction"] = weights.fraction
+        loss, aux = loss_impl(logp, chunk.behaviour_logp, adv_n, mask, **loss_kwargs, **extra)
+        aux = dict(aux, **correction_aux, entropy=_masked_mean(entropy, chunk.loss_mask))
         return weight * loss, (aux, jax.lax.stop_gradient(logp))
 
     grad_fn = jax.value_and_grad(chunk_loss, has_aux=True)

@@ -54,8 +54,10 @@ from gac_jax.objectives.losses import (
 )
 from gac_jax.objectives.registry import (
     ADVANTAGE_ESTIMATORS,
+    IMPORTANCE_CORRECTIONS,
     POLICY_LOSSES,
     get_advantage_estimator,
+    get_importance_correction,
     get_policy_loss,
 )
 
@@ -64,6 +66,7 @@ __all__ = [
     "AGGREGATIONS",
     "BAPOBounds",
     "GRAD_NORM_PROXIES",
+    "IMPORTANCE_CORRECTIONS",
     "ImportanceWeights",
     "KL_ESTIMATORS",
     "M2POHarmfulClip",
@@ -77,6 +80,7 @@ __all__ = [
     "decoupled_ppo_loss",
     "dr_grpo_advantages",
     "get_advantage_estimator",
+    "get_importance_correction",
     "get_policy_loss",
     "grad_sq_norm_proxy",
     "grpo_advantages",

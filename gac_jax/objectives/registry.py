@@ -1,10 +1,11 @@
-"""The registries of policy losses and advantage estimators, by name.
+"""The registries of policy losses, advantage estimators and importance corrections, by name.
 
 These mappings are the only list of valid names: configs refer to a method by its key,
 and `get_policy_loss` / `get_advantage_estimator` reject any other name with an error that
 lists the known ones. Every policy loss follows the common signature
 ``fn(logp, behaviour_logp, advantages, mask, **kwargs) -> (loss, aux)`` and every
-advantage estimator ``fn(rewards, group_ids, **kwargs) -> (advantages, aux)``; the
+advantage estimator ``fn(rewards, group_ids, **kwargs) -> (advantages, aux)``; every
+importance correction ``fn(logp, behaviour_logp, mask, **kwargs) -> ImportanceWeights``. The
 method-specific keyword arguments are documented on each function.
 """
 
@@ -18,6 +19,11 @@ from gac_jax.objectives.advantages import (
     grpo_advantages,
     rloo_advantages,
     vcpo_advantages,
+)
+from gac_jax.objectives.importance import (
+    icepop_weights,
+    masked_importance_weights,
+    truncated_importance_weights,
 )
 from gac_jax.objectives.losses import (
     bapo_loss,
@@ -54,6 +60,16 @@ ADVANTAGE_ESTIMATORS: Mapping[str, Callable] = MappingProxyType(
     }
 )
 
+# Importance corrections whose weights a loss takes as `is_weights` (and whose mask replaces
+# the loss mask): TIS truncates, MIS and IcePop drop.
+IMPORTANCE_CORRECTIONS: Mapping[str, Callable] = MappingProxyType(
+    {
+        "tis": truncated_importance_weights,
+        "mis": masked_importance_weights,
+        "icepop": icepop_weights,
+    }
+)
+
 
 def _lookup(kind: str, registry: Mapping[str, Callable], name: str) -> Callable:
     try:
@@ -79,3 +95,13 @@ def get_advantage_estimator(name: str) -> Callable:
       ValueError: for an unknown name, listing the known ones.
     """
     return _lookup("advantage estimator", ADVANTAGE_ESTIMATORS, name)
+
+
+def get_importance_correction(name: str) -> Callable:
+    """The importance correction registered under `name` (a key of
+    `IMPORTANCE_CORRECTIONS`).
+
+    Raises:
+      ValueError: for an unknown name, listing the known ones.
+    """
+    return _lookup("importance correction", IMPORTANCE_CORRECTIONS, name)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from gac_jax.objectives import ADVANTAGE_ESTIMATORS, POLICY_LOSSES
+from gac_jax.objectives import ADVANTAGE_ESTIMATORS, IMPORTANCE_CORRECTIONS, POLICY_LOSSES
 from gac_jax.transforms.alignment import PROJECTIONS, REFERENCES, SCOPES, THRESHOLD_MODES
 
 ROLLOUT_MODES = ("sync", "lagged", "async")
@@ -61,6 +61,11 @@ class ObjectiveConfig:
     loss_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
     # VCPO baseline only: "exact" per-example gradient norms, or a proxy name.
     grad_norm: str = "exact"
+    # None, or an importance correction by name ("tis", "mis", "icepop") whose weights the
+    # loss takes as is_weights; e.g. sequence TIS: correction=tis,
+    # correction_kwargs.level=sequence with policy_loss=reinforce.
+    correction: str | None = None
+    correction_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,6 +135,8 @@ def validate(config: TrainConfig) -> TrainConfig:
     _choice("init", config.init, INIT_MODES)
     _choice("objective.policy_loss", config.objective.policy_loss, POLICY_LOSSES)
     _choice("objective.advantage", config.objective.advantage, ADVANTAGE_ESTIMATORS)
+    if config.objective.correction is not None:
+        _choice("objective.correction", config.objective.correction, IMPORTANCE_CORRECTIONS)
     _choice("gac.projection", g.projection, PROJECTIONS)
     _choice("gac.reference", g.reference, REFERENCES)
     _choice("gac.scope", g.scope, SCOPES)
@@ -189,11 +196,28 @@ def _preset_demo() -> TrainConfig:
     )
 
 
+def _preset_countdown_sweep() -> TrainConfig:
+    # The base of the experiments in experiments/ (lagged naive GRPO from the warm start):
+    # sized so that one run takes about three minutes on one CPU core.
+    return TrainConfig(
+        steps=200,
+        eval_every=50,
+        eval_size=128,
+        checkpoint_every=50,
+        keep_checkpoints=1,
+        optimizer=OptimizerConfig(learning_rate=SWEEP_LEARNING_RATE),
+        rollout=RolloutConfig(mode="lagged", groups_per_batch=16),
+    )
+
+
+SWEEP_LEARNING_RATE = 6e-4
+
 PRESETS: dict[str, Any] = {
     # The embedded default: countdown from the shipped warm start, async GRPO with GAC.
     "demo": _preset_demo,
     "countdown_sync": lambda: TrainConfig(rollout=RolloutConfig(mode="sync")),
     "countdown_lagged8": lambda: TrainConfig(rollout=RolloutConfig(mode="lagged", lag=8)),
+    "countdown_sweep": _preset_countdown_sweep,
     # Real hardware: Qwen3 on GSM8K from a Hugging Face checkpoint (see README).
     "qwen3_0_6b_gsm8k": lambda: TrainConfig(
         task="gsm8k",

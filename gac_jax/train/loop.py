@@ -137,6 +137,8 @@ def build_run(config: TrainConfig) -> Run:
             advantage=obj.advantage,
             grad_norm=obj.grad_norm,
             micro_batches=config.micro_batches,
+            correction=obj.correction,
+            correction_kwargs=obj.correction_kwargs,
         ),
     )
     r = config.rollout

@@ -1,0 +1,43 @@
+"""Cures: every method of `gac_jax.train.sweeps.METHODS` at staleness k=8 and k=16, and sync.
+
+Lagged mode from the shipped countdown warm start (preset `countdown_sweep`), 3 seeds; sync
+is naive GRPO at k=0. The runs live in experiments/runs/lagged, shared with diagnosis.py: a
+run both need is made once. Resumable: run it again to finish.
+
+    python experiments/cures.py                # 39 runs, 2 processes, ~60 minutes here
+    python experiments/report.py
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from gac_jax.train import apply_overrides, get_preset
+from gac_jax.train.sweeps import METHODS, RunSpec, add_sweep_arguments, run_sweep
+
+LAGS = (8, 16)
+
+
+def specs(seeds):
+    runs = []
+    for seed in seeds:
+        runs.append(RunSpec("naive/k0", ("rollout.lag=0",), seed))
+        for k in LAGS:
+            runs += [
+                RunSpec(f"{name}/k{k}", (f"rollout.lag={k}", *overrides), seed)
+                for name, overrides in METHODS.items()
+            ]
+    return runs
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_sweep_arguments(parser, default_root="experiments/runs/lagged", default_seeds=(0, 1, 2))
+    args = parser.parse_args()
+    base = apply_overrides(get_preset("countdown_sweep"), args.set)
+    run_sweep(specs(args.seeds), base, args.root, script=__file__, jobs=args.jobs,
+              shard_arg=args.shard)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,48 @@
+"""Real asynchrony: the methods of `gac_jax.train.sweeps.METHODS` with rollout worker threads.
+
+Async mode (preset `countdown_sweep` with `rollout.mode=async`): one worker thread samples
+with whatever policy version was published last while the learner trains, the buffer blocks
+the worker beyond staleness 8 (ROLL Flash's alpha). Staleness here is what the timing makes
+it, so runs are not bit-reproducible; each run's measured staleness is in its summary.
+One process at a time (the worker and the learner share the two cores).
+
+    python experiments/real_async.py           # 6 runs, ~15 minutes here
+    python experiments/report.py
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from gac_jax.train import apply_overrides, get_preset
+from gac_jax.train.sweeps import METHODS, RunSpec, add_sweep_arguments, run_sweep
+
+ASYNC = (
+    "rollout.mode=async",
+    "rollout.max_staleness=8",
+    "rollout.stale_policy=block",
+    "rollout.num_workers=1",
+    "rollout.groups_per_call=16",
+)
+
+
+def specs(seeds):
+    return [
+        RunSpec(f"{name}/async", (*ASYNC, *overrides), seed)
+        for seed in seeds
+        for name, overrides in METHODS.items()
+    ]
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_sweep_arguments(parser, default_root="experiments/runs/async", default_seeds=(0,))
+    parser.set_defaults(jobs=1)
+    args = parser.parse_args()
+    base = apply_overrides(get_preset("countdown_sweep"), args.set)
+    run_sweep(specs(args.seeds), base, args.root, script=__file__, jobs=args.jobs,
+              shard_arg=args.shard)
+
+
+if __name__ == "__main__":
+    main()

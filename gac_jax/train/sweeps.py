@@ -102,10 +102,11 @@ def collapse_step(records: Sequence[Mapping[str, Any]], rule: CollapseRule) -> i
         return None
     start = reward[:w].mean()
     trailing = np.convolve(reward, np.ones(w) / w, mode="valid")  # trailing[i]: steps i..i+w-1
-    below = np.nonzero(trailing[w - 1 :] < rule.fraction * start)[0]
+    # trailing[w:] are the windows after the first one, ending at steps 2w - 1, 2w, ...
+    below = np.nonzero(trailing[w:] < rule.fraction * start)[0]
     if len(below) == 0:
         return None
-    return int(records[below[0] + 2 * w - 2]["step"])
+    return int(records[below[0] + 2 * w - 1]["step"])
 
 
 def _quantiles(x: np.ndarray) -> tuple[float, float, float]:
@@ -115,21 +116,26 @@ def _quantiles(x: np.ndarray) -> tuple[float, float, float]:
     return float(q25), float(q50), float(q75)
 
 
+def cosine_samples(records: Sequence[Mapping[str, Any]], key: str = "gac_cosine") -> np.ndarray:
+    """The per-step cosines `key` of the steps after the first whose gradient is non-zero
+    (a batch whose groups all share one reward has no gradient and so no direction)."""
+    return _series([r for r in records[1:] if r.get("grad_norm", 0.0) > 0.0], key)
+
+
 def summarize_run(
     records: Sequence[Mapping[str, Any]], rule: CollapseRule = CollapseRule()
 ) -> dict[str, Any]:
     """The reported numbers of one run from its metric records.
 
-    The cosine statistics use the steps after the first whose gradient is non-zero (a batch
-    whose groups all share one reward has no gradient and so no direction): ``c_t`` is the
-    raw consecutive-gradient cosine, ``c_after`` the cosine of what the controller emitted.
+    The cosine statistics use `cosine_samples`: ``c_t`` is the raw consecutive-gradient
+    cosine, ``c_after`` the cosine of what the controller emitted.
     Held-out accuracy is the sampled pass@1 of the evaluations.
     """
     if not records:
         raise ValueError("summarize_run needs at least one metric record; got none.")
+    c_t = cosine_samples(records)
+    c_after = cosine_samples(records, "gac_cosine_after")
     with_grad = [r for r in records[1:] if r.get("grad_norm", 0.0) > 0.0]
-    c_t = _series(with_grad, "gac_cosine")
-    c_after = _series(with_grad, "gac_cosine_after")
     evals = [r for r in records if "eval/pass@1" in r]
     accuracy = [float(r["eval/pass@1"]) for r in evals]
     regimes = _series(records, "gac_regime")

@@ -1,0 +1,271 @@
+"""Tables and plots of the experiment sweeps, from the runs on disk.
+
+Reads experiments/runs/lagged (diagnosis.py, cures.py) and experiments/runs/async
+(real_async.py); writes experiments/results/*.png and *.csv, and rewrites the generated
+blocks (between ``<!-- BEGIN name -->`` and ``<!-- END name -->``) of experiments/RESULTS.md.
+Runs that have not finished are left out; a table lists how many seeds it holds.
+
+    python experiments/report.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import re
+from pathlib import Path
+
+import numpy as np
+
+from gac_jax.train.metrics import read_metrics
+from gac_jax.train.plots import plot_distributions, plot_grouped_bars, plot_seed_curves
+from gac_jax.train.sweeps import (
+    METHODS,
+    aggregate,
+    cosine_samples,
+    load_summaries,
+    markdown_table,
+)
+
+LAGS = (0, 1, 2, 4, 8, 16)
+CURE_LAGS = (8, 16)
+
+
+def _runs(root: Path, label: str) -> list[list[dict]]:
+    """The metric records of each finished seed of `label`."""
+    return [
+        read_metrics(p.parent)
+        for p in sorted((root / label).glob("seed*/summary.json"))
+    ]
+
+
+def _select(summaries, labels):
+    by_label = {label: [s for s in summaries if s["label"] == label] for label in labels}
+    return [s for label in labels for s in by_label[label]]
+
+
+def _write_csv(summaries, path: Path) -> None:
+    if not summaries:
+        return
+    keys = list(dict.fromkeys(k for s in summaries for k in s if k != "overrides"))
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=keys, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(summaries)
+
+
+def _collapses(summaries, label) -> str:
+    steps = [s["collapse_step"] for s in summaries if s["label"] == label and s["collapsed"]]
+    return f"{len(steps)}" + (f" (at {', '.join(map(str, steps))})" if steps else "")
+
+
+def diagnosis(summaries, root: Path, out: Path) -> dict[str, str]:
+    labels = [f"naive/k{k}" for k in LAGS] + ["gac/k8"]
+    chosen = _select(summaries, labels)
+    _write_csv(chosen, out / "diagnosis.csv")
+    keys = [
+        "c_t_median",
+        "c_t_q25",
+        "c_t_q75",
+        "c_after_median",
+        "ess_ratio_median",
+        "grad_norm_median",
+        "reward_last",
+        "final_accuracy",
+    ]
+    rows = aggregate(chosen, keys)
+    for row in rows:
+        row["collapsed"] = _collapses(chosen, row["label"])
+    table = markdown_table(
+        rows,
+        {
+            "label": "run",
+            "seeds": "seeds",
+            "c_t_median": "median c_t",
+            "c_t_q25": "q25 c_t",
+            "c_t_q75": "q75 c_t",
+            "c_after_median": "median c_t after GAC",
+            "ess_ratio_median": "median ESS/B",
+            "grad_norm_median": "median grad norm",
+            "reward_last": "batch reward, last 25",
+            "final_accuracy": "final held-out pass@1",
+            "collapsed": "collapsed",
+        },
+    )
+    pooled = {}
+    for label in labels:
+        runs = _runs(root, label)
+        if runs:
+            pooled[label.replace("naive/", "").replace("/", " ")] = np.concatenate(
+                [cosine_samples(r) for r in runs]
+            )
+    if pooled:
+        plot_distributions(
+            pooled,
+            out / "diagnosis_cosine.png",
+            ylabel="c_t (per step, seeds pooled)",
+            title="Consecutive-gradient cosine against staleness k (lagged naive GRPO)",
+        )
+    curves = {}
+    for label, name in (("naive/k0", "sync (k=0)"), ("naive/k8", "k=8"), ("gac/k8", "k=8 + GAC")):
+        runs = _runs(root, label)
+        if runs:
+            curves[name] = [[r.get("gac_cosine", np.nan) for r in run[1:]] for run in runs]
+    if curves:
+        plot_seed_curves(
+            curves,
+            out / "cosine_vs_step.png",
+            ylabel="c_t (raw gradients), 20-step mean",
+            smooth=20,
+            title="c_t against step: sync, async k=8, async k=8 with GAC",
+        )
+    return {"diagnosis": table}
+
+
+def cures(summaries, root: Path, out: Path) -> dict[str, str]:
+    tables = {}
+    keys = [
+        "final_accuracy",
+        "best_accuracy",
+        "reward_last",
+        "c_t_median",
+        "c_after_median",
+        "ess_ratio_median",
+        "wall_seconds",
+    ]
+    sync = aggregate(_select(summaries, ["naive/k0"]), keys)
+    bars = {}
+    for k in CURE_LAGS:
+        labels = [f"{m}/k{k}" for m in METHODS]
+        chosen = _select(summaries, labels)
+        _write_csv(chosen, out / f"cures_k{k}.csv")
+        rows = sync + aggregate(chosen, keys)
+        for row in rows:
+            row["collapsed"] = _collapses(summaries, row["label"])
+            row["label"] = "sync (k=0)" if row["label"] == "naive/k0" else row["label"]
+        tables[f"cures_k{k}"] = markdown_table(
+            rows,
+            {
+                "label": "method",
+                "seeds": "seeds",
+                "final_accuracy": "final pass@1",
+                "best_accuracy": "best pass@1",
+                "reward_last": "batch reward, last 25",
+                "collapsed": "collapsed",
+                "c_t_median": "median c_t",
+                "c_after_median": "median c_t after control",
+                "ess_ratio_median": "median ESS/B",
+                "wall_seconds": "wall s",
+            },
+        )
+        bars[f"k={k}"] = {
+            row["label"].split("/")[0]: (row["final_accuracy"], row["final_accuracy_std"])
+            for row in rows
+            if row["label"] != "sync (k=0)"
+        }
+        curves = {}
+        for m in METHODS:
+            runs = _runs(root, f"{m}/k{k}")
+            if runs:
+                curves[m] = [[r["reward"] for r in run] for run in runs]
+        if curves:
+            plot_seed_curves(
+                curves,
+                out / f"cures_reward_k{k}.png",
+                ylabel="batch reward, 25-step mean",
+                smooth=25,
+                title=f"Batch reward at staleness k={k} (mean over seeds, range shaded)",
+            )
+    if any(bars.values()):
+        plot_grouped_bars(
+            bars,
+            out / "cures_accuracy.png",
+            ylabel="final held-out pass@1",
+            reference=("sync (k=0)", sync[0]["final_accuracy"]) if sync else None,
+            title="Final held-out accuracy per method (mean ± std over seeds)",
+        )
+    return tables
+
+
+def real_async(summaries, lagged, root: Path, out: Path) -> dict[str, str]:
+    labels = [f"{m}/async" for m in METHODS]
+    chosen = _select(summaries, labels)
+    _write_csv(chosen, out / "async.csv")
+    rows = aggregate(
+        chosen,
+        ["final_accuracy", "best_accuracy", "staleness_mean", "staleness_max", "c_t_median",
+         "ess_ratio_median", "wall_seconds"],
+    )
+    for row in rows:
+        method = row["label"].split("/")[0]
+        match = aggregate(_select(lagged, [f"{method}/k8"]), ["final_accuracy"])
+        row["lagged_k8"] = match[0]["final_accuracy"] if match else float("nan")
+        row["collapsed"] = _collapses(chosen, row["label"])
+    table = markdown_table(
+        rows,
+        {
+            "label": "method",
+            "seeds": "seeds",
+            "final_accuracy": "final pass@1",
+            "best_accuracy": "best pass@1",
+            "lagged_k8": "lagged k=8 final pass@1",
+            "collapsed": "collapsed",
+            "staleness_mean": "mean staleness",
+            "staleness_max": "max staleness",
+            "c_t_median": "median c_t",
+            "ess_ratio_median": "median ESS/B",
+            "wall_seconds": "wall s",
+        },
+    )
+    gaps = {}
+    for label in labels:
+        runs = _runs(root, label)
+        if runs:
+            gaps[label.split("/")[0]] = np.concatenate(
+                [[r["version_gap_mean"] for r in run] for run in runs]
+            )
+    if gaps:
+        plot_distributions(
+            gaps,
+            out / "async_staleness.png",
+            ylabel="mean staleness of a batch (versions)",
+            title="Measured staleness under real asynchrony (max_staleness 8)",
+        )
+    return {"async": table}
+
+
+def rewrite_blocks(path: Path, blocks: dict[str, str]) -> None:
+    """Replaces each ``<!-- BEGIN name -->...<!-- END name -->`` block of `path`."""
+    text = path.read_text()
+    for name, body in blocks.items():
+        pattern = re.compile(
+            rf"(<!-- BEGIN {re.escape(name)} -->\n).*?(<!-- END {re.escape(name)} -->)", re.S
+        )
+        if not pattern.search(text):
+            raise ValueError(f"{path} has no block named {name!r}.")
+        text = pattern.sub(lambda m, body=body: m.group(1) + body + "\n" + m.group(2), text)
+    path.write_text(text)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--lagged", default="experiments/runs/lagged", type=Path)
+    parser.add_argument("--async-root", default="experiments/runs/async", type=Path)
+    parser.add_argument("--out", default="experiments/results", type=Path)
+    parser.add_argument("--results-md", default="experiments/RESULTS.md", type=Path)
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    lagged = load_summaries(args.lagged) if args.lagged.exists() else []
+    asynchronous = load_summaries(args.async_root) if args.async_root.exists() else []
+    blocks = {}
+    blocks.update(diagnosis(lagged, args.lagged, args.out))
+    blocks.update(cures(lagged, args.lagged, args.out))
+    blocks.update(real_async(asynchronous, lagged, args.async_root, args.out))
+    for name, table in blocks.items():
+        print(f"## {name}\n{table}\n")
+    if args.results_md.exists():
+        rewrite_blocks(args.results_md, blocks)
+
+
+if __name__ == "__main__":
+    main()

@@ -35,8 +35,9 @@ def main():
     add_sweep_arguments(parser, default_root="experiments/runs/lagged", default_seeds=(0, 1, 2))
     args = parser.parse_args()
     base = apply_overrides(get_preset("countdown_sweep"), args.set)
-    run_sweep(specs(args.seeds), base, args.root, script=__file__, jobs=args.jobs,
-              shard_arg=args.shard)
+    run_sweep(
+        specs(args.seeds), base, args.root, script=__file__, jobs=args.jobs, shard_arg=args.shard
+    )
 
 
 if __name__ == "__main__":

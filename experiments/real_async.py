@@ -40,8 +40,9 @@ def main():
     parser.set_defaults(jobs=1)
     args = parser.parse_args()
     base = apply_overrides(get_preset("countdown_sweep"), args.set)
-    run_sweep(specs(args.seeds), base, args.root, script=__file__, jobs=args.jobs,
-              shard_arg=args.shard)
+    run_sweep(
+        specs(args.seeds), base, args.root, script=__file__, jobs=args.jobs, shard_arg=args.shard
+    )
 
 
 if __name__ == "__main__":

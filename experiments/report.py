@@ -1,6 +1,6 @@
 """Tables and plots of the experiment sweeps, from the runs on disk.
 
-Reads experiments/runs/lagged (diagnosis.py, cures.py) and experiments/runs/async
+Reads experiments/runs/lagged (diagnosis.py, cures.py, gac_defaults.py) and experiments/runs/async
 (real_async.py); writes experiments/results/*.png and *.csv, and rewrites the generated
 blocks (between ``<!-- BEGIN name -->`` and ``<!-- END name -->``) of experiments/RESULTS.md.
 Runs that have not finished are left out; a table lists how many seeds it holds.
@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import csv
 import re
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -33,10 +34,7 @@ CURE_LAGS = (8, 16)
 
 def _runs(root: Path, label: str) -> list[list[dict]]:
     """The metric records of each finished seed of `label`."""
-    return [
-        read_metrics(p.parent)
-        for p in sorted((root / label).glob("seed*/summary.json"))
-    ]
+    return [read_metrics(p.parent) for p in sorted((root / label).glob("seed*/summary.json"))]
 
 
 def _select(summaries, labels):
@@ -187,14 +185,60 @@ def cures(summaries, root: Path, out: Path) -> dict[str, str]:
     return tables
 
 
+def gac_defaults(summaries, out: Path) -> dict[str, str]:
+    sys.path.insert(0, str(Path(__file__).parent))  # The sweep's own definitions.
+    from gac_defaults import LAG, VARIANTS
+
+    labels = [f"naive/k{LAG}", f"gac/k{LAG}"] + [f"{name}/k{LAG}" for name in VARIANTS]
+    chosen = _select(summaries, labels)
+    _write_csv(chosen, out / "gac_defaults.csv")
+    rows = aggregate(
+        chosen,
+        [
+            "final_accuracy",
+            "best_accuracy",
+            "reward_last",
+            "c_t_median",
+            "c_after_median",
+            "project_fraction",
+            "skip_fraction",
+        ],
+    )
+    for row in rows:
+        row["collapsed"] = _collapses(chosen, row["label"])
+    table = markdown_table(
+        rows,
+        {
+            "label": "run",
+            "seeds": "seeds",
+            "final_accuracy": "final pass@1",
+            "best_accuracy": "best pass@1",
+            "reward_last": "batch reward, last 25",
+            "collapsed": "collapsed",
+            "c_t_median": "median c_t",
+            "c_after_median": "median c_t after control",
+            "project_fraction": "steps projected",
+            "skip_fraction": "steps skipped",
+        },
+    )
+    return {"gac_defaults": table}
+
+
 def real_async(summaries, lagged, root: Path, out: Path) -> dict[str, str]:
     labels = [f"{m}/async" for m in METHODS]
     chosen = _select(summaries, labels)
     _write_csv(chosen, out / "async.csv")
     rows = aggregate(
         chosen,
-        ["final_accuracy", "best_accuracy", "staleness_mean", "staleness_max", "c_t_median",
-         "ess_ratio_median", "wall_seconds"],
+        [
+            "final_accuracy",
+            "best_accuracy",
+            "staleness_mean",
+            "staleness_max",
+            "c_t_median",
+            "ess_ratio_median",
+            "wall_seconds",
+        ],
     )
     for row in rows:
         method = row["label"].split("/")[0]
@@ -260,6 +304,7 @@ def main():
     blocks = {}
     blocks.update(diagnosis(lagged, args.lagged, args.out))
     blocks.update(cures(lagged, args.lagged, args.out))
+    blocks.update(gac_defaults(lagged, args.out))
     blocks.update(real_async(asynchronous, lagged, args.async_root, args.out))
     for name, table in blocks.items():
         print(f"## {name}\n{table}\n")

@@ -208,8 +208,9 @@ def plot_grouped_bars(
     for i, (group, by_category) in enumerate(values.items()):
         means = [by_category.get(c, (np.nan, 0.0))[0] for c in categories]
         stds = [by_category.get(c, (np.nan, 0.0))[1] for c in categories]
-        ax.bar(x + (i - (len(values) - 1) / 2) * width, means, width, yerr=stds, label=group,
-               capsize=2)
+        ax.bar(
+            x + (i - (len(values) - 1) / 2) * width, means, width, yerr=stds, label=group, capsize=2
+        )
     if reference is not None:
         ax.axhline(reference[1], color="black", linestyle="--", linewidth=1.0, label=reference[0])
     ax.set_xticks(x, categories)

@@ -73,7 +73,9 @@ def test_summary_statistics_match_numpy():
     for r, g in zip(records, grad, strict=True):
         r["grad_norm"] = float(g)
     for t in (29, 59):
-        records[t].update({"eval/pass@1": evals[t], "eval/greedy_accuracy": 0.3, "eval/pass@8": 0.6})
+        records[t].update(
+            {"eval/pass@1": evals[t], "eval/greedy_accuracy": 0.3, "eval/pass@8": 0.6}
+        )
     s = summarize_run(records, CollapseRule(window=10))
     used = np.array([t for t in range(1, n) if grad[t] > 0])
     np.testing.assert_allclose(

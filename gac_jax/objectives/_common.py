@@ -105,3 +105,32 @@ def masked_mean(values, mask, fallback=0.0) -> jax.Array:
 def sequence_valid(mask_bt: jax.Array) -> jax.Array:
     """[B] bool: the sequence has at least one valid token."""
     return jnp.any(mask_bt, axis=-1)
+
+
+def ppo_clip_flags(ratio_bt, adv_bt, lower, upper, dual_clip):
+    """Masks of the tokens a PPO clip silences (zero gradient): ``(low, high, dual)``.
+
+    high: A > 0 and r > upper; low: A < 0 and r < lower; dual (dual clip c, None for
+    none): A < 0 and r > c.
+    """
+    high_bt = (adv_bt > 0) & (ratio_bt > upper)
+    low_bt = (adv_bt < 0) & (ratio_bt < lower)
+    if dual_clip is None:
+        dual_bt = jnp.zeros_like(high_bt)
+    else:
+        dual_bt = (adv_bt < 0) & (ratio_bt > dual_clip)
+    return low_bt, high_bt, dual_bt
+
+
+def clip_fraction_stats(low_bt, high_bt, dual_bt, mask_bt) -> dict[str, jax.Array]:
+    """The shares of valid tokens each clip silenced (no gradient)."""
+
+    def fraction(flags_bt):
+        return jax.lax.stop_gradient(masked_mean(flags_bt.astype(jnp.float32), mask_bt))
+
+    return {
+        "clip_fraction": fraction(low_bt | high_bt),
+        "clip_fraction_low": fraction(low_bt),
+        "clip_fraction_high": fraction(high_bt),
+        "dual_clip_fraction": fraction(dual_bt),
+    }

@@ -20,9 +20,11 @@ from gac_jax.objectives._common import (
     check_nonnegative,
     check_tokens,
     clamped_exp,
+    clip_fraction_stats,
     is_python_number,
     masked_log_ratio,
     masked_mean,
+    ppo_clip_flags,
     sequence_valid,
 )
 from gac_jax.objectives.kl import kl_estimate
@@ -180,23 +182,8 @@ def clip_fractions(
     check_nonnegative("eps_high", eps_high)
     ell_bt, mask_bt = _inputs(logp, behaviour_logp, mask)
     adv_bt = _sg(broadcast_per_token(advantages, mask_bt.shape, "advantages"))
-    ratio_bt = clamped_exp(ell_bt)
-    high_bt = mask_bt & (adv_bt > 0) & (ratio_bt > 1.0 + eps_high)
-    low_bt = mask_bt & (adv_bt < 0) & (ratio_bt < 1.0 - eps_low)
-    if dual_clip is None:
-        dual_bt = jnp.zeros_like(mask_bt)
-    else:
-        dual_bt = mask_bt & (adv_bt < 0) & (ratio_bt > dual_clip)
-
-    def frac(flags):
-        return masked_mean(flags.astype(jnp.float32), mask_bt)
-
-    return {
-        "clip_fraction": frac(low_bt | high_bt),
-        "clip_fraction_low": frac(low_bt),
-        "clip_fraction_high": frac(high_bt),
-        "dual_clip_fraction": frac(dual_bt),
-    }
+    flags = ppo_clip_flags(clamped_exp(ell_bt), adv_bt, 1.0 - eps_low, 1.0 + eps_high, dual_clip)
+    return clip_fraction_stats(*(mask_bt & f for f in flags), mask_bt)
 
 
 def mask_fraction(mask: jax.Array, kept_mask: jax.Array) -> jax.Array:

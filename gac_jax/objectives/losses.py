@@ -33,9 +33,11 @@ from gac_jax.objectives._common import (
     check_positive,
     check_tokens,
     clamped_exp,
+    clip_fraction_stats,
     is_python_number,
     masked_log_ratio,
     masked_mean,
+    ppo_clip_flags,
     sequence_valid,
 )
 from gac_jax.objectives._groups import dense_group_ids, group_sum
@@ -75,15 +77,9 @@ def _ppo_terms(ratio_bt, adv_bt, lower, upper, dual_clip):
     loss1 = -adv_bt * ratio_bt
     loss2 = -adv_bt * jnp.clip(ratio_bt, lower, upper)
     loss_bt = jnp.maximum(loss1, loss2)
-    high_bt = (adv_bt > 0) & (ratio_bt > upper)
-    low_bt = (adv_bt < 0) & (ratio_bt < lower)
-    if dual_clip is None:
-        dual_bt = jnp.zeros_like(high_bt)
-    else:
-        loss3 = -adv_bt * dual_clip
-        loss_bt = jnp.where(adv_bt < 0, jnp.minimum(loss_bt, loss3), loss_bt)
-        dual_bt = (adv_bt < 0) & (ratio_bt > dual_clip)
-    return loss_bt, low_bt, high_bt, dual_bt
+    if dual_clip is not None:
+        loss_bt = jnp.where(adv_bt < 0, jnp.minimum(loss_bt, -adv_bt * dual_clip), loss_bt)
+    return (loss_bt, *ppo_clip_flags(ratio_bt, adv_bt, lower, upper, dual_clip))
 
 
 def _fraction(flags_bt, mask_bt):
@@ -95,15 +91,6 @@ def _ratio_aux(ratio_bt, ell_bt, mask_bt) -> dict[str, jax.Array]:
         "ratio_mean": _sg(masked_mean(ratio_bt, mask_bt, fallback=1.0)),
         # k1 estimate of KL(behaviour || current) from behaviour samples (verl's ppo_kl).
         "approx_kl": _sg(masked_mean(-ell_bt, mask_bt)),
-    }
-
-
-def _clip_aux(low_bt, high_bt, dual_bt, mask_bt) -> dict[str, jax.Array]:
-    return {
-        "clip_fraction": _fraction(low_bt | high_bt, mask_bt),
-        "clip_fraction_low": _fraction(low_bt, mask_bt),
-        "clip_fraction_high": _fraction(high_bt, mask_bt),
-        "dual_clip_fraction": _fraction(dual_bt, mask_bt),
     }
 
 
@@ -210,7 +197,7 @@ def ppo_clip_loss(
     )
     if is_weights is not None:
         loss_bt = loss_bt * _weights_bt(is_weights, mask_bt)
-    aux = _clip_aux(low_bt, high_bt, dual_bt, mask_bt)
+    aux = clip_fraction_stats(low_bt, high_bt, dual_bt, mask_bt)
     aux.update(_ratio_aux(_sg(ratio_bt), ell_bt, mask_bt))
     return aggregate(loss_bt, mask_bt, aggregation), aux
 
@@ -276,7 +263,7 @@ def decoupled_ppo_loss(
         ratio_bt, adv_bt, 1.0 - eps_low, 1.0 + eps_high, dual_clip
     )
     loss_bt = jnp.where(keep_bt, weight_bt * loss_bt, 0.0)
-    aux = _clip_aux(low_bt, high_bt, dual_bt, mask_bt)
+    aux = clip_fraction_stats(low_bt, high_bt, dual_bt, mask_bt)
     aux.update(_ratio_aux(_sg(ratio_bt), ell_prox_bt, mask_bt))
     aux["behaviour_weight_mean"] = _sg(masked_mean(weight_bt, mask_bt, fallback=1.0))
     aux["behaviour_mask_fraction"] = _fraction(mask_bt & ~keep_bt, mask_bt)
@@ -390,7 +377,7 @@ def gspo_loss(
     loss_bt, low_bt, high_bt, dual_bt = _ppo_terms(
         token_ratio_bt, adv_bt, 1.0 - eps_low, 1.0 + eps_high, None
     )
-    aux = _clip_aux(low_bt, high_bt, dual_bt, mask_bt)
+    aux = clip_fraction_stats(low_bt, high_bt, dual_bt, mask_bt)
     aux["ratio_mean"] = _sg(masked_mean(seq_ratio_b, sequence_valid(mask_bt), fallback=1.0))
     aux["approx_kl"] = _sg(masked_mean(-ell_bt, mask_bt))
     return aggregate(loss_bt, mask_bt, aggregation), aux
@@ -670,7 +657,7 @@ def bapo_loss(
     loss_bt, low_bt, high_bt, dual_bt = _ppo_terms(
         ratio_bt, adv_bt, bounds.clip_low, bounds.clip_high, dual_clip
     )
-    aux = _clip_aux(low_bt, high_bt, dual_bt, mask_bt)
+    aux = clip_fraction_stats(low_bt, high_bt, dual_bt, mask_bt)
     aux.update(_ratio_aux(_sg(ratio_bt), ell_bt, mask_bt))
     aux.update(
         clip_low=bounds.clip_low,

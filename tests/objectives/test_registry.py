@@ -17,6 +17,7 @@ def test_lookup_returns_the_registered_function():
     assert get_policy_loss("ppo") is objectives.ppo_clip_loss
     assert get_policy_loss("tb") is objectives.trajectory_balance_loss
     assert get_advantage_estimator("vcpo") is objectives.vcpo_advantages
+    assert objectives.get_importance_correction("tis") is objectives.truncated_importance_weights
 
 
 def test_unknown_names_list_the_known_ones():
@@ -28,11 +29,15 @@ def test_unknown_names_list_the_known_ones():
         get_advantage_estimator("gae")
     for name in ADVANTAGE_ESTIMATORS:
         assert name in str(err.value)
+    with pytest.raises(ValueError, match="'is'; known importance corrections: icepop, mis, tis"):
+        objectives.get_importance_correction("is")
 
 
 def test_registries_are_read_only():
     with pytest.raises(TypeError):
         POLICY_LOSSES["mine"] = objectives.ppo_clip_loss
+    with pytest.raises(TypeError):
+        objectives.IMPORTANCE_CORRECTIONS["mine"] = objectives.icepop_weights
 
 
 def test_every_policy_loss_shares_the_signature():
@@ -44,7 +49,8 @@ def test_every_policy_loss_shares_the_signature():
 
 
 def test_every_public_function_cites_its_source():
-    lookups = {"get_policy_loss", "get_advantage_estimator"}  # no method, no paper
+    # Lookups: no method, no paper.
+    lookups = {"get_policy_loss", "get_advantage_estimator", "get_importance_correction"}
     for name in objectives.__all__:
         obj = getattr(objectives, name)
         if not inspect.isfunction(obj):

@@ -209,3 +209,15 @@ def test_load_config_errors(tmp_path):
     unknown_base.write_text(json.dumps({"base": "nosuch"}))
     with pytest.raises(ValueError, match="Unknown config preset 'nosuch'"):
         load_config(unknown_base)
+
+
+def test_importance_correction_is_validated_and_takes_its_arguments():
+    config = apply_overrides(
+        get_preset("countdown_sweep"),
+        ["objective.correction=tis", "objective.correction_kwargs.level=sequence"],
+    )
+    assert config.objective.correction == "tis"
+    assert config.objective.correction_kwargs == {"level": "sequence"}
+    assert apply_overrides(config, ["objective.correction=none"]).objective.correction is None
+    with pytest.raises(ValueError, match="objective.correction='trunc' is unknown"):
+        apply_overrides(config, ["objective.correction=trunc"])

@@ -297,28 +297,26 @@ def run_sweep(
 ) -> list[dict[str, Any]]:
     """Runs the specs not yet finished under `root` and returns the summaries of `specs`.
 
-    With `jobs` > 1 (and no `shard_arg`) the unfinished specs are split over `jobs`
-    single-threaded child processes of `script` (``--shard i/jobs``); a child (`shard_arg`
-    "i/n") runs every n-th unfinished spec from i. Unfinished specs are those without a
-    summary when the process starts, so the children, started together, agree on them.
+    The unfinished specs are split over `jobs` child processes of `script` (``--shard
+    i/jobs``), each with XLA on one CPU thread, so the numbers of a run do not depend on
+    how many ran side by side; a child (`shard_arg` "i/n") runs every n-th unfinished spec
+    from i. Unfinished specs are those without a summary when the process starts, so the
+    children, started together, agree on them.
     """
 
     def pending():
         return [s for s in specs if not (s.directory(root) / SUMMARY_FILE).exists()]
 
-    if shard_arg is None and jobs > 1:
+    if shard_arg is None:
         todo = pending()
         if todo:
-            run_shards_in_processes([script, *sys.argv[1:]], min(jobs, len(todo)))
+            run_shards_in_processes([script, *sys.argv[1:]], max(1, min(jobs, len(todo))))
         return [run_spec(spec, base, root, rule=rule) for spec in specs]
-    index, count = (0, 1) if shard_arg is None else _parse_shard(shard_arg)
-    mine = shard(pending(), index, count)
+    mine = shard(pending(), *_parse_shard(shard_arg))
     for i, spec in enumerate(mine):
         print(f"[{i + 1}/{len(mine)}] {spec.label} seed {spec.seed}", flush=True)
         run_spec(spec, base, root, rule=rule)
-    if shard_arg is not None:
-        return [run_spec(spec, base, root, rule=rule) for spec in mine]
-    return [run_spec(spec, base, root, rule=rule) for spec in specs]
+    return [run_spec(spec, base, root, rule=rule) for spec in mine]
 
 
 def _parse_shard(text: str) -> tuple[int, int]:

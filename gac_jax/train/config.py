@@ -8,6 +8,7 @@ dotted name (an unknown or ill-typed key is an error naming it).
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any
 
 from gac_jax.objectives import ADVANTAGE_ESTIMATORS, IMPORTANCE_CORRECTIONS, POLICY_LOSSES
@@ -101,7 +102,9 @@ class TrainConfig:
     task: str = "countdown/n3_max20"
     data_dir: str | None = None  # tfds data dir; None: ~/tensorflow_datasets.
     model: str = "tiny"  # A gac_jax.models preset.
-    init: str = "warm_start"  # "warm_start" (the shipped checkpoint) or "random".
+    # "warm_start" (supervised on the task: the shipped checkpoint for countdown on tiny,
+    # else trained once and cached), "random", or a Hugging Face checkpoint directory.
+    init: str = "warm_start"
     steps: int = 100
     seed: int = 0
     micro_batches: int = 1  # Gradient accumulation: the batch is split into this many.
@@ -132,7 +135,11 @@ def validate(config: TrainConfig) -> TrainConfig:
     """Raises ValueError naming the first inconsistent field; returns the config."""
     r, g = config.rollout, config.gac
     _choice("rollout.mode", r.mode, ROLLOUT_MODES)
-    _choice("init", config.init, INIT_MODES)
+    if config.init not in INIT_MODES and not os.path.isdir(config.init):
+        raise ValueError(
+            f"init={config.init!r} is neither one of {list(INIT_MODES)} nor an existing "
+            "directory (a Hugging Face checkpoint with config.json)."
+        )
     _choice("objective.policy_loss", config.objective.policy_loss, POLICY_LOSSES)
     _choice("objective.advantage", config.objective.advantage, ADVANTAGE_ESTIMATORS)
     if config.objective.correction is not None:

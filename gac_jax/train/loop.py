@@ -79,11 +79,17 @@ def resolve_mesh(config: TrainConfig) -> jax.sharding.Mesh:
 
 
 def build_model(config: TrainConfig, mesh):
-    """(model, tokenizer) for `config.init`: the shipped warm start, random, or an HF dir."""
+    """(model, tokenizer) for `config.init`: a warm start of the task and model (the
+    shipped one for countdown on `tiny`), random weights, or an HF checkpoint dir."""
     if config.init == "warm_start":
-        from gac_jax.train.warm_start import load_warm_start
+        from gac_jax.train.warm_start import WarmStartConfig, ensure_warm_start, load_warm_start
 
-        model, tokenizer, _ = load_warm_start(mesh=mesh)
+        # The shipped checkpoint serves countdown/n3_max20 on `tiny`; any other task or model
+        # gets its own supervised warm start, trained once and cached.
+        directory = ensure_warm_start(
+            WarmStartConfig(task=config.task, model=config.model), data_dir=config.data_dir
+        )
+        model, tokenizer, _ = load_warm_start(directory, mesh=mesh)
         return model, tokenizer
     if config.init == "random":
         model = models.create_sharded(

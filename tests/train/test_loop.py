@@ -6,6 +6,7 @@ import json
 import numpy as np
 import pytest
 
+from gac_jax import models
 from gac_jax.tasks import get_task
 from gac_jax.train import loop
 from gac_jax.train.checkpoint import restore_checkpoint
@@ -108,3 +109,23 @@ def test_config_errors_are_clear(tmp_path, digit_task, change, fragment):
     config = dataclasses.replace(_config(tmp_path, 1), eval_every=0, **change)
     with pytest.raises(ValueError, match=fragment):
         loop.train(config, tmp_path / "bad")
+
+
+def test_warm_start_init_asks_for_the_warm_start_of_the_task_and_model(monkeypatch):
+    import importlib
+
+    warm_start = importlib.import_module("gac_jax.train.warm_start")  # Not the function.
+    asked = []
+
+    def fake_ensure(config, *, data_dir=None):
+        asked.append((config.task, config.model, data_dir))
+        return warm_start.SHIPPED_WARM_START_DIR
+
+    monkeypatch.setattr(warm_start, "ensure_warm_start", fake_ensure)
+    config = TrainConfig(task="arithmetic/add3", model="tiny", data_dir="/data")
+    model, tokenizer = loop.build_model(config, models.make_mesh(1, 1, 1))
+    assert asked == [("arithmetic/add3", "tiny", "/data")]
+    assert model.config == models.get_config("tiny") and tokenizer.pad_id is not None
+    # The default task and model are served by the shipped checkpoint, untrained.
+    shipped = warm_start.WarmStartConfig(task=TrainConfig().task, model=TrainConfig().model)
+    assert warm_start.config_hash(shipped) == warm_start.config_hash(warm_start.WarmStartConfig())

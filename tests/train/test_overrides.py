@@ -221,3 +221,10 @@ def test_importance_correction_is_validated_and_takes_its_arguments():
     assert apply_overrides(config, ["objective.correction=none"]).objective.correction is None
     with pytest.raises(ValueError, match="objective.correction='trunc' is unknown"):
         apply_overrides(config, ["objective.correction=trunc"])
+
+
+def test_init_is_a_mode_or_a_checkpoint_directory(tmp_path):
+    base = get_preset("countdown_sweep")
+    assert apply_overrides(base, [f"init={tmp_path}"]).init == str(tmp_path)
+    with pytest.raises(ValueError, match="init='warm'.*nor an existing directory"):
+        apply_overrides(base, ["init=warm"])

@@ -1,8 +1,9 @@
 """Tables and plots of the experiment sweeps, from the runs on disk.
 
-Reads experiments/runs/lagged (diagnosis.py, cures.py, gac_defaults.py) and experiments/runs/async
-(real_async.py); writes experiments/results/*.png and *.csv, and rewrites the generated
-blocks (between ``<!-- BEGIN name -->`` and ``<!-- END name -->``) of experiments/RESULTS.md.
+Reads experiments/runs/lagged (diagnosis.py, cures.py, gac_defaults.py, controls.py) and
+experiments/runs/async (real_async.py); writes experiments/results/*.png and *.csv, and
+rewrites the generated blocks (between ``<!-- BEGIN name -->`` and ``<!-- END name -->``)
+of experiments/RESULTS.md.
 Runs that have not finished are left out; a table lists how many seeds it holds.
 
     python experiments/report.py
@@ -224,6 +225,34 @@ def gac_defaults(summaries, out: Path) -> dict[str, str]:
     return {"gac_defaults": table}
 
 
+def controls(summaries, out: Path) -> dict[str, str]:
+    sys.path.insert(0, str(Path(__file__).parent))  # The sweep's own definitions.
+    from controls import SMALLER_LR
+
+    small = f"naive_lr{SMALLER_LR:g}"
+    labels = ["naive/k0", "m2po/k0", "seq_tis/k0", "m2po/k8", "seq_tis/k8"]
+    labels += [f"{name}/k{k}" for k in (0, 8, 16) for name in ("naive", small, "vcpo")]
+    labels = list(dict.fromkeys(labels))
+    chosen = _select(summaries, labels)
+    _write_csv(chosen, out / "controls.csv")
+    rows = aggregate(chosen, ["final_accuracy", "best_accuracy", "reward_last", "ess_ratio_median"])
+    for row in rows:
+        row["collapsed"] = _collapses(chosen, row["label"])
+    table = markdown_table(
+        rows,
+        {
+            "label": "run",
+            "seeds": "seeds",
+            "final_accuracy": "final pass@1",
+            "best_accuracy": "best pass@1",
+            "reward_last": "batch reward, last 25",
+            "collapsed": "collapsed",
+            "ess_ratio_median": "median ESS/B",
+        },
+    )
+    return {"controls": table}
+
+
 def real_async(summaries, lagged, root: Path, out: Path) -> dict[str, str]:
     labels = [f"{m}/async" for m in METHODS]
     chosen = _select(summaries, labels)
@@ -305,6 +334,7 @@ def main():
     blocks.update(diagnosis(lagged, args.lagged, args.out))
     blocks.update(cures(lagged, args.lagged, args.out))
     blocks.update(gac_defaults(lagged, args.out))
+    blocks.update(controls(lagged, args.out))
     blocks.update(real_async(asynchronous, lagged, args.async_root, args.out))
     for name, table in blocks.items():
         print(f"## {name}\n{table}\n")

@@ -106,15 +106,20 @@ def diagnosis(summaries, root: Path, out: Path) -> dict[str, str]:
             title="Consecutive-gradient cosine against staleness k (lagged naive GRPO)",
         )
     curves = {}
-    for label, name in (("naive/k0", "sync (k=0)"), ("naive/k8", "k=8"), ("gac/k8", "k=8 + GAC")):
+    for label, name, key in (
+        ("naive/k0", "sync (k=0)", "gac_cosine"),
+        ("naive/k8", "k=8", "gac_cosine"),
+        ("gac/k8", "k=8 + GAC, raw gradients", "gac_cosine"),
+        ("gac/k8", "k=8 + GAC, emitted update", "gac_cosine_after"),
+    ):
         runs = _runs(root, label)
         if runs:
-            curves[name] = [[r.get("gac_cosine", np.nan) for r in run[1:]] for run in runs]
+            curves[name] = [[r.get(key, np.nan) for r in run[1:]] for run in runs]
     if curves:
         plot_seed_curves(
             curves,
             out / "cosine_vs_step.png",
-            ylabel="c_t (raw gradients), 20-step mean",
+            ylabel="c_t, 20-step mean",
             smooth=20,
             title="c_t against step: sync, async k=8, async k=8 with GAC",
         )
@@ -163,10 +168,10 @@ def cures(summaries, root: Path, out: Path) -> dict[str, str]:
             if row["label"] != "sync (k=0)"
         }
         curves = {}
-        for m in METHODS:
-            runs = _runs(root, f"{m}/k{k}")
+        for name, label in [("sync (k=0)", "naive/k0")] + [(m, f"{m}/k{k}") for m in METHODS]:
+            runs = _runs(root, label)
             if runs:
-                curves[m] = [[r["reward"] for r in run] for run in runs]
+                curves[name] = [[r["reward"] for r in run] for run in runs]
         if curves:
             plot_seed_curves(
                 curves,

@@ -13,8 +13,7 @@ from __future__ import annotations
 
 import argparse
 
-from gac_jax.train import apply_overrides, get_preset
-from gac_jax.train.sweeps import RunSpec, add_sweep_arguments, run_sweep
+from gac_jax.train.sweeps import RunSpec, add_sweep_arguments, base_config, run_sweep
 
 LAG = 16
 VARIANTS = {
@@ -41,7 +40,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_sweep_arguments(parser, default_root="experiments/runs/lagged", default_seeds=(0, 1))
     args = parser.parse_args()
-    base = apply_overrides(get_preset("countdown_sweep"), args.set)
+    base = base_config(args)
     run_sweep(
         specs(args.seeds), base, args.root, script=__file__, jobs=args.jobs, shard_arg=args.shard
     )

@@ -14,8 +14,7 @@ from __future__ import annotations
 
 import argparse
 
-from gac_jax.train import apply_overrides, get_preset
-from gac_jax.train.sweeps import METHODS, RunSpec, add_sweep_arguments, run_sweep
+from gac_jax.train.sweeps import METHODS, RunSpec, add_sweep_arguments, base_config, run_sweep
 
 ASYNC = (
     "rollout.mode=async",
@@ -39,7 +38,7 @@ def main():
     add_sweep_arguments(parser, default_root="experiments/runs/async", default_seeds=(0,))
     parser.set_defaults(jobs=1)
     args = parser.parse_args()
-    base = apply_overrides(get_preset("countdown_sweep"), args.set)
+    base = base_config(args)
     run_sweep(
         specs(args.seeds), base, args.root, script=__file__, jobs=args.jobs, shard_arg=args.shard
     )

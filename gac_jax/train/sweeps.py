@@ -330,11 +330,17 @@ def _parse_shard(text: str) -> tuple[int, int]:
 
 
 def add_sweep_arguments(parser, *, default_root: str, default_seeds: Sequence[int]) -> None:
-    """The command-line options every experiment script shares."""
+    """The command-line options every experiment script shares (`base_config` reads the
+    base config they describe)."""
     parser.add_argument("--root", default=default_root, help="where the runs are written")
     parser.add_argument("--seeds", type=int, nargs="+", default=list(default_seeds))
     parser.add_argument(
         "--jobs", type=int, default=2, help="parallel single-threaded processes (default 2)"
+    )
+    parser.add_argument(
+        "--config",
+        default="countdown_sweep",
+        help="base config: a preset or a JSON file (default: countdown_sweep)",
     )
     parser.add_argument("--shard", default=None, help=argparse.SUPPRESS)  # Set for children.
     parser.add_argument(
@@ -344,3 +350,10 @@ def add_sweep_arguments(parser, *, default_root: str, default_seeds: Sequence[in
         metavar="KEY=VALUE",
         help="override fields of the base config (e.g. steps=20 for a smoke run)",
     )
+
+
+def base_config(args) -> TrainConfig:
+    """The base config of parsed `add_sweep_arguments` options: `--config`, then `--set`."""
+    from gac_jax.train.overrides import load_config
+
+    return apply_overrides(load_config(args.config), args.set)

@@ -375,7 +375,11 @@ def main():
     parser.add_argument("--lagged", default="experiments/runs/lagged", type=Path)
     parser.add_argument("--async-root", default="experiments/runs/async", type=Path)
     parser.add_argument("--out", default="experiments/results", type=Path)
-    parser.add_argument("--results-md", default="experiments/RESULTS.md", type=Path)
+    parser.add_argument(
+        "--results-md",
+        default="experiments/RESULTS.md",
+        help="the Markdown file whose generated blocks are rewritten; 'none' to skip",
+    )
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     lagged = load_summaries(args.lagged) if args.lagged.exists() else []
@@ -388,8 +392,8 @@ def main():
     blocks.update(real_async(asynchronous, lagged, args.async_root, args.out))
     for name, table in blocks.items():
         print(f"## {name}\n{table}\n")
-    if args.results_md.exists():
-        rewrite_blocks(args.results_md, blocks)
+    if args.results_md != "none":
+        rewrite_blocks(Path(args.results_md), blocks)
 
 
 if __name__ == "__main__":

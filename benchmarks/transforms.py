@@ -9,9 +9,10 @@ Measures, in one run with interleaved repetitions (so machine noise hits every v
   adamw       optax.adamw(...).update                       (the yardstick)
   gac+ess     chain(gradient_alignment_control, scale_by_ess).update
   full chain  chain(gradient_alignment_control, adamw, scale_by_ess).update
+  full, ref donated   the same with GAC's reference donated too
 and prints medians and the ratios gac+ess / adamw and (full chain - adamw) / adamw.
-Every step is jitted with the optimizer state donated, as in a real train step; compile
-time is excluded (one warm-up call each).
+Every step is jitted with params and optimizer state donated as `GRPOLearner` does
+(everything but GAC's reference); compile time is excluded (one warm-up call each).
 """
 
 from __future__ import annotations
@@ -50,19 +51,42 @@ def transformer_like_tree(total_floats: float, width: int = 1024) -> dict[str, j
     return tree
 
 
-def make_step(tx: optax.GradientTransformationExtraArgs):
-    """The optimizer half of a train step: update, apply, params and state donated.
+def make_step(tx: optax.GradientTransformationExtraArgs, state, *, donate_reference: bool):
+    """The optimizer half of a train step: update and apply, params and state donated.
 
-    Returning (params, state) in the order they came in lets every donated buffer be reused
-    by its own successor. (Returning the updates first would hand the first donated state
-    buffer to the updates and shift every alias by one, which forces XLA to add copies.)
+    As in `GRPOLearner`, GAC's reference is not donated unless `donate_reference`: the
+    step replaces it while still reading the old one, so a donated reference makes XLA
+    copy it out of the way first. Returns `(step, split, merge)`: `step(params, donated,
+    kept, grads, log_w)` on the state split by `split`, reassembled by `merge`.
+
+    Returning params and state in the order they came in lets every donated buffer be
+    reused by its own successor. (Returning the updates first would hand the first donated
+    state buffer to the updates and shift every alias by one, which forces XLA to add
+    copies.)
     """
+    paths, treedef = jax.tree_util.tree_flatten_with_path(state)
+    is_ref = [
+        not donate_reference and "gac_reference" in jax.tree_util.keystr(path) for path, _ in paths
+    ]
 
-    def step(params, state, grads, log_w):
-        updates, state = tx.update(grads, state, params, log_importance_weights=log_w)
-        return optax.apply_updates(params, updates), state
+    def split(tree):
+        leaves = treedef.flatten_up_to(tree)
+        return (
+            [x for x, r in zip(leaves, is_ref, strict=True) if not r],
+            [x for x, r in zip(leaves, is_ref, strict=True) if r],
+        )
 
-    return jax.jit(step, donate_argnums=(0, 1))
+    def merge(donated, kept):
+        donated, kept = iter(donated), iter(kept)
+        return treedef.unflatten([next(kept) if r else next(donated) for r in is_ref])
+
+    def step(params, donated, kept, grads, log_w):
+        updates, state = tx.update(
+            grads, merge(donated, kept), params, log_importance_weights=log_w
+        )
+        return (optax.apply_updates(params, updates), *split(state))
+
+    return jax.jit(step, donate_argnums=(0, 1)), split, merge
 
 
 def main():
@@ -82,33 +106,41 @@ def main():
     )
     ess = gac_jax.scale_by_ess(rho_base=1.0)
     adamw = optax.adamw(1e-3)
-    variants = {
-        "adamw": adamw,
-        "gac+ess": optax.chain(gac, ess),
-        "full chain": optax.chain(gac, adamw, ess),
+    variants = {  # name: (chain, donate GAC's reference)
+        "adamw": (adamw, False),
+        "gac+ess": (optax.chain(gac, ess), False),
+        "full chain": (optax.chain(gac, adamw, ess), False),
+        "full, ref donated": (optax.chain(gac, adamw, ess), True),
     }
-    steps = {name: make_step(tx) for name, tx in variants.items()}
-    # Fresh buffers per leaf: init may hand out one cached zeros buffer to several leaves,
-    # and a buffer cannot be donated twice.
-    states = {name: jax.tree.map(jnp.copy, tx.init(params)) for name, tx in variants.items()}
+    steps, splits, merges, states = {}, {}, {}, {}
+    for name, (tx, donate_reference) in variants.items():
+        # Fresh buffers per leaf: init may hand out one cached zeros buffer to several
+        # leaves, and a buffer cannot be donated twice.
+        state = jax.tree.map(jnp.copy, tx.init(params))
+        steps[name], splits[name], merges[name] = make_step(
+            tx, state, donate_reference=donate_reference
+        )
+        states[name] = splits[name](state)
     weights = {name: jax.tree.map(jnp.copy, params) for name in variants}
     # Two gradients at cosine about 0.5 alternate, so GAC projects on every step (its
     # costliest regime) rather than passing or skipping.
     noise = jax.tree.map(lambda p: jax.random.normal(jax.random.key(1), p.shape), params)
     grad_pair = (grads, jax.tree.map(lambda g, n: g + 0.02 * n, grads, noise))
     times = {name: [] for name in variants}
+
+    def run(name, i):
+        weights[name], *states[name] = steps[name](
+            weights[name], *states[name], grad_pair[i % 2], log_w
+        )
+
     for name in variants:  # Warm-up: compile, and real steps so the reference is nonzero.
         for i in range(2):
-            weights[name], states[name] = steps[name](
-                weights[name], states[name], grad_pair[i % 2], log_w
-            )
+            run(name, i)
         jax.block_until_ready(weights[name])
     for i in range(args.repeats):
         for name in variants:
             start = time.perf_counter()
-            weights[name], states[name] = steps[name](
-                weights[name], states[name], grad_pair[i % 2], log_w
-            )
+            run(name, i)
             jax.block_until_ready((weights[name], states[name]))
             times[name].append(time.perf_counter() - start)
 
@@ -118,10 +150,10 @@ def main():
     for name, median in medians.items():
         spread = (min(times[name]), max(times[name]))
         print(
-            f"  {name:<11} median {1e3 * median:8.1f} ms   "
+            f"  {name:<17} median {1e3 * median:8.1f} ms   "
             f"(min {1e3 * spread[0]:.1f}, max {1e3 * spread[1]:.1f})"
         )
-    gac_state = states["gac+ess"][0]
+    gac_state = merges["gac+ess"](*states["gac+ess"])[0]
     print(
         "  GAC regimes over the run (pass/project/skip): "
         f"{int(gac_state.gac_pass_count)}/{int(gac_state.gac_project_count)}/"
@@ -129,8 +161,10 @@ def main():
     )
     standalone = medians["gac+ess"] / medians["adamw"]
     incremental = (medians["full chain"] - medians["adamw"]) / medians["adamw"]
+    donated = (medians["full, ref donated"] - medians["adamw"]) / medians["adamw"]
     print(f"ratio gac+ess / adamw:                 {standalone:.3f}")
     print(f"ratio (full chain - adamw) / adamw:    {incremental:.3f}")
+    print(f"  the same with the reference donated: {donated:.3f}")
 
 
 if __name__ == "__main__":

@@ -36,6 +36,17 @@ def optimizer_shardings(tx, abstract_params, param_shardings, mesh: Mesh):
     )
 
 
+def _replaced_leaves(opt_state) -> set[int]:
+    """Flat indices of the optimizer-state leaves that are replaced wholesale each step
+    (GAC's reference), by their path."""
+    paths, _ = jax.tree_util.tree_flatten_with_path(opt_state)
+    return {
+        i
+        for i, (path, _) in enumerate(paths)
+        if any(getattr(key, "name", None) == "gac_reference" for key in path)
+    }
+
+
 class GRPOLearner:
     """Holds params and optimizer state on a mesh and runs the GRPO step on batches.
 
@@ -73,12 +84,44 @@ class GRPOLearner:
         self.replicated = NamedSharding(mesh, P())
         self.batch_divisor = int(np.prod([mesh.shape[a] for a in BATCH_AXES]))
         step = make_train_step(self.graphdef, tx, **(step_kwargs or {}))
+        # Params and optimizer state are donated, except the leaves a transform replaces
+        # wholesale while still reading the old value (GAC's reference: the new one is
+        # this step's gradient). Donating those makes XLA copy the old value out of the
+        # way first, a full extra pass; not donating them lets the gradient's own buffer
+        # become the new reference, at no extra peak memory.
+        leaves, self._opt_treedef = jax.tree.flatten(self.opt_state)
+        kept = _replaced_leaves(self.opt_state)
+        self._kept = tuple(i for i in range(len(leaves)) if i in kept)
+        self._donated = tuple(i for i in range(len(leaves)) if i not in kept)
+        opt_sharding_leaves = self._opt_treedef.flatten_up_to(self.opt_shardings)
+
+        def split_step(params, donated, kept, batch, learner_version):
+            params, opt_state, metrics = step(
+                params, self._merge(donated, kept), batch, learner_version
+            )
+            return (params, *self._split(opt_state), metrics)
+
+        shardings = self._split_leaves(opt_sharding_leaves)
         self._step = jax.jit(
-            step,
-            in_shardings=(self.param_shardings, self.opt_shardings, self.batch_sharding, None),
-            out_shardings=(self.param_shardings, self.opt_shardings, self.replicated),
+            split_step,
+            in_shardings=(self.param_shardings, *shardings, self.batch_sharding, None),
+            out_shardings=(self.param_shardings, *shardings, self.replicated),
             donate_argnums=(0, 1),
         )
+
+    def _split_leaves(self, leaves):
+        return [leaves[i] for i in self._donated], [leaves[i] for i in self._kept]
+
+    def _split(self, opt_state):
+        return self._split_leaves(self._opt_treedef.flatten_up_to(opt_state))
+
+    def _merge(self, donated, kept):
+        leaves = [None] * (len(donated) + len(kept))
+        for i, leaf in zip(self._donated, donated, strict=True):
+            leaves[i] = leaf
+        for i, leaf in zip(self._kept, kept, strict=True):
+            leaves[i] = leaf
+        return self._opt_treedef.unflatten(leaves)
 
     def place_batch(self, local_batch: TrainBatch) -> TrainBatch:
         """Host rows -> one global batch sharded over ("data", "fsdp").
@@ -119,9 +162,10 @@ class GRPOLearner:
         """One update on `batch` (host or placed); returns the metrics as Python floats."""
         if not isinstance(batch.tokens, jax.Array) or batch.tokens.sharding != self.batch_sharding:
             batch = self.place_batch(batch)
-        self.params, self.opt_state, metrics = self._step(
-            self.params, self.opt_state, batch, np.int32(learner_version)
+        self.params, donated, kept, metrics = self._step(
+            self.params, *self._split(self.opt_state), batch, np.int32(learner_version)
         )
+        self.opt_state = self._merge(donated, kept)
         return {k: float(v) for k, v in jax.device_get(metrics).items()}
 
     def model(self) -> nnx.Module:

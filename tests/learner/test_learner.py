@@ -163,3 +163,17 @@ def test_step_rejects_unsupported_and_unknown_names():
         make_train_step(graphdef, tx, policy_loss="ppo2")
     with pytest.raises(ValueError, match="grad_norm='l2'"):
         make_train_step(graphdef, tx, advantage="vcpo", grad_norm="l2")
+
+
+def test_step_donates_the_state_but_not_gacs_reference():
+    learner = _learner((1, 1, 1))
+    before = learner.opt_state
+    learner.step(collate(_rollouts(2), PROMPT), 0)
+    paths, _ = jax.tree_util.tree_flatten_with_path(before)
+    kept = [x for p, x in paths if "gac_reference" in jax.tree_util.keystr(p)]
+    donated = [x for p, x in paths if ".mu" in jax.tree_util.keystr(p)]
+    assert kept and donated
+    # The reference is replaced by the step's gradient: donating it would only add a copy.
+    assert not any(x.is_deleted() for x in kept)
+    assert all(x.is_deleted() for x in donated)
+    assert jax.tree.structure(learner.opt_state) == jax.tree.structure(before)

@@ -1,11 +1,11 @@
 """GAC's settings compared at staleness k=16: thresholds, projection, reference, scope.
 
-Lagged mode from the shipped countdown warm start (preset `countdown_sweep`), 2 seeds; the
+Lagged mode from the shipped countdown warm start (preset `countdown_sweep`), 3 seeds; the
 default GAC run (tau_low 0.2, tau_high 0.8, partial projection, gradient reference, global
 scope) and naive k=16 are the cures sweep's. The runs live in experiments/runs/lagged.
 Resumable: run it again to finish.
 
-    python experiments/gac_defaults.py         # 16 runs, 2 processes, ~17 minutes here
+    python experiments/gac_defaults.py         # 24 runs, 2 processes, ~25 minutes here
     python experiments/report.py
 """
 
@@ -38,7 +38,7 @@ def specs(seeds):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    add_sweep_arguments(parser, default_root="experiments/runs/lagged", default_seeds=(0, 1))
+    add_sweep_arguments(parser, default_root="experiments/runs/lagged", default_seeds=(0, 1, 2))
     args = parser.parse_args()
     base = base_config(args)
     run_sweep(

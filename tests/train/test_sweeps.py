@@ -127,8 +127,12 @@ def test_shard_partitions_and_rejects_bad_indices():
 
 def test_methods_are_valid_overrides_of_the_sweep_preset():
     base = get_preset("countdown_sweep")
-    for name, overrides in METHODS.items():
-        RunSpec(name, overrides, 0).config(base)  # Raises on a bad key or value.
+    configs = {name: RunSpec(name, o, 0).config(base) for name, o in METHODS.items()}
+    assert configs["naive"] == base
+    assert configs["gac"].gac.enabled and not configs["gac"].ess.enabled
+    assert configs["vcpo"].ess.enabled and configs["vcpo"].objective.advantage == "vcpo"
+    assert configs["seq_tis"].objective.correction_kwargs == {"level": "sequence", "cap": 2.0}
+    assert len({str(c) for c in configs.values()}) == len(METHODS)  # All distinct.
 
 
 def test_aggregate_and_table():

@@ -51,9 +51,10 @@ class GRPOLearner:
     """Holds params and optimizer state on a mesh and runs the GRPO step on batches.
 
     Params and optimizer state (GAC's reference direction included) carry `NamedSharding`s
-    from the model's logical axes; the step is `jax.jit` with in/out shardings and both
-    donated. Under `jax.distributed`, each process passes its own rows (`local_batch`) and
-    they form one global batch.
+    from the model's logical axes; the step is `jax.jit` with in/out shardings, and both
+    are donated but for GAC's reference, which the step replaces with the gradient. Under
+    `jax.distributed`, each process passes its own rows (`local_batch`) and they form one
+    global batch.
 
     Args:
       model: a `gac_jax.models.Decoder` (its params are resharded onto `mesh`).

@@ -7,8 +7,9 @@ checkpoint, so a sweep is restarted by running it again. `summarize_run` turns a
 metrics into the numbers the experiments report, `aggregate` gives their mean and std over
 seeds, and `markdown_table` prints them.
 
-    specs = [RunSpec(f"{m}/k8", (*METHODS[m], "rollout.lag=8"), seed) for m in METHODS ...]
-    summaries = [run_spec(spec, base_config, "experiments/runs/cures") for spec in specs]
+    specs = [RunSpec(f"{m}/k8", ("rollout.lag=8", *o), seed)
+             for m, o in METHODS.items() for seed in (0, 1, 2)]
+    summaries = [run_spec(spec, get_preset("countdown_sweep"), "runs/cures") for spec in specs]
 """
 
 from __future__ import annotations

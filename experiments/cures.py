@@ -10,9 +10,7 @@ run both need is made once. Resumable: run it again to finish.
 
 from __future__ import annotations
 
-import argparse
-
-from gac_jax.train.sweeps import METHODS, RunSpec, add_sweep_arguments, base_config, run_sweep
+from gac_jax.train.sweeps import METHODS, RunSpec, sweep_main
 
 LAGS = (8, 16)
 
@@ -29,15 +27,11 @@ def specs(seeds):
     return runs
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    add_sweep_arguments(parser, default_root="experiments/runs/lagged", default_seeds=(0, 1, 2))
-    args = parser.parse_args()
-    base = base_config(args)
-    run_sweep(
-        specs(args.seeds), base, args.root, script=__file__, jobs=args.jobs, shard_arg=args.shard
-    )
-
-
 if __name__ == "__main__":
-    main()
+    sweep_main(
+        __doc__.split("\n")[0],
+        specs,
+        script=__file__,
+        default_root="experiments/runs/lagged",
+        default_seeds=(0, 1, 2),
+    )

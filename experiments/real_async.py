@@ -12,9 +12,7 @@ One process at a time (the worker and the learner share the two cores).
 
 from __future__ import annotations
 
-import argparse
-
-from gac_jax.train.sweeps import METHODS, RunSpec, add_sweep_arguments, base_config, run_sweep
+from gac_jax.train.sweeps import METHODS, RunSpec, sweep_main
 
 ASYNC = (
     "rollout.mode=async",
@@ -33,16 +31,12 @@ def specs(seeds):
     ]
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    add_sweep_arguments(parser, default_root="experiments/runs/async", default_seeds=(0,))
-    parser.set_defaults(jobs=1)
-    args = parser.parse_args()
-    base = base_config(args)
-    run_sweep(
-        specs(args.seeds), base, args.root, script=__file__, jobs=args.jobs, shard_arg=args.shard
-    )
-
-
 if __name__ == "__main__":
-    main()
+    sweep_main(
+        __doc__.split("\n")[0],
+        specs,
+        script=__file__,
+        default_root="experiments/runs/async",
+        default_seeds=(0,),
+        default_jobs=1,
+    )

@@ -19,7 +19,6 @@ from pathlib import Path
 
 import numpy as np
 
-from gac_jax.train.evaluation import evaluate_policy
 from gac_jax.train.metrics import read_metrics
 from gac_jax.train.plots import plot_distributions, plot_grouped_bars, plot_seed_curves
 from gac_jax.train.sweeps import (
@@ -321,7 +320,7 @@ def warm_start_row(out: Path, seeds=(0, 1, 2)) -> dict[str, str]:
     import jax
 
     from gac_jax.train import build_run, get_preset
-    from gac_jax.train.loop import config_hash
+    from gac_jax.train.loop import config_hash, evaluate_run
 
     config = get_preset("countdown_sweep")
     cache = out / "warm_start_eval.json"
@@ -329,26 +328,11 @@ def warm_start_row(out: Path, seeds=(0, 1, 2)) -> dict[str, str]:
     cached = json.loads(cache.read_text()) if cache.exists() else {}
     if cached.get("config_hash") != digest or cached.get("seeds") != list(seeds):
         run = build_run(config)
-        scores = []
-        for seed in seeds:
-            scores.append(
-                evaluate_policy(
-                    run.learner.graphdef,
-                    run.learner.params,
-                    run.sampler,
-                    run.task,
-                    run.test_examples,
-                    run.tokenizer,
-                    prompt_length=config.rollout.prompt_length,
-                    num_problems=config.eval_size,
-                    num_samples=config.eval_samples,
-                    key=jax.random.key(seed + 1),
-                )
-            )
+        scores = [evaluate_run(run, jax.random.key(seed + 1)) for seed in seeds]
         cached = {"config_hash": digest, "seeds": list(seeds), "scores": scores}
         cache.write_text(json.dumps(cached, indent=2))
-    pass1 = np.array([s["pass@1"] for s in cached["scores"]])
-    greedy = cached["scores"][0]["greedy_accuracy"]
+    pass1 = np.array([s["eval/pass@1"] for s in cached["scores"]])
+    greedy = cached["scores"][0]["eval/greedy_accuracy"]
     text = (
         f"Warm start on the same {config.eval_size} test problems, by the same evaluation: "
         f"pass@1 {pass1.mean():.3f} ± {pass1.std(ddof=1):.3f} over {len(seeds)} sampling "

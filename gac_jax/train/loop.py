@@ -244,7 +244,7 @@ def train(config: TrainConfig, out_dir: str | os.PathLike, *, resume: bool = Fal
                 stats = source.stats()
                 metrics.update(buffer_depth=stats.depth, buffer_dropped=stats.dropped)
                 if config.eval_every and (step + 1) % config.eval_every == 0:
-                    metrics.update(_evaluate(run, jax.random.fold_in(eval_key, step)))
+                    metrics.update(evaluate_run(run, jax.random.fold_in(eval_key, step)))
                 writer.write(step, metrics)
                 progress.update(step + 1, metrics)
                 if config.checkpoint_every and (
@@ -259,7 +259,9 @@ def train(config: TrainConfig, out_dir: str | os.PathLike, *, resume: bool = Fal
     return out_dir
 
 
-def _evaluate(run: Run, key) -> dict[str, float]:
+def evaluate_run(run: Run, key) -> dict[str, float]:
+    """Held-out evaluation of the run's current policy as configured (`eval_size` problems,
+    `eval_samples` samples each), with keys prefixed ``eval/``."""
     c = run.config
     scores = evaluate_policy(
         run.learner.graphdef,
@@ -335,6 +337,6 @@ def evaluate_checkpoint(config: TrainConfig, checkpoint_dir: str | os.PathLike) 
             }
         )
     run.learner.params = restored.state["params"]
-    scores = _evaluate(run, jax.random.key(config.seed + 2))
+    scores = evaluate_run(run, jax.random.key(config.seed + 2))
     scores["step"] = restored.step
     return scores

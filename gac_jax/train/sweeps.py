@@ -358,3 +358,28 @@ def base_config(args) -> TrainConfig:
     from gac_jax.train.overrides import load_config
 
     return apply_overrides(load_config(args.config), args.set)
+
+
+def sweep_main(
+    description: str,
+    specs: Callable[[Sequence[int]], Sequence[RunSpec]],
+    *,
+    script: str,
+    default_root: str,
+    default_seeds: Sequence[int],
+    default_jobs: int = 2,
+) -> list[dict[str, Any]]:
+    """The command line of an experiment script: parses the `add_sweep_arguments` options,
+    builds the specs for `--seeds` and runs them with `run_sweep`."""
+    parser = argparse.ArgumentParser(description=description)
+    add_sweep_arguments(parser, default_root=default_root, default_seeds=default_seeds)
+    parser.set_defaults(jobs=default_jobs)
+    args = parser.parse_args()
+    return run_sweep(
+        specs(args.seeds),
+        base_config(args),
+        args.root,
+        script=script,
+        jobs=args.jobs,
+        shard_arg=args.shard,
+    )

@@ -53,6 +53,41 @@ def _write_csv(summaries, path: Path) -> None:
         writer.writerows(summaries)
 
 
+# Column headers of every table, by summary key.
+HEADERS = {
+    "label": "run",
+    "seeds": "seeds",
+    "final_accuracy": "final pass@1",
+    "best_accuracy": "best pass@1",
+    "lagged_k8": "lagged k=8 final pass@1",
+    "reward_last": "batch reward, last 25",
+    "collapsed": "collapsed",
+    "c_t_median": "median c_t",
+    "c_t_q25": "q25 c_t",
+    "c_t_q75": "q75 c_t",
+    "c_after_median": "median c_t after control",
+    "ess_ratio_median": "median ESS/B",
+    "grad_norm_median": "median grad norm",
+    "staleness_mean": "mean staleness",
+    "staleness_max": "max staleness",
+    "project_fraction": "steps projected",
+    "skip_fraction": "steps skipped",
+    "wall_seconds": "wall s",
+}
+
+
+def _rows(chosen, keys) -> list[dict]:
+    """Mean ± std over seeds of `keys` per label, and how many seeds collapsed (and when)."""
+    rows = aggregate(chosen, keys)
+    for row in rows:
+        row["collapsed"] = _collapses(chosen, row["label"])
+    return rows
+
+
+def _table(rows, columns) -> str:
+    return markdown_table(rows, {key: HEADERS[key] for key in ["label", "seeds", *columns]})
+
+
 def _collapses(summaries, label) -> str:
     steps = [s["collapse_step"] for s in summaries if s["label"] == label and s["collapsed"]]
     return f"{len(steps)}" + (f" (at {', '.join(map(str, steps))})" if steps else "")
@@ -72,24 +107,20 @@ def diagnosis(summaries, root: Path, out: Path) -> dict[str, str]:
         "reward_last",
         "final_accuracy",
     ]
-    rows = aggregate(chosen, keys)
-    for row in rows:
-        row["collapsed"] = _collapses(chosen, row["label"])
-    table = markdown_table(
+    rows = _rows(chosen, keys)
+    table = _table(
         rows,
-        {
-            "label": "run",
-            "seeds": "seeds",
-            "c_t_median": "median c_t",
-            "c_t_q25": "q25 c_t",
-            "c_t_q75": "q75 c_t",
-            "c_after_median": "median c_t after GAC",
-            "ess_ratio_median": "median ESS/B",
-            "grad_norm_median": "median grad norm",
-            "reward_last": "batch reward, last 25",
-            "final_accuracy": "final held-out pass@1",
-            "collapsed": "collapsed",
-        },
+        [
+            "c_t_median",
+            "c_t_q25",
+            "c_t_q75",
+            "c_after_median",
+            "ess_ratio_median",
+            "grad_norm_median",
+            "reward_last",
+            "final_accuracy",
+            "collapsed",
+        ],
     )
     pooled = {}
     for label in labels:
@@ -137,30 +168,27 @@ def cures(summaries, root: Path, out: Path) -> dict[str, str]:
         "ess_ratio_median",
         "wall_seconds",
     ]
-    sync = aggregate(_select(summaries, ["naive/k0"]), keys)
+    sync = _select(summaries, ["naive/k0"])
     bars = {}
     for k in CURE_LAGS:
         labels = [f"{m}/k{k}" for m in METHODS]
         chosen = _select(summaries, labels)
         _write_csv(chosen, out / f"cures_k{k}.csv")
-        rows = sync + aggregate(chosen, keys)
+        rows = _rows(sync + chosen, keys)
         for row in rows:
-            row["collapsed"] = _collapses(summaries, row["label"])
             row["label"] = "sync (k=0)" if row["label"] == "naive/k0" else row["label"]
-        tables[f"cures_k{k}"] = markdown_table(
+        tables[f"cures_k{k}"] = _table(
             rows,
-            {
-                "label": "method",
-                "seeds": "seeds",
-                "final_accuracy": "final pass@1",
-                "best_accuracy": "best pass@1",
-                "reward_last": "batch reward, last 25",
-                "collapsed": "collapsed",
-                "c_t_median": "median c_t",
-                "c_after_median": "median c_t after control",
-                "ess_ratio_median": "median ESS/B",
-                "wall_seconds": "wall s",
-            },
+            [
+                "final_accuracy",
+                "best_accuracy",
+                "reward_last",
+                "collapsed",
+                "c_t_median",
+                "c_after_median",
+                "ess_ratio_median",
+                "wall_seconds",
+            ],
         )
         bars[f"k={k}"] = {
             row["label"].split("/")[0]: (row["final_accuracy"], row["final_accuracy_std"])
@@ -185,7 +213,7 @@ def cures(summaries, root: Path, out: Path) -> dict[str, str]:
             bars,
             out / "cures_accuracy.png",
             ylabel="final held-out pass@1",
-            reference=("sync (k=0)", sync[0]["final_accuracy"]) if sync else None,
+            reference=("sync (k=0)", aggregate(sync, keys)[0]["final_accuracy"]) if sync else None,
             title="Final held-out accuracy per method (mean ± std over seeds)",
         )
     return tables
@@ -198,7 +226,7 @@ def gac_defaults(summaries, out: Path) -> dict[str, str]:
     labels = [f"naive/k{LAG}", f"gac/k{LAG}"] + [f"{name}/k{LAG}" for name in VARIANTS]
     chosen = _select(summaries, labels)
     _write_csv(chosen, out / "gac_defaults.csv")
-    rows = aggregate(
+    rows = _rows(
         chosen,
         [
             "final_accuracy",
@@ -210,22 +238,18 @@ def gac_defaults(summaries, out: Path) -> dict[str, str]:
             "skip_fraction",
         ],
     )
-    for row in rows:
-        row["collapsed"] = _collapses(chosen, row["label"])
-    table = markdown_table(
+    table = _table(
         rows,
-        {
-            "label": "run",
-            "seeds": "seeds",
-            "final_accuracy": "final pass@1",
-            "best_accuracy": "best pass@1",
-            "reward_last": "batch reward, last 25",
-            "collapsed": "collapsed",
-            "c_t_median": "median c_t",
-            "c_after_median": "median c_t after control",
-            "project_fraction": "steps projected",
-            "skip_fraction": "steps skipped",
-        },
+        [
+            "final_accuracy",
+            "best_accuracy",
+            "reward_last",
+            "collapsed",
+            "c_t_median",
+            "c_after_median",
+            "project_fraction",
+            "skip_fraction",
+        ],
     )
     return {"gac_defaults": table}
 
@@ -240,20 +264,9 @@ def controls(summaries, out: Path) -> dict[str, str]:
     labels = list(dict.fromkeys(labels))
     chosen = _select(summaries, labels)
     _write_csv(chosen, out / "controls.csv")
-    rows = aggregate(chosen, ["final_accuracy", "best_accuracy", "reward_last", "ess_ratio_median"])
-    for row in rows:
-        row["collapsed"] = _collapses(chosen, row["label"])
-    table = markdown_table(
-        rows,
-        {
-            "label": "run",
-            "seeds": "seeds",
-            "final_accuracy": "final pass@1",
-            "best_accuracy": "best pass@1",
-            "reward_last": "batch reward, last 25",
-            "collapsed": "collapsed",
-            "ess_ratio_median": "median ESS/B",
-        },
+    rows = _rows(chosen, ["final_accuracy", "best_accuracy", "reward_last", "ess_ratio_median"])
+    table = _table(
+        rows, ["final_accuracy", "best_accuracy", "reward_last", "collapsed", "ess_ratio_median"]
     )
     return {"controls": table}
 
@@ -262,7 +275,7 @@ def real_async(summaries, lagged, root: Path, out: Path) -> dict[str, str]:
     labels = [f"{m}/async" for m in METHODS]
     chosen = _select(summaries, labels)
     _write_csv(chosen, out / "async.csv")
-    rows = aggregate(
+    rows = _rows(
         chosen,
         [
             "final_accuracy",
@@ -278,22 +291,19 @@ def real_async(summaries, lagged, root: Path, out: Path) -> dict[str, str]:
         method = row["label"].split("/")[0]
         match = aggregate(_select(lagged, [f"{method}/k8"]), ["final_accuracy"])
         row["lagged_k8"] = match[0]["final_accuracy"] if match else float("nan")
-        row["collapsed"] = _collapses(chosen, row["label"])
-    table = markdown_table(
+    table = _table(
         rows,
-        {
-            "label": "method",
-            "seeds": "seeds",
-            "final_accuracy": "final pass@1",
-            "best_accuracy": "best pass@1",
-            "lagged_k8": "lagged k=8 final pass@1",
-            "collapsed": "collapsed",
-            "staleness_mean": "mean staleness",
-            "staleness_max": "max staleness",
-            "c_t_median": "median c_t",
-            "ess_ratio_median": "median ESS/B",
-            "wall_seconds": "wall s",
-        },
+        [
+            "final_accuracy",
+            "best_accuracy",
+            "lagged_k8",
+            "collapsed",
+            "staleness_mean",
+            "staleness_max",
+            "c_t_median",
+            "ess_ratio_median",
+            "wall_seconds",
+        ],
     )
     gaps = {}
     for label in labels:

@@ -10,7 +10,9 @@ Measures, in one run with interleaved repetitions (so machine noise hits every v
   gac+ess     chain(gradient_alignment_control, scale_by_ess).update
   full chain  chain(gradient_alignment_control, adamw, scale_by_ess).update
   full, ref donated   the same with GAC's reference donated too
-and prints medians and the ratios gac+ess / adamw and (full chain - adamw) / adamw.
+and prints medians, the ratios gac+ess / adamw and (full chain - adamw) / adamw, and each
+variant's passes over memory: XLA's count of bytes accessed divided by the tree's bytes
+(adamw makes 10: read g, mu, nu, p; write mu, nu, p; mu and nu re-read by the last loop).
 Every step is jitted with params and optimizer state donated as `GRPOLearner` does
 (everything but GAC's reference); compile time is excluded (one warm-up call each).
 """
@@ -144,6 +146,12 @@ def main():
             jax.block_until_ready((weights[name], states[name]))
             times[name].append(time.perf_counter() - start)
 
+    passes = {}
+    for name in variants:
+        compiled = steps[name].lower(weights[name], *states[name], grad_pair[0], log_w).compile()
+        cost = compiled.cost_analysis()
+        cost = cost[0] if isinstance(cost, list) else cost
+        passes[name] = cost["bytes accessed"] / (4 * n)
     medians = {name: statistics.median(t) for name, t in times.items()}
     print(f"tree: {len(params)} leaves, {n / 1e6:.1f}M floats; backend {jax.default_backend()}")
     print(f"GAC scope={args.scope}, reference dtype={args.reference_dtype or 'float32'}")
@@ -151,7 +159,8 @@ def main():
         spread = (min(times[name]), max(times[name]))
         print(
             f"  {name:<17} median {1e3 * median:8.1f} ms   "
-            f"(min {1e3 * spread[0]:.1f}, max {1e3 * spread[1]:.1f})"
+            f"(min {1e3 * spread[0]:.1f}, max {1e3 * spread[1]:.1f})   "
+            f"{passes[name]:5.1f} passes"
         )
     gac_state = merges["gac+ess"](*states["gac+ess"])[0]
     print(

@@ -12,6 +12,7 @@ from gac_jax.transforms.alignment import (
     GradientAlignmentControlState,
     gradient_alignment_control,
     gradient_alignment_monitor,
+    set_gac_reference,
 )
 from gac_jax.transforms.ess_scaling import ScaleByEssState, ess_step_scale, scale_by_ess
 
@@ -27,4 +28,5 @@ __all__ = [
     "gradient_alignment_control",
     "gradient_alignment_monitor",
     "scale_by_ess",
+    "set_gac_reference",
 ]

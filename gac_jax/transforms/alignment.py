@@ -20,9 +20,12 @@ previous gradient by default), and controls the step with two thresholds
 
 Place it before the optimizer: `optax.chain(clip, gradient_alignment_control(), adamw(...))`.
 
-Cost: one fused reduction pass over (g, r) for the three inner products, and one fused
-elementwise pass that writes the update and the new reference. Everything else is O(number
-of leaves) scalar work.
+Cost, with the default "gradient" reference: two inner products per leaf, `<g, r>` and
+`|g|^2` (the reference's `|r|^2` is the previous step's `|g|^2`, carried in the state), and
+one elementwise pass that emits the update, which XLA fuses into the optimizer after it.
+The new reference is the gradient itself: no copy when the gradient is computed in the
+same jitted step. The "update" and "ema" references also measure `|r|^2` and write a new
+reference. Everything else is O(number of leaves) scalar work.
 """
 
 from __future__ import annotations
@@ -54,6 +57,11 @@ class GradientAlignmentControlState(NamedTuple):
 
     gac_count: jax.Array  # int32 []: updates seen, finite or not.
     gac_reference: optax.Updates  # tree like the params: r_{t-1}, in `reference_dtype`.
+    # f32 [leaves]: |r_{t-1}|^2 per leaf, in `jax.tree.leaves` order. With the "gradient"
+    # reference it is the previous step's |g|^2, so the reference is not read a second time
+    # for its norm; the other references re-measure theirs each step and do not use it.
+    # Replace it together with `gac_reference`: see `set_gac_reference`.
+    gac_reference_sq: jax.Array
     gac_cosine: jax.Array  # f32 []: c_t = cos(g_t, r_{t-1}) over the whole tree, before control.
     gac_cosine_after: jax.Array  # f32 []: cos(emitted update, r_{t-1}) over the whole tree.
     gac_regime: jax.Array  # int32 []: 0 pass, 1 project, 2 skip, 3 non-finite (most severe leaf).
@@ -76,10 +84,41 @@ class _Alignment(NamedTuple):
     ref_sq: jax.Array  # f32 [U]: |r|^2.
 
 
-def _leaf_products(g: jax.Array, r: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+def _leaf_products(g: jax.Array, r: jax.Array, cached_ref_sq: jax.Array | None):
+    """`<g, r>`, `|g|^2` and `|r|^2` in float32; `|r|^2` is `cached_ref_sq` unless None."""
     g32 = g.astype(jnp.float32)
     r32 = r.astype(jnp.float32)
-    return jnp.sum(g32 * r32), jnp.sum(g32 * g32), jnp.sum(r32 * r32)
+    ref_sq = jnp.sum(r32 * r32) if cached_ref_sq is None else cached_ref_sq
+    return jnp.sum(g32 * r32), jnp.sum(g32 * g32), ref_sq
+
+
+def _reference_is_gradient_exactly(g: jax.Array, r: jax.Array) -> bool:
+    """Whether storing `g` as `r` keeps its values (so `|r|^2` is this step's `|g|^2`)."""
+    return r.dtype == jnp.float32 or r.dtype == g.dtype
+
+
+def _squared_norm(x) -> jax.Array:
+    return jnp.sum(jnp.square(jnp.asarray(x, jnp.float32)))
+
+
+def set_gac_reference(
+    state: GradientAlignmentControlState, reference: optax.Updates
+) -> GradientAlignmentControlState:
+    """`state` with its reference direction replaced by `reference` (and its norms updated).
+
+    The reference's squared norms are part of the state, so set a reference through this
+    function rather than `state._replace(gac_reference=...)`: a stale norm would silently
+    give wrong cosines. `reference` must have the structure of the state's reference; its
+    leaves are cast to the stored dtypes.
+    """
+    old_leaves, treedef = jax.tree.flatten(state.gac_reference)
+    new_leaves = treedef.flatten_up_to(reference)
+    cast = [jnp.asarray(new, old.dtype) for new, old in zip(new_leaves, old_leaves, strict=True)]
+    norms = [_squared_norm(x) for x in cast]
+    return state._replace(
+        gac_reference=treedef.unflatten(cast),
+        gac_reference_sq=jnp.stack(norms) if norms else jnp.zeros([0], jnp.float32),
+    )
 
 
 def _cosine(dot, grad_sq, ref_sq):
@@ -215,6 +254,7 @@ def gradient_alignment_control(
         return GradientAlignmentControlState(
             gac_count=zero_i32,
             gac_reference=jax.tree.map(lambda p: _zeros_like(p, storage_dtype), params),
+            gac_reference_sq=jnp.zeros([len(jax.tree.leaves(params))], jnp.float32),
             gac_cosine=zero_f32,
             gac_cosine_after=zero_f32,
             gac_regime=zero_i32,
@@ -236,7 +276,17 @@ def gradient_alignment_control(
         if not grads:
             return updates, state._replace(gac_count=optax.safe_increment(state.gac_count))
 
-        products = [_leaf_products(g, r) for g, r in zip(grads, refs, strict=True)]
+        cache_norms = reference == "gradient"
+        products = [
+            _leaf_products(
+                g,
+                r,
+                state.gac_reference_sq[i]
+                if cache_norms and _reference_is_gradient_exactly(g, r)
+                else None,
+            )
+            for i, (g, r) in enumerate(zip(grads, refs, strict=True))
+        ]
         per_leaf = _Alignment(*(jnp.stack(column) for column in zip(*products, strict=True)))
         total = _Alignment(*(jnp.sum(x, keepdims=True) for x in per_leaf))
         unit = per_leaf if scope == "per_leaf" else total
@@ -284,6 +334,11 @@ def gradient_alignment_control(
             leaf_alpha = jnp.broadcast_to(alpha, (n,))
             leaf_skip = jnp.broadcast_to(skip_unit, (n,))
 
+        if cache_norms:  # |r|^2 of the next reference, per leaf, with no pass over it.
+            next_ref_sq = jnp.where(finite, per_leaf.grad_sq, state.gac_reference_sq)
+        else:
+            next_ref_sq = state.gac_reference_sq
+
         emitted, new_refs = [], []
         for i, (g, r) in enumerate(zip(grads, refs, strict=True)):
             out = leaf_keep[i] * g.astype(jnp.float32) - leaf_alpha[i] * r.astype(jnp.float32)
@@ -315,6 +370,7 @@ def gradient_alignment_control(
         new_state = GradientAlignmentControlState(
             gac_count=optax.safe_increment(state.gac_count),
             gac_reference=jax.tree.unflatten(treedef, new_refs),
+            gac_reference_sq=next_ref_sq,
             gac_cosine=jnp.where(finite, global_cosine, jnp.nan),
             gac_cosine_after=cosine_after,
             gac_regime=regime,

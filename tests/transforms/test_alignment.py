@@ -19,6 +19,7 @@ from gac_jax.transforms import (
     REGIME_SKIP,
     gradient_alignment_control,
     gradient_alignment_monitor,
+    set_gac_reference,
 )
 
 # --------------------------------------------------------------------------------------
@@ -135,6 +136,10 @@ def test_matches_float64_reference(projection, reference, scope, skip):
             np.testing.assert_allclose(out[k], want[k], rtol=1e-4, atol=1e-5 * scale)
         assert int(state.gac_regime) == regime
         np.testing.assert_allclose(state.gac_cosine, cosine, atol=1e-5)
+        if reference == "gradient":  # The carried |r|^2 is the stored reference's.
+            stored = jax.tree.leaves(state.gac_reference)
+            measured = [np.sum(np.square(x, dtype=np.float64)) for x in stored]
+            np.testing.assert_allclose(state.gac_reference_sq, measured, rtol=1e-5)
         # Projecting a nearly parallel gradient is ill-conditioned: float32 loses digits
         # in proportion to 1 / (1 - |c|) (c = 0.99998 leaves about three).
         tol = 1e-4 + 5e-8 / max(1 - abs(cosine), 1e-9)
@@ -148,8 +153,7 @@ def test_matches_float64_reference(projection, reference, scope, skip):
 
 
 def _with_reference(tx, params, reference):
-    state = tx.init(params)
-    return state._replace(gac_reference=reference)
+    return set_gac_reference(tx.init(params), reference)
 
 
 # Two lengths only: every new shape is a new compilation, and the properties do not
@@ -242,8 +246,10 @@ def test_nonfinite_gradient_never_corrupts_reference(reference, bad):
     state = tx.init({"a": jnp.zeros(3)})
     _, state = update({"a": jnp.array([1.0, 0.0, 0.0])}, state)
     before = np.asarray(state.gac_reference["a"])
+    before_sq = np.asarray(state.gac_reference_sq)
     out, state = update({"a": jnp.array([bad, 1.0, 0.0])}, state)
     np.testing.assert_array_equal(state.gac_reference["a"], before)
+    np.testing.assert_array_equal(state.gac_reference_sq, before_sq)
     assert int(state.gac_regime) == REGIME_NONFINITE
     assert int(state.gac_nonfinite_count) == 1
     assert np.isnan(state.gac_cosine)
@@ -323,6 +329,20 @@ def test_bfloat16_reference_storage():
         True,
     )
     np.testing.assert_allclose(np.asarray(out["a"]).ravel(), want, rtol=1e-3, atol=1e-4)
+
+
+def test_set_gac_reference_casts_and_measures_the_norms():
+    tx = gradient_alignment_control(reference_dtype="bfloat16")
+    state = tx.init({"a": jnp.zeros(3), "b": jnp.zeros((2, 2))})
+    reference = {"a": jnp.array([1.0, 2.0, 2.0]), "b": jnp.full((2, 2), 0.5)}
+    state = set_gac_reference(state, reference)
+    assert state.gac_reference["a"].dtype == jnp.bfloat16
+    np.testing.assert_allclose(state.gac_reference_sq, [9.0, 1.0])
+    # The cosine then uses the new reference: a gradient along "a" alone.
+    _, state = tx.update({"a": jnp.array([1.0, 2.0, 2.0]), "b": jnp.zeros((2, 2))}, state)
+    np.testing.assert_allclose(state.gac_cosine, 3.0 / np.sqrt(10.0), rtol=1e-6)
+    with pytest.raises(ValueError):
+        set_gac_reference(state, {"a": jnp.zeros(3)})
 
 
 def test_injected_and_plain_forms_agree():

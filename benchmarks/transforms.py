@@ -68,7 +68,8 @@ def make_step(tx: optax.GradientTransformationExtraArgs, state, *, donate_refere
     """
     paths, treedef = jax.tree_util.tree_flatten_with_path(state)
     is_ref = [
-        not donate_reference and "gac_reference" in jax.tree_util.keystr(path) for path, _ in paths
+        not donate_reference and any(getattr(k, "name", None) == "gac_reference" for k in path)
+        for path, _ in paths
     ]
 
     def split(tree):

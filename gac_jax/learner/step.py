@@ -20,7 +20,7 @@ from flax import nnx
 
 from gac_jax import objectives
 from gac_jax.learner.batch import TrainBatch
-from gac_jax.models import positions_from_mask, token_logps_from_logits
+from gac_jax.models import token_logps_from_logits
 
 # Losses whose extra inputs the learner cannot supply yet.
 UNSUPPORTED_LOSSES = {"tb": "trajectory balance needs a reference model's log-probs"}
@@ -29,8 +29,9 @@ UNSUPPORTED_LOSSES = {"tb": "trajectory balance needs a reference model's log-pr
 def _forward(graphdef, params, batch: TrainBatch):
     """Teacher-forced log-probs [N, T] and the entropy of each predicted token [N, T]."""
     model = nnx.merge(graphdef, params)
-    positions = positions_from_mask(batch.attention_mask)
-    logits_btv, _ = model(batch.tokens, positions, batch.attention_mask)
+    # Positions default to `positions_from_mask`, which lets the model look its rotary
+    # tables up instead of evaluating sin and cos.
+    logits_btv, _ = model(batch.tokens, None, batch.attention_mask)
     logp_bt = token_logps_from_logits(logits_btv, batch.tokens, batch.attention_mask)
     log_probs = jax.nn.log_softmax(logits_btv[:, :-1].astype(jnp.float32), axis=-1)
     entropy = -jnp.sum(jnp.exp(log_probs) * log_probs, axis=-1)

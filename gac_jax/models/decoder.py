@@ -160,6 +160,8 @@ class Decoder(nnx.Module):
         input_mask_bt = input_mask_bt.astype(bool)
         if input_mask_bt.shape != (b, t):
             raise ValueError(f"input_mask shape {input_mask_bt.shape} != tokens shape {(b, t)}.")
+        # Positions derived from the mask lie in [0, t): their rotary tables are looked up.
+        max_position = t if positions_bt is None else None
         if positions_bt is None:
             positions_bt = positions_from_mask(input_mask_bt)
         if positions_bt.shape != (b, t):
@@ -187,7 +189,7 @@ class Decoder(nnx.Module):
         if cfg.remat != "none":
             run = nnx.remat(_run_layer, policy=_remat_policy(cfg.remat))
         if rope is None:
-            rope = self.rope_tables(positions_bt)  # Shared by every layer.
+            rope = self.rope_tables(positions_bt, max_position)  # Shared by every layer.
         new_layer_caches = []
         for layer, layer_cache in zip(self.layers, layer_caches, strict=True):
             x_btd, new_layer_cache = run(
@@ -205,11 +207,17 @@ class Decoder(nnx.Module):
             }
         return x_btd, new_cache
 
-    def rope_tables(self, positions_bt: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """`(cos, sin)` [B, T, 1, H/2] of the rotary angles at `positions_bt`."""
+    def rope_tables(
+        self, positions_bt: jax.Array, max_position: int | None = None
+    ) -> tuple[jax.Array, jax.Array]:
+        """`(cos, sin)` [B, T, 1, H/2] of the rotary angles at `positions_bt`.
+
+        With `max_position`, looked up in constant tables (positions must lie in
+        `[0, max_position)`); see `gac_jax.models.layers.rope_tables`.
+        """
         cfg = self.config
         inv_freq = rope_inverse_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
-        return rope_tables(positions_bt, inv_freq)
+        return rope_tables(positions_bt, inv_freq, max_position)
 
     def logits(self, hidden_btd: jax.Array) -> jax.Array:
         """Output logits [B, T, V] in float32 from hidden states [B, T, D]."""

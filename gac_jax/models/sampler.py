@@ -29,7 +29,7 @@ import numpy as np
 from flax import nnx
 
 from gac_jax.models.config import ModelConfig
-from gac_jax.models.decoder import init_cache, positions_from_mask
+from gac_jax.models.decoder import init_cache
 from gac_jax.models.scoring import logps_of_tokens
 
 
@@ -332,15 +332,15 @@ class Sampler:
 
         model = nnx.merge(graphdef, state)
         cache = init_cache(cfg, batch, prompt_len + n, self.cache_dtype)
-        positions_bp = positions_from_mask(prompt_mask)
-        hidden, cache = model.hidden_states(prompt_tokens, positions_bp, prompt_mask, cache)
+        # Positions from the mask (the default): the prefill looks its rotary tables up.
+        hidden, cache = model.hidden_states(prompt_tokens, None, prompt_mask, cache)
         logits_bv = model.logits(hidden[:, -1:])[:, 0]
 
-        # Rotary tables for every decode step, computed once outside the loop: inside it
-        # XLA would evaluate sin and cos again in every fusion that rotates a head.
+        # Rotary tables for every decode step, looked up once outside the loop (the same
+        # constant tables the prefill and the learner's forward use).
         positions_b0 = jnp.sum(prompt_mask, axis=1, dtype=jnp.int32)
         rope_cos, rope_sin = model.rope_tables(
-            positions_b0[:, None] + jnp.arange(n, dtype=jnp.int32)[None, :]
+            positions_b0[:, None] + jnp.arange(n, dtype=jnp.int32)[None, :], prompt_len + n
         )
 
         init = _LoopState(

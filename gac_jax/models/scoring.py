@@ -17,8 +17,6 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from gac_jax.models.decoder import positions_from_mask
-
 
 def logps_of_tokens(logits_bv: jax.Array, tokens_b: jax.Array) -> jax.Array:
     """`log_softmax(logits)[token]` [..] in float32, without materialising the softmax.
@@ -78,5 +76,5 @@ def per_token_logps(model, tokens_bt: jax.Array, mask_bt: jax.Array, *, temperat
       float32 [B, T]; entry 0 and masked entries are 0.
     """
     mask_bt = jnp.asarray(mask_bt).astype(bool)
-    logits_btv, _ = model(tokens_bt, positions_from_mask(mask_bt), mask_bt)
+    logits_btv, _ = model(tokens_bt, None, mask_bt)  # Positions from the mask.
     return token_logps_from_logits(logits_btv, tokens_bt, mask_bt, temperature)

@@ -14,7 +14,7 @@ from gac_jax.models import (
     positions_from_mask,
     rope_inverse_frequencies,
 )
-from gac_jax.models.layers import RMSNorm, apply_rope
+from gac_jax.models.layers import RMSNorm, apply_rope, rope_tables
 
 
 def _forward(model, tokens, positions=None, mask=None):
@@ -78,6 +78,34 @@ def test_apply_rope_rotates_halves():
     np.testing.assert_allclose(
         np.asarray(got)[..., :4] ** 2 + np.asarray(got)[..., 4:] ** 2, x1**2 + x2**2, rtol=1e-4
     )
+
+
+def test_rope_table_lookup_matches_evaluated_tables():
+    inv_freq = rope_inverse_frequencies(16, 1e6)
+    positions = jnp.asarray([[0, 1, 2, 40], [3, 3, 0, 49]])
+    evaluated = rope_tables(positions, inv_freq)
+    looked_up = jax.jit(lambda p: rope_tables(p, inv_freq, 50))(positions)
+    angle = np.asarray(positions, np.float64)[:, :, None, None] * inv_freq.astype(np.float64)
+    for got, fn in zip(looked_up, (np.cos, np.sin), strict=True):
+        assert got.shape == (2, 4, 1, 8) and got.dtype == jnp.float32
+        np.testing.assert_allclose(got, fn(angle), atol=2e-6)
+    for got, want in zip(looked_up, evaluated, strict=True):
+        np.testing.assert_allclose(got, want, atol=2e-6)
+    # Positions outside [0, max_position) are clipped into it.
+    cos, _ = rope_tables(jnp.asarray([[-3, 60]]), inv_freq, 50)
+    np.testing.assert_array_equal(
+        cos[0, :, 0], rope_tables(jnp.asarray([[0, 49]]), inv_freq, 50)[0][0, :, 0]
+    )
+
+
+def test_default_positions_equal_explicit_ones(model):
+    """Without positions the decoder derives them from the mask and looks its rotary
+    tables up; explicit positions evaluate them. Both give the same logits."""
+    tokens = jax.random.randint(jax.random.key(4), (2, 7), 3, model.config.vocab_size)
+    mask = jnp.asarray([[0, 0, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1, 1]], bool)
+    default = _forward(model, tokens, None, mask)
+    explicit = _forward(model, tokens, positions_from_mask(mask), mask)
+    np.testing.assert_allclose(default, explicit, rtol=1e-5, atol=1e-5)
 
 
 @pytest.fixture(scope="module", params=["tiny", "tiny_llama"])

@@ -39,7 +39,9 @@ same tokens before timing anything.
 
 Timing: after warm-up (compilation and two compiled calls per variant, excluded), every
 round runs all four (library, task) pairs, alternating which library goes first, so
-machine noise hits both; the reported figure is the median over rounds. Each timed call
+machine noise hits both. Per library the median time over rounds is printed; the ratio
+reported last is the median over rounds of the ratio within each round (the two libraries
+timed back to back), which cancels the machine's slower drifts. Each timed call
 ends with its outputs on the host (gac_jax: `np.asarray` of the tokens / metrics as
 floats; Tunix: its returned lists / `block_until_ready` of loss, aux and grad norm).
 
@@ -437,7 +439,18 @@ def summarise(name: str, times) -> dict[str, float]:
                 f"    {task:<6} {lib:<7} {1e3 * median:8.1f} ms (min {1e3 * min(t):.1f}, "
                 f"max {1e3 * max(t):.1f})  {rates[lib]:8.0f} {label[task]} tokens/s"
             )
-        ratios[task] = rates["gac_jax"] / rates["tunix"]
+        # Each round times both libraries back to back, so the ratio within a round sees
+        # one state of the (shared, noisy) machine; its median is the headline figure.
+        paired = [
+            t_tunix / t_gac
+            for t_gac, t_tunix in zip(times[task]["gac_jax"], times[task]["tunix"], strict=True)
+        ]
+        ratios[task] = (statistics.median(paired), min(paired), max(paired))
+        print(
+            f"    {task:<6} ratio of medians {rates['gac_jax'] / rates['tunix']:.2f}x; "
+            f"per-round ratios median {ratios[task][0]:.2f}x "
+            f"(range {ratios[task][1]:.2f}-{ratios[task][2]:.2f})"
+        )
     return ratios
 
 
@@ -469,10 +482,14 @@ def main():
     results = {name: bench_size(name, SIZES[name], rounds) for name in args.sizes}
     print("\nThroughput")
     ratios = {name: summarise(name, times) for name, times in results.items()}
-    print("\nRatios gac_jax / Tunix (tokens/s; >1 means gac_jax is faster)")
+    print(
+        "\nRatios gac_jax / Tunix (tokens/s; >1 means gac_jax is faster): median over rounds "
+        "of the ratio within each round"
+    )
     for name, r in ratios.items():
         for task, label in (("sample", "sampling"), ("train", "GRPO train step")):
-            print(f"  {name:<5} {label:<16} {r[task]:.2f}x")
+            median, low, high = r[task]
+            print(f"  {name:<5} {label:<16} {median:.2f}x  (range {low:.2f}-{high:.2f})")
 
 
 if __name__ == "__main__":

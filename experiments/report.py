@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
+from gac_jax.train.config import SWEEP_LEARNING_RATE
 from gac_jax.train.metrics import read_metrics
 from gac_jax.train.plots import plot_distributions, plot_grouped_bars, plot_seed_curves
 from gac_jax.train.sweeps import (
@@ -271,6 +272,48 @@ def controls(summaries, out: Path) -> dict[str, str]:
     return {"controls": table}
 
 
+def smaller_lr(summaries, out: Path) -> dict[str, str]:
+    """Every method at learning rate 4e-4 (experiments/smaller_lr.py), beside the 6e-4 runs."""
+    sys.path.insert(0, str(Path(__file__).parent))  # The sweep's own definitions.
+    from smaller_lr import LAGS, LEARNING_RATE, label
+
+    keys = ["final_accuracy", "best_accuracy", "reward_last", "ess_ratio_median"]
+    labels = [label("naive", 0)] + [label(m, k) for k in LAGS for m in METHODS]
+    chosen = _select(summaries, labels)
+    if not chosen:
+        return {}
+    _write_csv(chosen, out / "smaller_lr.csv")
+    rows = _rows(chosen, keys)
+    table = _table(
+        rows, ["final_accuracy", "best_accuracy", "reward_last", "collapsed", "ess_ratio_median"]
+    )
+    bars = {}
+    for k in LAGS:
+        for lr, labels_of in (
+            (LEARNING_RATE, {m: label(m, k) for m in METHODS}),
+            (SWEEP_LEARNING_RATE, {m: f"{m}/k{k}" for m in METHODS}),
+        ):
+            rows_by_label = {
+                r["label"]: r for r in aggregate(_select(summaries, labels_of.values()), keys)
+            }
+            bars[f"k={k}, lr {lr:g}"] = {
+                m: (rows_by_label[x]["final_accuracy"], rows_by_label[x]["final_accuracy_std"])
+                for m, x in labels_of.items()
+                if x in rows_by_label
+            }
+    sync = aggregate(_select(summaries, [label("naive", 0)]), keys)
+    plot_grouped_bars(
+        {group: values for group, values in bars.items() if values},
+        out / "smaller_lr_accuracy.png",
+        ylabel="final held-out pass@1",
+        reference=(f"sync (k=0), lr {LEARNING_RATE:g}", sync[0]["final_accuracy"])
+        if sync
+        else None,
+        title="Final held-out accuracy per method at two learning rates (mean ± std over seeds)",
+    )
+    return {"smaller_lr": table}
+
+
 def real_async(summaries, lagged, root: Path, out: Path) -> dict[str, str]:
     labels = [f"{m}/async" for m in METHODS]
     chosen = _select(summaries, labels)
@@ -383,6 +426,7 @@ def main():
     blocks.update(cures(lagged, args.lagged, args.out))
     blocks.update(gac_defaults(lagged, args.out))
     blocks.update(controls(lagged, args.out))
+    blocks.update(smaller_lr(lagged, args.out))
     blocks.update(real_async(asynchronous, lagged, args.async_root, args.out))
     for name, table in blocks.items():
         print(f"## {name}\n{table}\n")

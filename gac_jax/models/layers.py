@@ -126,6 +126,8 @@ def rope_tables(
     from the mask itself (they are then below the sequence length).
     """
     if max_position is not None:
+        if isinstance(max_position, bool) or not isinstance(max_position, int) or max_position < 1:
+            raise ValueError(f"max_position={max_position!r} must be a positive int or None.")
         inv_freq = np.asarray(inv_freq_h, np.float32)  # Concrete: the tables are constants.
         # float32 angles as the evaluated path (and HF) computes them; cos and sin in
         # float64, rounded once.

@@ -94,7 +94,8 @@ def _leaf_products(g: jax.Array, r: jax.Array, cached_ref_sq: jax.Array | None):
 
 def _reference_is_gradient_exactly(g: jax.Array, r: jax.Array) -> bool:
     """Whether storing `g` as `r` keeps its values (so `|r|^2` is this step's `|g|^2`)."""
-    return r.dtype == jnp.float32 or r.dtype == g.dtype
+    widened = r.dtype == jnp.float32 and jnp.finfo(g.dtype).bits < 32  # bf16/f16 -> f32.
+    return r.dtype == g.dtype or widened
 
 
 def _squared_norm(x) -> jax.Array:

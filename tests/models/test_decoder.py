@@ -91,6 +91,8 @@ def test_rope_table_lookup_matches_evaluated_tables():
         np.testing.assert_allclose(got, fn(angle), atol=2e-6)
     for got, want in zip(looked_up, evaluated, strict=True):
         np.testing.assert_allclose(got, want, atol=2e-6)
+    with pytest.raises(ValueError, match="max_position=0"):
+        rope_tables(positions, inv_freq, 0)
     # Positions outside [0, max_position) are clipped into it.
     cos, _ = rope_tables(jnp.asarray([[-3, 60]]), inv_freq, 50)
     np.testing.assert_array_equal(

@@ -309,7 +309,7 @@ def smaller_lr(summaries, out: Path) -> dict[str, str]:
         reference=(f"sync (k=0), lr {LEARNING_RATE:g}", sync[0]["final_accuracy"])
         if sync
         else None,
-        title="Final held-out accuracy per method at two learning rates (mean ± std over seeds)",
+        title="Final held-out pass@1, two learning rates (mean ± std over seeds)",
     )
     return {"smaller_lr": table}
 

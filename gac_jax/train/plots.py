@@ -216,7 +216,8 @@ def plot_grouped_bars(
     ax.set_xticks(x, categories)
     ax.set_ylabel(ylabel)
     ax.grid(True, axis="y", alpha=0.3)
-    ax.legend()
+    # Beside the axes, so it never hides a bar (constrained layout makes room for it).
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small")
     if title is not None:
         ax.set_title(title)
     return _save(fig, png_path)

@@ -331,16 +331,26 @@ def test_bfloat16_reference_storage():
     np.testing.assert_allclose(np.asarray(out["a"]).ravel(), want, rtol=1e-3, atol=1e-4)
 
 
-def test_set_gac_reference_casts_and_measures_the_norms():
-    tx = gradient_alignment_control(reference_dtype="bfloat16")
+def test_set_gac_reference_sets_the_norms_the_next_step_uses():
+    tx = gradient_alignment_control()  # float32 reference: its norm is carried, not re-read.
     state = tx.init({"a": jnp.zeros(3), "b": jnp.zeros((2, 2))})
     reference = {"a": jnp.array([1.0, 2.0, 2.0]), "b": jnp.full((2, 2), 0.5)}
+    grads = {"a": jnp.array([1.0, 2.0, 2.0]), "b": jnp.zeros((2, 2))}
     state = set_gac_reference(state, reference)
-    assert state.gac_reference["a"].dtype == jnp.bfloat16
     np.testing.assert_allclose(state.gac_reference_sq, [9.0, 1.0])
-    # The cosine then uses the new reference: a gradient along "a" alone.
-    _, state = tx.update({"a": jnp.array([1.0, 2.0, 2.0]), "b": jnp.zeros((2, 2))}, state)
-    np.testing.assert_allclose(state.gac_cosine, 3.0 / np.sqrt(10.0), rtol=1e-6)
+    _, after = tx.update(grads, state)
+    np.testing.assert_allclose(after.gac_cosine, 3.0 / np.sqrt(10.0), rtol=1e-6)
+    # Replacing the reference alone leaves the carried norms stale (zero here): the
+    # cosine is then wrong, which is why set_gac_reference exists.
+    stale = tx.init({"a": jnp.zeros(3), "b": jnp.zeros((2, 2))})._replace(gac_reference=reference)
+    _, after = tx.update(grads, stale)
+    assert float(after.gac_cosine) == 0.0
+    # Lower-precision storage: the leaves are cast, the norms measured on the cast values.
+    tx16 = gradient_alignment_control(reference_dtype="bfloat16")
+    state16 = set_gac_reference(tx16.init({"a": jnp.zeros(3)}), {"a": jnp.array([1.0, 0.1, 0.0])})
+    assert state16.gac_reference["a"].dtype == jnp.bfloat16
+    cast = np.asarray(state16.gac_reference["a"], np.float64)
+    np.testing.assert_allclose(state16.gac_reference_sq, [np.sum(cast**2)], rtol=1e-6)
     with pytest.raises(ValueError):
         set_gac_reference(state, {"a": jnp.zeros(3)})
 

@@ -275,10 +275,11 @@ def controls(summaries, out: Path) -> dict[str, str]:
 def smaller_lr(summaries, out: Path) -> dict[str, str]:
     """Every method at learning rate 4e-4 (experiments/smaller_lr.py), beside the 6e-4 runs."""
     sys.path.insert(0, str(Path(__file__).parent))  # The sweep's own definitions.
-    from smaller_lr import LAGS, LEARNING_RATE, label
+    from smaller_lr import CONTROL_LAG, CONTROL_LEARNING_RATE, LAGS, LEARNING_RATE, label
 
     keys = ["final_accuracy", "best_accuracy", "reward_last", "ess_ratio_median"]
     labels = [label("naive", 0)] + [label(m, k) for k in LAGS for m in METHODS]
+    labels.append(label("naive", CONTROL_LAG, CONTROL_LEARNING_RATE))
     chosen = _select(summaries, labels)
     if not chosen:
         return {}

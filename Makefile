@@ -17,7 +17,9 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+# The demo starts afresh each time (the CLI refuses to train over an existing run).
 demo: $(STAMP)
+	rm -rf runs/demo
 	$(BIN)/gac-jax train --config demo --out runs/demo
 
 lint: $(STAMP)

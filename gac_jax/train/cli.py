@@ -46,7 +46,11 @@ def _default_out(config: str) -> Path:
 def _cmd_train(args, parser) -> int:
     config = _resolve(parser, args.config, args.set)
     out_dir = Path(args.out) if args.out is not None else _default_out(args.config)
-    _loop().train(config, out_dir, resume=args.resume)
+    loop = _loop()
+    try:
+        loop.train(config, out_dir, resume=args.resume)
+    except loop.RunExistsError as error:
+        parser.error(str(error))
     print(f"Run written to {out_dir}")
     return 0
 

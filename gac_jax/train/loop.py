@@ -202,6 +202,10 @@ def _rollout_metrics(rollouts, seconds: float) -> dict[str, float]:
     }
 
 
+class RunExistsError(ValueError):
+    """`train` without `resume` into a directory that already holds a run's checkpoints."""
+
+
 def train(config: TrainConfig, out_dir: str | os.PathLike, *, resume: bool = False) -> Path:
     """Runs the training described by `config`, writing everything under `out_dir`.
 
@@ -214,15 +218,25 @@ def train(config: TrainConfig, out_dir: str | os.PathLike, *, resume: bool = Fal
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    run = build_run(config)
-    (out_dir / "config.json").write_text(json.dumps(config_to_dict(run.config), indent=2))
-    learner, store = run.learner, run.store
     checkpoints = CheckpointManager(out_dir / "checkpoints", max_to_keep=config.keep_checkpoints)
+    existing = checkpoints.latest_step()
+    if not resume and existing is not None:
+        # Refuse before anything is trained or overwritten: a fresh run here would only
+        # fail at its first checkpoint, after the work.
+        checkpoints.close()
+        raise RunExistsError(
+            f"{str(out_dir)!r} already holds a run (checkpoint at step {existing}): resume "
+            "it (resume=True, `--resume`) or choose another output directory."
+        )
+    run = build_run(config)
+    learner, store = run.learner, run.store
     start_step = 0
-    if resume and checkpoints.latest_step() is not None:
+    if resume and existing is not None:
         start_step = _restore(run, checkpoints)
     elif resume:
         logger.info("no checkpoint in %s: starting from step 0", out_dir / "checkpoints")
+    # Written once the run is known to be this config's (a refused resume leaves it alone).
+    (out_dir / "config.json").write_text(json.dumps(config_to_dict(run.config), indent=2))
     source = make_source(run)
     eval_key = jax.random.key(config.seed + 1)
     progress = ProgressLine(total=config.steps)

@@ -17,13 +17,19 @@ def fake_loop(monkeypatch):
     calls = []
     fake = types.ModuleType("gac_jax.train.loop")
 
+    class RunExistsError(ValueError):
+        pass
+
     def train(config, out_dir, resume=False):
         calls.append(("train", config, out_dir, resume))
+        if out_dir.name == "taken" and not resume:
+            raise RunExistsError(f"{str(out_dir)!r} already holds a run")
 
     def evaluate_checkpoint(config, checkpoint_dir):
         calls.append(("eval", config, checkpoint_dir))
         return {"pass@8": 0.5, "reward": float("nan")}
 
+    fake.RunExistsError = RunExistsError
     fake.train = train
     fake.evaluate_checkpoint = evaluate_checkpoint
     monkeypatch.setitem(sys.modules, "gac_jax.train.loop", fake)
@@ -54,6 +60,14 @@ def test_train_passes_config_and_out_dir(fake_loop, tmp_path, capsys):
     )
     assert (kind, config, out_dir, resume) == ("train", expected, out, True)
     assert str(out) in capsys.readouterr().out
+
+
+def test_train_into_an_existing_run_is_a_usage_error(fake_loop, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", "--out", str(tmp_path / "taken")])
+    assert exit_info.value.code == 2
+    assert "already holds a run" in capsys.readouterr().err
+    assert main(["train", "--out", str(tmp_path / "taken"), "--resume"]) == 0
 
 
 def test_train_defaults(fake_loop, tmp_path, monkeypatch):

@@ -90,9 +90,15 @@ def jax_leaves(tree):
 
 def test_resume_refuses_a_different_config(tmp_path, digit_task):
     loop.train(dataclasses.replace(_config(tmp_path, 1), eval_every=0), tmp_path / "run")
+    written = (tmp_path / "run" / "config.json").read_text()
     other = dataclasses.replace(_config(tmp_path, 2), eval_every=0, seed=7)
     with pytest.raises(ValueError, match="different config"):
         loop.train(other, tmp_path / "run", resume=True)
+    # A fresh run into a directory that holds one is refused before it trains; neither
+    # refusal overwrites the run's config.
+    with pytest.raises(loop.RunExistsError, match="holds a run .checkpoint at step 1.: resume"):
+        loop.train(other, tmp_path / "run")
+    assert (tmp_path / "run" / "config.json").read_text() == written
 
 
 @pytest.mark.parametrize(

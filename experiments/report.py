@@ -109,20 +109,7 @@ def diagnosis(summaries, root: Path, out: Path) -> dict[str, str]:
         "final_accuracy",
     ]
     rows = _rows(chosen, keys)
-    table = _table(
-        rows,
-        [
-            "c_t_median",
-            "c_t_q25",
-            "c_t_q75",
-            "c_after_median",
-            "ess_ratio_median",
-            "grad_norm_median",
-            "reward_last",
-            "final_accuracy",
-            "collapsed",
-        ],
-    )
+    table = _table(rows, [*keys, "collapsed"])
     pooled = {}
     for label in labels:
         runs = _runs(root, label)
@@ -288,28 +275,27 @@ def smaller_lr(summaries, out: Path) -> dict[str, str]:
     table = _table(
         rows, ["final_accuracy", "best_accuracy", "reward_last", "collapsed", "ess_ratio_median"]
     )
-    bars = {}
-    for k in LAGS:
-        for lr, labels_of in (
-            (LEARNING_RATE, {m: label(m, k) for m in METHODS}),
-            (SWEEP_LEARNING_RATE, {m: f"{m}/k{k}" for m in METHODS}),
-        ):
-            rows_by_label = {
-                r["label"]: r for r in aggregate(_select(summaries, labels_of.values()), keys)
-            }
-            bars[f"k={k}, lr {lr:g}"] = {
-                m: (rows_by_label[x]["final_accuracy"], rows_by_label[x]["final_accuracy_std"])
-                for m, x in labels_of.items()
-                if x in rows_by_label
-            }
-    sync = aggregate(_select(summaries, [label("naive", 0)]), keys)
+    # The 6e-4 runs of the same methods, for the bars beside the 4e-4 ones.
+    base_labels = [f"{m}/k{k}" for k in LAGS for m in METHODS]
+    by_label = {r["label"]: r for r in rows + aggregate(_select(summaries, base_labels), keys)}
+    bars = {
+        f"k={k}, lr {lr:g}": {
+            m: (by_label[x]["final_accuracy"], by_label[x]["final_accuracy_std"])
+            for m in METHODS
+            if (x := label_of(m, k)) in by_label
+        }
+        for k in LAGS
+        for lr, label_of in (
+            (LEARNING_RATE, label),
+            (SWEEP_LEARNING_RATE, lambda m, k: f"{m}/k{k}"),
+        )
+    }
+    sync = by_label.get(label("naive", 0))
     plot_grouped_bars(
         {group: values for group, values in bars.items() if values},
         out / "smaller_lr_accuracy.png",
         ylabel="final held-out pass@1",
-        reference=(f"sync (k=0), lr {LEARNING_RATE:g}", sync[0]["final_accuracy"])
-        if sync
-        else None,
+        reference=(f"sync (k=0), lr {LEARNING_RATE:g}", sync["final_accuracy"]) if sync else None,
         title="Final held-out pass@1, two learning rates (mean ± std over seeds)",
     )
     return {"smaller_lr": table}

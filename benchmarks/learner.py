@@ -35,8 +35,8 @@ import numpy as np
 from flax import nnx
 
 from gac_jax import models
-from gac_jax.learner import GRPOLearner, collate, make_optimizer
-from gac_jax.rollout import Rollout
+from gac_jax.learner import GRPOLearner, TrainBatch, make_optimizer
+from gac_jax.rollout import Rollout, collate
 
 CONFIGS = {
     "tiny": models.get_config("tiny"),
@@ -101,7 +101,7 @@ def fake_batch(config: models.ModelConfig, seed: int, version: int):
         )
         for i in range(GROUPS)
     ]
-    return collate(rollouts, PROMPT)
+    return TrainBatch(**collate(rollouts, PROMPT))
 
 
 def make_peak():

@@ -33,8 +33,8 @@ import numpy as np
 from flax import nnx
 
 from gac_jax import models
-from gac_jax.learner import GRPOLearner, collate, make_optimizer
-from gac_jax.rollout import Rollout, RolloutBuffer
+from gac_jax.learner import GRPOLearner, TrainBatch, make_optimizer
+from gac_jax.rollout import Rollout, RolloutBuffer, collate
 from gac_jax.rollout.simulation import (
     LengthDistribution,
     SimulationConfig,
@@ -150,7 +150,7 @@ def learner_step_seconds(batch_groups: int, completion_length: int, repeats: int
     model = models.create_model(models.get_config("tiny"), seed=0)  # Its params get donated.
     learner = GRPOLearner(model, make_optimizer(learning_rate=1e-6), models.make_mesh())
     rollouts = [fake_rollout(0, completion_length, g) for g in range(batch_groups)]
-    batch = learner.place_batch(collate(rollouts, PROMPT_LENGTH))
+    batch = learner.place_batch(TrainBatch(**collate(rollouts, PROMPT_LENGTH)))
     return median_seconds(lambda: learner.step(batch, 0), repeats)
 
 

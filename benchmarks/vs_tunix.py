@@ -106,8 +106,8 @@ import optax
 from flax import nnx
 
 from gac_jax import models
-from gac_jax.learner import GRPOLearner, collate, make_optimizer
-from gac_jax.rollout import Rollout
+from gac_jax.learner import GRPOLearner, TrainBatch, make_optimizer
+from gac_jax.rollout import Rollout, collate
 
 BATCH, PROMPT, NEW = 64, 16, 48
 GROUPS, GROUP_SIZE = 8, 8
@@ -386,7 +386,7 @@ def bench_size(name: str, size: dict, rounds: int) -> dict[str, dict[str, list[f
     gac_sample, tunix_sample, greedy_agreement = make_samplers(
         cfg, gac_sampling_model, tunix_sampling_model, prompts
     )
-    batch = collate(fake_rollouts(cfg, seed=0), PROMPT)
+    batch = TrainBatch(**collate(fake_rollouts(cfg, seed=0), PROMPT))
     gac_step = make_gac_trainer(gac_training_model, batch)
     tunix_step = make_tunix_trainer(tunix_training_model, batch)
 

@@ -3,9 +3,12 @@
 `Rollout` records carry the policy version that sampled them; `ParamStore` holds published
 versions; `RolloutBuffer` bounds memory and staleness; `RolloutWorker` threads generate in
 asynchronous mode; `SyncRollouts`, `LaggedRollouts` and `AsyncRollouts` give the learner one
-call, `next_batch(step)`, for the three modes.
+call, `next_batch(step)`, for the three modes. `collate` lays groups out as the arrays of a
+train step; the staleness and reservation rules are the pure functions of
+`gac_jax.rollout.staleness`.
 """
 
+from gac_jax.rollout.batching import BATCH_KEYS, collate
 from gac_jax.rollout.buffer import (
     STALE_POLICIES,
     BufferStats,
@@ -25,6 +28,7 @@ from gac_jax.rollout.worker import (
 )
 
 __all__ = [
+    "BATCH_KEYS",
     "STALE_POLICIES",
     "AsyncRollouts",
     "BufferStats",
@@ -39,5 +43,6 @@ __all__ = [
     "RolloutWorker",
     "RolloutWorkerError",
     "SyncRollouts",
+    "collate",
     "group_key",
 ]

@@ -8,8 +8,22 @@ import threading
 import time
 
 from gac_jax.rollout.record import Rollout
+from gac_jax.rollout.staleness import (
+    STALE_POLICIES,
+    check_staleness_settings,
+    held_after_drop,
+    reservation_allowed,
+    staleness,
+    take_fresh,
+)
 
-STALE_POLICIES = ("drop", "block")
+__all__ = [
+    "STALE_POLICIES",
+    "BufferStats",
+    "RolloutBuffer",
+    "RolloutBufferClosed",
+    "RolloutWorkerError",
+]
 
 
 class RolloutBufferClosed(RuntimeError):
@@ -37,7 +51,8 @@ class RolloutBuffer:
 
     Groups are atomic: a batch holds whole groups. `take` never returns a group whose
     staleness (learner version - group's oldest policy version) exceeds `max_staleness`;
-    what happens to older groups is the `stale_policy`:
+    what happens to older groups is the `stale_policy` (the rules are the pure functions of
+    `gac_jax.rollout.staleness`, which the pipeline simulation shares):
 
     - "drop": they are discarded when a batch is taken, and counted.
     - "block": producers call `reserve(version)` before generating and wait until a group
@@ -70,12 +85,7 @@ class RolloutBuffer:
                 f"capacity={capacity} must be >= groups_per_batch={groups_per_batch}, or a "
                 "batch could never be assembled."
             )
-        if max_staleness is not None and max_staleness < 0:
-            raise ValueError(f"max_staleness={max_staleness} must be >= 0 or None.")
-        if stale_policy not in STALE_POLICIES:
-            raise ValueError(f"stale_policy={stale_policy!r} is not one of {STALE_POLICIES}.")
-        if stale_policy == "block" and max_staleness is None:
-            raise ValueError("stale_policy='block' needs a max_staleness bound.")
+        check_staleness_settings(max_staleness, stale_policy)
         self.capacity = capacity
         self.groups_per_batch = groups_per_batch
         self.max_staleness = max_staleness
@@ -94,13 +104,18 @@ class RolloutBuffer:
 
         Returns False on timeout; raises `RolloutBufferClosed` once closed.
         """
+
+        def granted() -> bool:
+            return reservation_allowed(
+                self._reserved,
+                version,
+                max_staleness=self.max_staleness,
+                groups_per_batch=self.groups_per_batch,
+                stale_policy=self.stale_policy,
+            )
+
         with self._lock:
-            if self.stale_policy != "block":
-                self._check_open()
-                self._reserved += 1
-                return True
-            limit = lambda: (version + self.max_staleness + 1) * self.groups_per_batch  # noqa: E731
-            ok = self._lock.wait_for(lambda: self._closed or self._reserved < limit(), timeout)
+            ok = self._lock.wait_for(lambda: self._closed or granted(), timeout)
             self._check_open()
             if not ok:
                 return False
@@ -140,14 +155,21 @@ class RolloutBuffer:
             while True:
                 if self._error is not None:  # A crash surfaces at once, not after draining.
                     self._check_open()
-                self._drop_stale(learner_version)
-                if len(self._queue) >= num_groups:
-                    batch = [self._queue.popleft() for _ in range(num_groups)]
-                    for rollout in batch:
-                        self._histogram[rollout.staleness(learner_version)] += 1
+                outcome = take_fresh(
+                    self._queue,
+                    learner_version,
+                    num_groups,
+                    self.max_staleness,
+                    lambda r: r.policy_version,
+                )
+                self._queue = collections.deque(outcome.kept)
+                self._discard(len(outcome.dropped))
+                if outcome.batch is not None:
+                    for rollout in outcome.batch:
+                        self._histogram[staleness(learner_version, rollout.policy_version)] += 1
                     self._consumed += num_groups
                     self._lock.notify_all()
-                    return batch
+                    return list(outcome.batch)
                 self._check_open()
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
@@ -156,19 +178,11 @@ class RolloutBuffer:
                     )
                 self._lock.wait(remaining)
 
-    def _drop_stale(self, learner_version: int) -> None:
-        if self.max_staleness is None:
-            return
-        fresh = [r for r in self._queue if r.staleness(learner_version) <= self.max_staleness]
-        dropped = len(self._queue) - len(fresh)
+    def _discard(self, dropped: int) -> None:
+        """Counts `dropped` stale groups, already removed, and gives their slots back."""
         if dropped:
-            self._queue = collections.deque(fresh)
             self._dropped += dropped
-            if self.stale_policy == "block":
-                # A dropped group's slot goes back: the groups behind it move up one place
-                # in the consumption order. Without this every drop would shrink, for
-                # good, how far ahead producers may run.
-                self._reserved -= dropped
+            self._reserved = held_after_drop(self._reserved, dropped, self.stale_policy)
             self._lock.notify_all()
 
     # ----------------------------------------------------------------------------- lifecycle

@@ -25,8 +25,9 @@ The model, and the assumptions it makes:
   `train_seconds` (batches are padded to max_new_tokens, so a step's cost does not depend
   on the lengths); version t + 1 is published when the step ends. Version 0 is published
   at time 0. Copying params into the `ParamStore` and moving them to the workers is free.
-- **Async mode** follows `RolloutWorker` and `RolloutBuffer` exactly: a worker reserves a
-  slot (block policy: the j-th reservation with latest version v is granted only if
+- **Async mode** follows `RolloutWorker` and `RolloutBuffer` exactly, deciding with the
+  same functions (`gac_jax.rollout.staleness`): a worker reserves a slot (block policy:
+  the j-th reservation with latest version v is granted only if
   j < (v + max_staleness + 1) * B; drop policy: always), generates, puts the group
   (waiting while the buffer holds `capacity` groups), and loops. The learner's `take`
   discards groups with staleness > max_staleness (under both policies) and then pops the
@@ -52,214 +53,42 @@ import collections
 import dataclasses
 import heapq
 import itertools
-import math
 from collections.abc import Sequence
 
 import numpy as np
 
-from gac_jax.rollout.buffer import STALE_POLICIES
+from gac_jax.rollout.simulation_types import (
+    LENGTH_KINDS,
+    MODES,
+    LengthDistribution,
+    SimulationConfig,
+    SimulationResult,
+)
+from gac_jax.rollout.staleness import (
+    held_after_drop,
+    reservation_allowed,
+    staleness,
+    take_fresh,
+)
 
-MODES = ("sync", "async")
-LENGTH_KINDS = ("constant", "lognormal", "pareto")
+__all__ = [
+    "LENGTH_KINDS",
+    "MODES",
+    "Comparison",
+    "LengthDistribution",
+    "SimulationConfig",
+    "SimulationResult",
+    "compare_async_to_sync",
+    "format_comparison",
+    "format_utilisation",
+    "simulate",
+]
 
 # Event kinds; the heap orders (time, sequence number), so ties keep insertion order.
 _FINISHED, _TRAINED = 0, 1
 # Lengths are drawn this many groups at a time from one stream (any chunk size gives the
 # same lengths for the same group ids only if it never changes, so it is fixed).
 _CHUNK = 1024
-
-
-@dataclasses.dataclass(frozen=True)
-class LengthDistribution:
-    """Completion lengths in tokens, rounded up and clipped to [min_tokens, max_tokens].
-
-    - "constant": every completion has `scale` tokens.
-    - "lognormal": median `scale`, log-space standard deviation `shape`.
-    - "pareto": P(length > x) = (scale / x) ** shape for x >= scale (tail index `shape`;
-      the mean is infinite for shape <= 1 before clipping).
-
-    Args:
-      kind: one of `LENGTH_KINDS`.
-      scale: the constant, the median, or the Pareto minimum (tokens, > 0).
-      shape: lognormal sigma or Pareto tail index (> 0; unused for "constant").
-      max_tokens: the clip, max_new_tokens.
-      min_tokens: the smallest length (1: the EOS token alone).
-    """
-
-    kind: str = "lognormal"
-    scale: float = 32.0
-    shape: float = 1.0
-    max_tokens: int = 256
-    min_tokens: int = 1
-
-    def __post_init__(self):
-        if self.kind not in LENGTH_KINDS:
-            raise ValueError(f"kind={self.kind!r} is not one of {LENGTH_KINDS}.")
-        if not self.scale > 0:
-            raise ValueError(f"scale={self.scale} must be > 0.")
-        if self.kind != "constant" and not self.shape > 0:
-            raise ValueError(f"shape={self.shape} must be > 0.")
-        if not 1 <= self.min_tokens <= self.max_tokens:
-            raise ValueError(
-                f"need 1 <= min_tokens={self.min_tokens} <= max_tokens={self.max_tokens}."
-            )
-
-    def sample(self, rng: np.random.Generator, size) -> np.ndarray:
-        """int64 lengths of the given shape."""
-        if self.kind == "constant":
-            raw = np.full(size, self.scale, np.float64)
-        elif self.kind == "lognormal":
-            raw = rng.lognormal(math.log(self.scale), self.shape, size)
-        else:  # numpy's pareto is the Lomax distribution: 1 + it is Pareto with minimum 1.
-            raw = self.scale * (1.0 + rng.pareto(self.shape, size))
-        return np.clip(np.ceil(raw), self.min_tokens, self.max_tokens).astype(np.int64)
-
-    def describe(self) -> str:
-        if self.kind == "constant":
-            body = f"{self.scale:g} tokens"
-        elif self.kind == "lognormal":
-            body = f"median {self.scale:g}, sigma {self.shape:g}"
-        else:
-            body = f"minimum {self.scale:g}, tail index {self.shape:g}"
-        return f"{self.kind} ({body}) clipped to [{self.min_tokens}, {self.max_tokens}]"
-
-
-@dataclasses.dataclass(frozen=True)
-class SimulationConfig:
-    """One simulated run. Times are in seconds.
-
-    Args:
-      mode: "sync" or "async".
-      num_workers: W, generation workers.
-      groups_per_batch: B, groups per learner step.
-      group_size: G, completions per group (the group lasts as long as its longest).
-      max_staleness: async only: the bound alpha, or None for none (drop policy only).
-      stale_policy: async only: "block" or "drop", as `RolloutBuffer`.
-      capacity: async only: buffer size in groups; None is `AsyncRollouts`' 2 * B.
-      token_seconds: time to generate one token of every row of a group.
-      group_overhead_seconds: fixed time per group (prefill, dispatch, scoring).
-      train_seconds: time of one learner step.
-      lengths: the completion length distribution.
-      num_steps: learner steps to simulate.
-      seed: seed of the length stream.
-    """
-
-    mode: str = "async"
-    num_workers: int = 1
-    groups_per_batch: int = 8
-    group_size: int = 8
-    max_staleness: int | None = 1
-    stale_policy: str = "block"
-    capacity: int | None = None
-    token_seconds: float = 1e-3
-    group_overhead_seconds: float = 0.0
-    train_seconds: float = 0.1
-    lengths: LengthDistribution = LengthDistribution()
-    num_steps: int = 200
-    seed: int = 0
-
-    def __post_init__(self):
-        if self.mode not in MODES:
-            raise ValueError(f"mode={self.mode!r} is not one of {MODES}.")
-        for name in ("num_workers", "groups_per_batch", "group_size", "num_steps"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}={getattr(self, name)} must be >= 1.")
-        if self.max_staleness is not None and self.max_staleness < 0:
-            raise ValueError(f"max_staleness={self.max_staleness} must be >= 0 or None.")
-        if self.stale_policy not in STALE_POLICIES:
-            raise ValueError(f"stale_policy={self.stale_policy!r} is not one of {STALE_POLICIES}.")
-        if self.mode == "async" and self.stale_policy == "block" and self.max_staleness is None:
-            raise ValueError("stale_policy='block' needs a max_staleness bound.")
-        if self.buffer_capacity < self.groups_per_batch:
-            raise ValueError(
-                f"capacity={self.capacity} must be >= groups_per_batch={self.groups_per_batch}."
-            )
-        for name in ("token_seconds", "group_overhead_seconds", "train_seconds"):
-            if not getattr(self, name) >= 0:
-                raise ValueError(f"{name}={getattr(self, name)} must be >= 0.")
-        if not self.group_overhead_seconds + self.token_seconds * self.lengths.min_tokens > 0:
-            # Zero-time groups would let the event loop spin forever at one instant.
-            raise ValueError("a group must take some time: raise token_seconds or the overhead.")
-
-    @property
-    def buffer_capacity(self) -> int:
-        return 2 * self.groups_per_batch if self.capacity is None else self.capacity
-
-
-@dataclasses.dataclass(frozen=True)
-class SimulationResult:
-    """What a simulated run measured.
-
-    Attributes:
-      config: the run's configuration.
-      steps: learner steps completed (`num_steps` unless the run deadlocked).
-      seconds: simulated time when the last completed step ended.
-      step_end_times: when each step ended (its version + 1 was published).
-      produced: groups put into the buffer (sync: generated).
-      consumed: groups trained on.
-      dropped: groups discarded as too stale.
-      depth: groups left in the buffer at the end.
-      staleness_histogram: learner version - group version -> groups trained on.
-      worker_busy_seconds: generation time summed over workers, up to `seconds`.
-      dropped_busy_seconds: the part of it spent on groups that were dropped.
-      deadlocked: the learner waits for a batch that can never come.
-      trace: with `record_trace`, every buffer call in order: ("reserve", version, ok),
-        ("put", group_id, version, ok), ("take", learner_version, group ids or None).
-    """
-
-    config: SimulationConfig
-    steps: int
-    seconds: float
-    step_end_times: tuple[float, ...]
-    produced: int
-    consumed: int
-    dropped: int
-    depth: int
-    staleness_histogram: dict[int, int]
-    worker_busy_seconds: float
-    dropped_busy_seconds: float
-    deadlocked: bool
-    trace: tuple[tuple, ...] | None = None
-
-    @property
-    def steps_per_second(self) -> float:
-        return self.steps / self.seconds if self.seconds > 0 else math.inf
-
-    @property
-    def groups_per_second(self) -> float:
-        """Groups trained on per second."""
-        return self.consumed / self.seconds if self.seconds > 0 else math.inf
-
-    @property
-    def mean_staleness(self) -> float:
-        total = sum(self.staleness_histogram.values())
-        return sum(k * n for k, n in self.staleness_histogram.items()) / max(total, 1)
-
-    @property
-    def max_staleness(self) -> int:
-        return max(self.staleness_histogram, default=0)
-
-    @property
-    def worker_utilisation(self) -> float:
-        """Fraction of worker time spent generating (dropped groups included)."""
-        return self.worker_busy_seconds / (self.config.num_workers * self.seconds)
-
-    @property
-    def learner_idle_fraction(self) -> float:
-        """Fraction of the run the learner spent waiting for a batch."""
-        return 1.0 - self.steps * self.config.train_seconds / self.seconds
-
-    def summary(self) -> dict[str, float]:
-        return {
-            "steps_per_second": self.steps_per_second,
-            "groups_per_second": self.groups_per_second,
-            "mean_staleness": self.mean_staleness,
-            "max_staleness": float(self.max_staleness),
-            "worker_utilisation": self.worker_utilisation,
-            "learner_idle_fraction": self.learner_idle_fraction,
-            "dropped": float(self.dropped),
-            "deadlocked": float(self.deadlocked),
-        }
 
 
 class _GroupCosts:
@@ -333,6 +162,7 @@ class _AsyncPipeline:
         self.learner_waiting = True
         self.queue_changed = True  # Whether a waiting learner has something new to look at.
         self.queue: collections.deque[tuple[int, int]] = collections.deque()  # (id, version)
+        # Reservations held, as `RolloutBuffer` counts them (dropped groups give theirs back).
         self.reserved = self.produced = self.consumed = self.dropped = 0
         self.histogram: collections.Counter[int] = collections.Counter()
         self.next_group = 0
@@ -352,11 +182,13 @@ class _AsyncPipeline:
     # ------------------------------------------------------------------- buffer semantics
 
     def _slot_free(self) -> bool:
-        c = self.c
-        if c.stale_policy != "block":
-            return True
-        held = self.reserved - self.dropped  # Dropped groups' slots were given back.
-        return held < (self.version + c.max_staleness + 1) * c.groups_per_batch
+        return reservation_allowed(
+            self.reserved,
+            self.version,
+            max_staleness=self.c.max_staleness,
+            groups_per_batch=self.c.groups_per_batch,
+            stale_policy=self.c.stale_policy,
+        )
 
     def _start(self, worker: int) -> None:
         self.reserved += 1
@@ -375,18 +207,17 @@ class _AsyncPipeline:
     def _try_take(self) -> bool:
         c, t = self.c, self.version
         self.queue_changed = False
-        if c.max_staleness is not None:
-            fresh = [g for g in self.queue if t - g[1] <= c.max_staleness]
-            if len(fresh) < len(self.queue):
-                self.dropped_ids.extend(g[0] for g in self.queue if t - g[1] > c.max_staleness)
-                self.dropped += len(self.queue) - len(fresh)
-                self.queue = collections.deque(fresh)
-        if len(self.queue) < c.groups_per_batch:
+        outcome = take_fresh(self.queue, t, c.groups_per_batch, c.max_staleness, lambda g: g[1])
+        self.queue = collections.deque(outcome.kept)
+        self.dropped_ids.extend(g[0] for g in outcome.dropped)
+        self.dropped += len(outcome.dropped)
+        self.reserved = held_after_drop(self.reserved, len(outcome.dropped), c.stale_policy)
+        batch = outcome.batch
+        if batch is None:
             self._record("take", t, None)
             return False
-        batch = [self.queue.popleft() for _ in range(c.groups_per_batch)]
         for _, version in batch:
-            self.histogram[t - version] += 1
+            self.histogram[staleness(t, version)] += 1
         self.consumed += len(batch)
         self._record("take", t, tuple(g[0] for g in batch))
         self.learner_waiting = False

@@ -1,0 +1,87 @@
+"""`collate`: rollout groups laid out as the host-side arrays a train step consumes.
+
+It returns a plain dict of NumPy arrays keyed by the field names of
+`gac_jax.learner.TrainBatch`, so the learner builds its batch with
+`TrainBatch(**collate(rollouts, prompt_length))` and neither package imports the other
+(the learner may not import rollout: see DESIGN.md's package table).
+
+(The module is not named `collate`: `gac_jax.rollout.collate` is the function, and a
+submodule of the same name would be shadowed by it.)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from gac_jax.rollout.record import Rollout
+
+# The keys of `collate`'s dict, in `TrainBatch`'s field order.
+BATCH_KEYS = (
+    "tokens",
+    "attention_mask",
+    "loss_mask",
+    "behaviour_logp",
+    "rewards",
+    "group_ids",
+    "versions",
+)
+
+
+def collate(rollouts: Sequence[Rollout], prompt_length: int) -> dict[str, np.ndarray]:
+    """Stacks groups into N = groups x G rows of length T = prompt_length + completion length.
+
+    Each row is the left-padded prompt followed by the completion, exactly as the sampler
+    laid it out, so teacher-forced log-probabilities line up with the behaviour ones.
+
+    Args:
+      rollouts: groups with equal group size and completion length.
+      prompt_length: the left-padded prompt length (longer prompts are an error).
+
+    Returns:
+      A dict with the keys `BATCH_KEYS`:
+      tokens: int32 [N, T], 0 where padded.
+      attention_mask: bool [N, T], real tokens (prompt and completion).
+      loss_mask: bool [N, T], completion tokens, the ones trained on.
+      behaviour_logp: float32 [N, T], behaviour log-prob on completion tokens, else 0.
+      rewards: float32 [N].
+      group_ids: int32 [N], the GRPO group of each row: the index of its rollout in
+        `rollouts` (so numbered from 0 in every call).
+      versions: int32 [N], the policy version that sampled each row's group.
+    """
+    if not rollouts:
+        raise ValueError("collate needs at least one rollout group.")
+    g, l = rollouts[0].completion_tokens.shape
+    rows, width = len(rollouts) * g, prompt_length + l
+    tokens = np.zeros((rows, width), np.int32)
+    attention = np.zeros((rows, width), bool)
+    loss_mask = np.zeros((rows, width), bool)
+    behaviour = np.zeros((rows, width), np.float32)
+    rewards = np.zeros(rows, np.float32)
+    group_ids = np.zeros(rows, np.int32)
+    versions = np.zeros(rows, np.int32)
+    for i, r in enumerate(rollouts):
+        if r.completion_tokens.shape != (g, l):
+            raise ValueError(
+                f"rollout group {r.group_id} has completions of shape "
+                f"{r.completion_tokens.shape}, expected {(g, l)}."
+            )
+        p = len(r.prompt_tokens)
+        if p > prompt_length:
+            raise ValueError(
+                f"rollout group {r.group_id} has a {p}-token prompt, longer than "
+                f"prompt_length={prompt_length}."
+            )
+        rows_i = slice(i * g, (i + 1) * g)
+        tokens[rows_i, prompt_length - p : prompt_length] = r.prompt_tokens
+        attention[rows_i, prompt_length - p : prompt_length] = True
+        tokens[rows_i, prompt_length:] = np.where(r.completion_mask, r.completion_tokens, 0)
+        attention[rows_i, prompt_length:] = r.completion_mask
+        loss_mask[rows_i, prompt_length:] = r.completion_mask
+        behaviour[rows_i, prompt_length:] = np.where(r.completion_mask, r.behaviour_logp, 0.0)
+        rewards[rows_i] = r.rewards
+        group_ids[rows_i] = i
+        versions[rows_i] = r.policy_version
+    arrays = (tokens, attention, loss_mask, behaviour, rewards, group_ids, versions)
+    return dict(zip(BATCH_KEYS, arrays, strict=True))

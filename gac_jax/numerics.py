@@ -1,4 +1,5 @@
-"""Small numerical helpers shared by `gac_jax.transforms` and `gac_jax.objectives`.
+"""Small numerical helpers shared by `gac_jax.transforms`, `gac_jax.objectives` and the
+learner.
 
 Only JAX is imported here, so both packages can depend on this module without depending on
 each other.
@@ -21,6 +22,15 @@ def safe_divide(numerator: jax.Array, denominator: jax.Array, fallback=0.0) -> j
     is_zero = denominator == 0
     safe_denominator = jnp.where(is_zero, jnp.ones_like(denominator), denominator)
     return jnp.where(is_zero, fallback, numerator / safe_denominator)
+
+
+def masked_mean(values, mask, fallback=0.0) -> jax.Array:
+    """Mean of `values` over `mask`, `fallback` when nothing is valid (the one masked mean
+    of the package: objectives, the learner's metrics and the supervised loss use it)."""
+    total = jnp.sum(jnp.where(mask, values, 0.0))
+    count = jnp.sum(mask, dtype=jnp.float32)
+    safe_count = jnp.where(count > 0, count, 1.0)
+    return jnp.where(count > 0, total / safe_count, fallback)
 
 
 class EffectiveSampleSize(NamedTuple):

@@ -1,15 +1,19 @@
 """The GRPO learner: batches, the optimizer chain, the train step, mesh and shardings."""
 
-from gac_jax.learner.batch import TrainBatch, collate
-from gac_jax.learner.learner import BATCH_AXES, GRPOLearner, optimizer_shardings
-from gac_jax.learner.optimizer import make_optimizer
+from gac_jax.learner.batch import TrainBatch
+from gac_jax.learner.learner import BATCH_AXES, GRPOLearner, LearnerConfig, optimizer_shardings
+from gac_jax.learner.objective import LossConfig, Objective
+from gac_jax.learner.optimizer import OptimizerConfig, make_optimizer
 from gac_jax.learner.step import make_train_step, per_example_grad_sq_norms
 
 __all__ = [
     "BATCH_AXES",
     "GRPOLearner",
+    "LearnerConfig",
+    "LossConfig",
+    "Objective",
+    "OptimizerConfig",
     "TrainBatch",
-    "collate",
     "make_optimizer",
     "make_train_step",
     "optimizer_shardings",

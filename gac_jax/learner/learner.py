@@ -1,10 +1,9 @@
-"""`GRPOLearner`: the sharded, jitted, donated train step over a device mesh."""
+"""`GRPOLearner`: the sharded, jitted, donated train step over a device mesh, and its
+config."""
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
-from typing import Any
 
 import jax
 import numpy as np
@@ -14,6 +13,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from gac_jax.learner.batch import TrainBatch
+from gac_jax.learner.objective import LossConfig
 from gac_jax.learner.step import make_train_step
 from gac_jax.models.sharding import ShardingRules, state_shardings
 
@@ -47,6 +47,24 @@ def _replaced_leaves(opt_state) -> set[int]:
     }
 
 
+@dataclasses.dataclass(frozen=True)
+class LearnerConfig:
+    """How the learner runs the step (the objective itself is a `LossConfig`).
+
+    Attributes:
+      micro_batches: gradient accumulation: the batch is split into this many chunks, whose
+        gradients are summed exactly (`make_train_step`); it must divide the batch.
+    """
+
+    micro_batches: int = 1
+
+    def validate(self) -> None:
+        """Raises ValueError naming a bad field."""
+        m = self.micro_batches
+        if isinstance(m, bool) or not isinstance(m, int) or m < 1:
+            raise ValueError(f"micro_batches={m!r} must be an int >= 1.")
+
+
 class GRPOLearner:
     """Holds params and optimizer state on a mesh and runs the GRPO step on batches.
 
@@ -60,8 +78,9 @@ class GRPOLearner:
       model: a `gac_jax.models.Decoder` (its params are resharded onto `mesh`).
       tx: the optimizer chain (`make_optimizer`).
       mesh: a mesh with axes ("data", "fsdp", "tensor").
+      loss: the objective (`LossConfig()` by default).
+      config: the learner's own settings (`LearnerConfig()` by default).
       rules: logical-to-mesh sharding rules.
-      step_kwargs: keyword arguments of `make_train_step` (objective, estimator, ...).
     """
 
     def __init__(
@@ -70,9 +89,12 @@ class GRPOLearner:
         tx: optax.GradientTransformationExtraArgs,
         mesh: Mesh,
         *,
+        loss: LossConfig | None = None,
+        config: LearnerConfig | None = None,
         rules: ShardingRules | None = None,
-        step_kwargs: Mapping[str, Any] | None = None,
     ):
+        self.config = LearnerConfig() if config is None else config
+        self.config.validate()
         self.mesh = mesh
         self.tx = tx
         rules = ShardingRules() if rules is None else rules
@@ -84,7 +106,9 @@ class GRPOLearner:
         self.batch_sharding = NamedSharding(mesh, P(BATCH_AXES))
         self.replicated = NamedSharding(mesh, P())
         self.batch_divisor = int(np.prod([mesh.shape[a] for a in BATCH_AXES]))
-        step = make_train_step(self.graphdef, tx, **(step_kwargs or {}))
+        step = make_train_step(
+            self.graphdef, tx, loss, micro_batches=self.config.micro_batches
+        )
         # Params and optimizer state are donated, except the leaves a transform replaces
         # wholesale while still reading the old value (GAC's reference: the new one is
         # this step's gradient). Donating those makes XLA copy the old value out of the

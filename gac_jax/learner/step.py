@@ -2,16 +2,17 @@
 
 `make_train_step` returns a pure function `(params, opt_state, batch, learner_version) ->
 (params, opt_state, metrics)` over `nnx.State` params; the learner jits it with shardings
-and donation. Everything method-specific comes from the registries of
-`gac_jax.objectives` by name.
+and donation. Everything method-specific comes from the `Objective` of a `LossConfig`,
+which reads the registry entries of `gac_jax.objectives`.
+
+Micro-batching is exact for every loss: each micro-batch's loss is weighted by its share of
+the aggregation's normaliser (`objectives.aggregation_size`: tokens, sequences or rows),
+statistics of the whole batch (M2PO's mask, BAPO's bounds) are computed once on the whole
+batch and handed to every micro-batch, and the reported diagnostics are computed on the
+whole batch.
 """
 
 from __future__ import annotations
-
-import functools
-import inspect
-from collections.abc import Mapping
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -20,10 +21,11 @@ from flax import nnx
 
 from gac_jax import objectives
 from gac_jax.learner.batch import TrainBatch
+from gac_jax.learner.objective import LossConfig, Objective
 from gac_jax.models import token_logps_from_logits
+from gac_jax.numerics import masked_mean
 
-# Losses whose extra inputs the learner cannot supply yet.
-UNSUPPORTED_LOSSES = {"tb": "trajectory balance needs a reference model's log-probs"}
+_sg = jax.lax.stop_gradient
 
 
 def _forward(graphdef, params, batch: TrainBatch):
@@ -37,11 +39,6 @@ def _forward(graphdef, params, batch: TrainBatch):
     entropy = -jnp.sum(jnp.exp(log_probs) * log_probs, axis=-1)
     entropy_bt = jnp.concatenate([jnp.zeros_like(entropy[:, :1]), entropy], axis=1)
     return logp_bt, entropy_bt
-
-
-def _masked_mean(x, mask):
-    mask = mask.astype(jnp.float32)
-    return jnp.sum(x * mask) / jnp.maximum(jnp.sum(mask), 1.0)
 
 
 def per_example_grad_sq_norms(graphdef, params, batch: TrainBatch) -> jax.Array:
@@ -64,17 +61,65 @@ def per_example_grad_sq_norms(graphdef, params, batch: TrainBatch) -> jax.Array:
     )
 
 
+def _split(x, micro_batches: int):
+    """[N, ...] -> [micro_batches, N / micro_batches, ...]; per-batch scalars are repeated."""
+    if jnp.ndim(x) == 0:
+        return jnp.broadcast_to(x, (micro_batches,))
+    return x.reshape((micro_batches, x.shape[0] // micro_batches) + x.shape[1:])
+
+
+def _merge(x):
+    return x.reshape((-1,) + x.shape[2:])
+
+
+def _whole_batch_logp(graphdef, params, chunks: TrainBatch) -> jax.Array:
+    """[N, T] log-probs under `params`, one micro-batch at a time (no gradient)."""
+    logp = jax.lax.map(lambda chunk: _forward(graphdef, params, chunk)[0], chunks)
+    return jax.lax.stop_gradient(_merge(logp))
+
+
+def _advantages(objective: Objective, graphdef, params, batch: TrainBatch, logp, grad_norm):
+    if not objective.needs_log_weights:
+        return objective.advantages(batch.rewards, batch.group_ids)
+    log_w = objectives.sequence_log_ratio(logp, batch.behaviour_logp, batch.loss_mask)
+    if grad_norm == "exact":
+        sq_norms = per_example_grad_sq_norms(graphdef, params, batch)
+    else:
+        sq_norms = objectives.grad_sq_norm_proxy(batch.loss_mask, proxy=grad_norm)
+    return objective.advantages(
+        batch.rewards, batch.group_ids, log_weights=log_w, grad_sq_norms=sq_norms
+    )
+
+
+def _chain_statistics(opt_state) -> dict[str, jax.Array]:
+    metrics = {}
+    for name in ("gac_cosine", "gac_cosine_after", "gac_regime", "gac_tau_low", "ess_scale"):
+        value = optax.tree.get(opt_state, name, None)
+        if value is not None:  # Chains without GAC or ESS simply lack these.
+            metrics[name] = value
+    return metrics
+
+
+def _batch_metrics(batch: TrainBatch, learner_version, adv_n) -> dict[str, jax.Array]:
+    gap = (learner_version - batch.versions).astype(jnp.float32)
+    lengths = jnp.sum(batch.loss_mask, axis=1, dtype=jnp.float32)
+    return {
+        "reward": jnp.mean(batch.rewards),
+        "accuracy": jnp.mean((batch.rewards >= 1.0).astype(jnp.float32)),
+        "response_length": jnp.mean(lengths),
+        "version_gap_min": jnp.min(gap),
+        "version_gap_mean": jnp.mean(gap),
+        "version_gap_max": jnp.max(gap),
+        "advantage_abs_mean": jnp.mean(jnp.abs(adv_n)),
+    }
+
+
 def make_train_step(
     graphdef: nnx.GraphDef,
     tx: optax.GradientTransformationExtraArgs,
+    loss: LossConfig | None = None,
     *,
-    policy_loss: str = "ppo",
-    loss_kwargs: Mapping[str, Any] | None = None,
-    advantage: str = "grpo",
-    grad_norm: str = "exact",
     micro_batches: int = 1,
-    correction: str | None = None,
-    correction_kwargs: Mapping[str, Any] | None = None,
 ):
     """The step function (not jitted: the learner adds shardings and donation).
 
@@ -82,114 +127,67 @@ def make_train_step(
       graphdef: the model's graph definition.
       tx: the optimizer chain (`gac_jax.learner.make_optimizer`); it receives the extra
         arg `log_importance_weights` (per-sequence log ratio of current to behaviour).
-      policy_loss: a name of `objectives.POLICY_LOSSES`.
-      loss_kwargs: its keyword arguments.
-      advantage: a name of `objectives.ADVANTAGE_ESTIMATORS`.
-      grad_norm: for the "vcpo" estimator: "exact" per-example gradient norms, or a proxy
-        of `objectives.GRAD_NORM_PROXIES`.
+      loss: the objective (`LossConfig()`, PPO with GRPO advantages, by default).
       micro_batches: the batch is split into this many chunks whose gradients are
-        accumulated (weighted by their share of tokens for "token-mean" aggregation, of
-        sequences otherwise), so the global batch does not depend on memory. Advantages
-        are computed on the whole batch first, so groups are never split.
-      correction: None, or a name of `objectives.IMPORTANCE_CORRECTIONS` ("tis", "mis",
-        "icepop"): its weights of the current policy against the behaviour policy (no
-        gradient) go to the loss as `is_weights` and its mask replaces the loss mask. The
-        loss must take `is_weights` ("reinforce" or "ppo"); sequence-level TIS is
-        ``correction="tis", correction_kwargs={"level": "sequence"}`` with "reinforce".
-      correction_kwargs: the correction's keyword arguments (cap, level, ...).
+        accumulated, each weighted by its share of the loss's normaliser, so the update
+        does not depend on it. Advantages and whole-batch statistics are computed on the
+        whole batch first, so groups are never split.
     """
-    if policy_loss in UNSUPPORTED_LOSSES:
-        raise ValueError(
-            f"policy_loss={policy_loss!r} is not supported by the learner yet: "
-            f"{UNSUPPORTED_LOSSES[policy_loss]}."
-        )
-    loss_impl = objectives.get_policy_loss(policy_loss)
-    estimator = objectives.get_advantage_estimator(advantage)
-    loss_kwargs = dict(loss_kwargs or {})
-    per_token = loss_kwargs.get("aggregation", "token-mean") == "token-mean"
-    if grad_norm != "exact" and grad_norm not in objectives.GRAD_NORM_PROXIES:
-        raise ValueError(
-            f"grad_norm={grad_norm!r} is unknown; expected 'exact' or one of "
-            f"{sorted(objectives.GRAD_NORM_PROXIES)}."
-        )
-    if micro_batches < 1:
-        raise ValueError(f"micro_batches={micro_batches} must be >= 1.")
-    correct = None
-    if correction is not None:
-        correct = functools.partial(
-            objectives.get_importance_correction(correction), **(correction_kwargs or {})
-        )
-        if "is_weights" not in inspect.signature(loss_impl).parameters:
-            raise ValueError(
-                f"correction={correction!r} needs a policy loss that takes is_weights; "
-                f"policy_loss={policy_loss!r} does not (use 'reinforce' or 'ppo')."
-            )
+    objective = Objective(LossConfig() if loss is None else loss)
+    if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
+        raise ValueError(f"micro_batches={micro_batches!r} must be an int >= 1.")
+    m = micro_batches
 
-    def advantages_of(params, batch: TrainBatch):
-        if advantage != "vcpo":
-            return estimator(batch.rewards, batch.group_ids)
-        logp, _ = _forward(graphdef, params, batch)
-        log_w = objectives.sequence_log_ratio(
-            jax.lax.stop_gradient(logp), batch.behaviour_logp, batch.loss_mask
-        )
-        if grad_norm == "exact":
-            sq_norms = per_example_grad_sq_norms(graphdef, params, batch)
-        else:
-            sq_norms = objectives.grad_sq_norm_proxy(batch.loss_mask, proxy=grad_norm)
-        return estimator(
-            batch.rewards,
-            batch.group_ids,
-            log_weights=log_w,
-            grad_sq_norms=jax.lax.stop_gradient(sq_norms),
-        )
-
-    def chunk_loss(params, chunk: TrainBatch, adv_n, weight):
+    def chunk_loss(params, chunk: TrainBatch, adv_n, statistics):
         logp, entropy = _forward(graphdef, params, chunk)
-        extra, mask, correction_aux = {}, chunk.loss_mask, {}
-        if policy_loss == "decoupled_ppo":
-            # One update per batch: the proximal policy is the current one, held fixed.
-            extra["proximal_logp"] = jax.lax.stop_gradient(logp)
-        if correct is not None:
-            weights = correct(jax.lax.stop_gradient(logp), chunk.behaviour_logp, mask)
-            extra["is_weights"], mask = weights.weights, weights.mask
-            correction_aux["correction_fraction"] = weights.fraction
-        loss, aux = loss_impl(logp, chunk.behaviour_logp, adv_n, mask, **loss_kwargs, **extra)
-        aux = dict(aux, **correction_aux, entropy=_masked_mean(entropy, chunk.loss_mask))
-        return weight * loss, (aux, jax.lax.stop_gradient(logp))
+        loss, _, size = objective.loss(
+            logp, chunk.behaviour_logp, adv_n, chunk.loss_mask, statistics
+        )
+        # With several micro-batches each loss is weighted by its normaliser's size; the
+        # sum is divided by the total size once all are seen.
+        scaled = loss * jax.lax.stop_gradient(size) if m > 1 else loss
+        return scaled, (size, _sg(logp), _sg(entropy))
 
     grad_fn = jax.value_and_grad(chunk_loss, has_aux=True)
 
     def step(params, opt_state, batch: TrainBatch, learner_version):
-        adv_n, adv_aux = advantages_of(params, batch)
-        adv_n = jax.lax.stop_gradient(adv_n)
         n = batch.tokens.shape[0]
-        if n % micro_batches:
-            raise ValueError(f"micro_batches={micro_batches} must divide the batch of {n}.")
-
-        def split(x):
-            return x.reshape((micro_batches, n // micro_batches) + x.shape[1:])
-
-        chunks = jax.tree.map(split, batch)
-        adv_chunks = split(adv_n)
-        if per_token:
-            sizes = jnp.sum(chunks.loss_mask, axis=(1, 2), dtype=jnp.float32)
-        else:
-            sizes = jnp.sum(jnp.any(chunks.loss_mask, axis=2), axis=1, dtype=jnp.float32)
-        weights = sizes / jnp.maximum(jnp.sum(sizes), 1.0)
-        if micro_batches == 1:
-            weights = jnp.ones_like(weights)
+        if n % m:
+            raise ValueError(f"micro_batches={m} must divide the batch of {n}.")
+        chunks = jax.tree.map(lambda x: _split(x, m), batch)
+        whole_logp = None
+        if objective.needs_log_weights or (m > 1 and objective.spec.batch_statistics):
+            whole_logp = _whole_batch_logp(graphdef, params, chunks)
+        adv_n, adv_aux = _advantages(
+            objective, graphdef, params, batch, whole_logp, objective.config.grad_norm
+        )
+        statistics = None
+        if m > 1:
+            statistics = objective.batch_statistics(
+                whole_logp, batch.behaviour_logp, adv_n, batch.loss_mask
+            )
 
         def accumulate(grads, xs):
-            chunk, adv, weight = xs
-            (loss, (aux, logp)), g = grad_fn(params, chunk, adv, weight)
-            return jax.tree.map(jnp.add, grads, g), (loss, aux, logp)
+            chunk, adv, stats = xs
+            (scaled, (size, logp, entropy)), g = grad_fn(params, chunk, adv, stats)
+            return jax.tree.map(jnp.add, grads, g), (scaled, size, logp, entropy)
 
         zeros = jax.tree.map(jnp.zeros_like, params)
-        grads, (losses, auxes, logps) = jax.lax.scan(
-            accumulate, zeros, (chunks, adv_chunks, weights)
+        stat_chunks = (
+            None if statistics is None else jax.tree.map(lambda x: _split(x, m), statistics)
         )
-        logp = logps.reshape(batch.tokens.shape)
-        aux = jax.tree.map(lambda a: jnp.sum(a * weights), auxes)
+        grads, (scaled, sizes, logps, entropies) = jax.lax.scan(
+            accumulate, zeros, (chunks, _split(adv_n, m), stat_chunks)
+        )
+        total = jnp.sum(scaled)
+        if m > 1:
+            norm = jnp.sum(sizes)
+            inverse = jnp.where(norm > 0, 1.0 / jnp.where(norm > 0, norm, 1.0), 0.0)
+            grads = jax.tree.map(lambda g: (g * inverse).astype(g.dtype), grads)
+            total = total * inverse
+        logp, entropy = _merge(logps), _merge(entropies)
+        # Diagnostics of the whole batch, from the log-probs the update saw.
+        _, aux, _ = objective.loss(logp, batch.behaviour_logp, adv_n, batch.loss_mask, statistics)
 
         log_w = objectives.sequence_log_ratio(logp, batch.behaviour_logp, batch.loss_mask)
         has_tokens = jnp.any(batch.loss_mask, axis=1)
@@ -197,28 +195,17 @@ def make_train_step(
             grads, opt_state, params, log_importance_weights=log_w, sequence_mask=has_tokens
         )
         params = optax.apply_updates(params, updates)
-
-        gap = (learner_version - batch.versions).astype(jnp.float32)
-        lengths = jnp.sum(batch.loss_mask, axis=1, dtype=jnp.float32)
         metrics = {
-            "loss": jnp.sum(losses),
-            "reward": jnp.mean(batch.rewards),
-            "accuracy": jnp.mean((batch.rewards >= 1.0).astype(jnp.float32)),
-            "response_length": jnp.mean(lengths),
-            "version_gap_min": jnp.min(gap),
-            "version_gap_mean": jnp.mean(gap),
-            "version_gap_max": jnp.max(gap),
+            "loss": total,
+            **_batch_metrics(batch, learner_version, adv_n),
             "grad_norm": optax.tree.norm(grads),
             "update_norm": optax.tree.norm(updates),
-            "advantage_abs_mean": jnp.mean(jnp.abs(adv_n)),
             **{f"loss/{k}": v for k, v in aux.items()},
+            "loss/entropy": masked_mean(entropy, batch.loss_mask),
             **{f"advantage/{k}": v for k, v in adv_aux.items() if jnp.ndim(v) == 0},
             **objectives.off_policy_diagnostics(logp, batch.behaviour_logp, batch.loss_mask),
+            **_chain_statistics(opt_state),
         }
-        for name in ("gac_cosine", "gac_cosine_after", "gac_regime", "gac_tau_low", "ess_scale"):
-            value = optax.tree.get(opt_state, name, None)
-            if value is not None:  # Chains without GAC or ESS simply lack these.
-                metrics[name] = value
         return params, opt_state, metrics
 
     return step

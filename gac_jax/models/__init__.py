@@ -48,6 +48,7 @@ from gac_jax.models.scoring import (
     token_logps_from_logits,
 )
 from gac_jax.models.sharding import (
+    MeshConfig,
     ShardingRules,
     create_sharded,
     describe_shardings,
@@ -71,6 +72,7 @@ __all__ = [
     "RopeScaling",
     "SampleOutput",
     "Sampler",
+    "MeshConfig",
     "ShardingRules",
     "Tokenizer",
     "decode_completion",

@@ -27,6 +27,7 @@ serves every mesh shape. Activation constraints apply whenever a mesh is set wit
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 
 import jax
@@ -95,6 +96,36 @@ class ShardingRules:
     def act_btv(self) -> PartitionSpec:
         """Logits [B, T, V]."""
         return self.spec("batch", "sequence", "vocab")
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    """Sizes of the ("data", "fsdp", "tensor") mesh; -1 for "the devices the others leave"
+    (at most one axis)."""
+
+    data: int = -1
+    fsdp: int = 1
+    tensor: int = 1
+
+    def validate(self) -> None:
+        """Raises ValueError naming a bad field."""
+        sizes = dataclasses.asdict(self)
+        for name, size in sizes.items():
+            if isinstance(size, bool) or not isinstance(size, int) or size == 0 or size < -1:
+                raise ValueError(f"{name}={size!r} must be a positive int or -1.")
+        if list(sizes.values()).count(-1) > 1:
+            raise ValueError(f"at most one mesh axis may be -1, got {sizes}.")
+
+    def make(self, devices: Sequence[jax.Device] | None = None) -> Mesh:
+        """The mesh on `devices` (`jax.devices()` by default), a -1 axis taking the rest."""
+        self.validate()
+        devices = list(jax.devices() if devices is None else devices)
+        sizes = dataclasses.asdict(self)
+        fixed = math.prod(s for s in sizes.values() if s != -1)
+        if len(devices) % fixed:
+            raise ValueError(f"mesh {sizes} does not divide the {len(devices)} devices.")
+        sizes = {k: (len(devices) // fixed if v == -1 else v) for k, v in sizes.items()}
+        return make_mesh(**sizes, devices=devices)
 
 
 def make_mesh(

@@ -15,7 +15,8 @@ from gac_jax.objectives.advantages import (
     rloo_advantages,
     vcpo_advantages,
 )
-from gac_jax.objectives.aggregation import AGGREGATIONS, aggregate
+from gac_jax.objectives.aggregation import AGGREGATIONS, aggregate, aggregation_size
+from gac_jax.objectives.bapo import BAPOBounds, bapo_batch_statistics, bapo_clip_bounds, bapo_loss
 from gac_jax.objectives.diagnostics import (
     clip_fractions,
     kl_behaviour_current,
@@ -40,29 +41,41 @@ from gac_jax.objectives.importance import (
 )
 from gac_jax.objectives.kl import KL_ESTIMATORS, kl_estimate, kl_penalty
 from gac_jax.objectives.losses import (
-    BAPOBounds,
-    bapo_clip_bounds,
-    bapo_loss,
     cispo_loss,
     decoupled_ppo_loss,
     gspo_loss,
-    m2po_loss,
     ppo_clip_loss,
     reinforce_loss,
     topr_loss,
-    trajectory_balance_loss,
 )
+from gac_jax.objectives.m2po import m2po_batch_statistics, m2po_loss
 from gac_jax.objectives.registry import (
     ADVANTAGE_ESTIMATORS,
+    ADVANTAGE_SPECS,
     IMPORTANCE_CORRECTIONS,
+    POLICY_LOSS_SPECS,
     POLICY_LOSSES,
+    AdvantageSpec,
+    PolicyLossSpec,
     get_advantage_estimator,
+    get_advantage_spec,
     get_importance_correction,
     get_policy_loss,
+    get_policy_loss_spec,
 )
+from gac_jax.objectives.trajectory_balance import trajectory_balance_loss
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
+    "ADVANTAGE_SPECS",
+    "AdvantageSpec",
+    "POLICY_LOSS_SPECS",
+    "PolicyLossSpec",
+    "aggregation_size",
+    "bapo_batch_statistics",
+    "get_advantage_spec",
+    "get_policy_loss_spec",
+    "m2po_batch_statistics",
     "AGGREGATIONS",
     "BAPOBounds",
     "GRAD_NORM_PROXIES",

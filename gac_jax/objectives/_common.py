@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from gac_jax._validation import check_choice  # noqa: F401 - re-exported to the objectives
+from gac_jax.numerics import masked_mean  # noqa: F401 - re-exported to the objectives
 
 # Log-ratios are clamped to [-MAX_LOG_RATIO, MAX_LOG_RATIO] before `exp` wherever a ratio
 # value (not only its logarithm) is needed: exp(20) ~ 4.9e8 is far beyond any clip bound
@@ -92,14 +93,6 @@ def broadcast_per_token(values, shape: tuple[int, int], name: str) -> jax.Array:
     raise ValueError(
         f"`{name}` has shape {values.shape}, expected [B]={(shape[0],)} or [B, T]={shape}."
     )
-
-
-def masked_mean(values, mask, fallback=0.0) -> jax.Array:
-    """Mean of `values` over `mask`, `fallback` when nothing is valid."""
-    total = jnp.sum(jnp.where(mask, values, 0.0))
-    count = jnp.sum(mask, dtype=jnp.float32)
-    safe_count = jnp.where(count > 0, count, 1.0)
-    return jnp.where(count > 0, total / safe_count, fallback)
 
 
 def sequence_valid(mask_bt: jax.Array) -> jax.Array:

@@ -91,3 +91,29 @@ def aggregate(
     return safe_divide(
         jnp.sum(jnp.where(valid_b, per_seq_b, 0.0)), jnp.sum(valid_b, dtype=jnp.float32)
     )
+
+
+def aggregation_size(mask_bt: jax.Array, aggregation: str = "token-mean") -> jax.Array:
+    r"""The share a part of a batch carries in `aggregate`'s result, unnormalised.
+
+    For rows split into parts :math:`P_k`, ``aggregate(batch) = sum_k aggregate(P_k) *
+    size(P_k) / size(batch)`` exactly, with ``size`` the valid tokens for ``token-mean``,
+    the sequences with a valid token for ``seq-mean-token-mean`` and
+    ``seq-mean-token-sum``, and the rows for ``seq-mean-token-sum-norm`` (its normaliser
+    counts every row; modes as in DAPO, arXiv 2503.14476, and Dr. GRPO, arXiv 2503.20783). A
+    learner weighs its micro-batches' losses and gradients by it.
+
+    Args:
+      mask_bt: [B, T] bool (or float: nonzero is valid).
+      aggregation: one of `AGGREGATIONS`.
+
+    Returns:
+      A float32 scalar.
+    """
+    check_aggregation(aggregation)
+    mask_bt = jnp.asarray(mask_bt) != 0
+    if aggregation == "token-mean":
+        return jnp.sum(mask_bt, dtype=jnp.float32)
+    if aggregation == "seq-mean-token-sum-norm":
+        return jnp.asarray(mask_bt.shape[0], jnp.float32)
+    return jnp.sum(sequence_valid(mask_bt), dtype=jnp.float32)

@@ -1,16 +1,19 @@
 """The registries of policy losses, advantage estimators and importance corrections, by name.
 
-These mappings are the only list of valid names: configs refer to a method by its key,
-and `get_policy_loss` / `get_advantage_estimator` reject any other name with an error that
-lists the known ones. Every policy loss follows the common signature
-``fn(logp, behaviour_logp, advantages, mask, **kwargs) -> (loss, aux)`` and every
-advantage estimator ``fn(rewards, group_ids, **kwargs) -> (advantages, aux)``; every
-importance correction ``fn(logp, behaviour_logp, mask, **kwargs) -> ImportanceWeights``. The
-method-specific keyword arguments are documented on each function.
+`POLICY_LOSS_SPECS` and `ADVANTAGE_SPECS` are the only lists of valid names, and each entry
+says what a caller must supply: a learner reads the entry, never the name. Configs refer to
+a method by its key; `get_policy_loss` / `get_advantage_estimator` reject any other name
+with an error that lists the known ones. Every policy loss follows the common signature
+``fn(logp, behaviour_logp, advantages, mask, **kwargs) -> (loss, aux)``, every advantage
+estimator ``fn(rewards, group_ids, **kwargs) -> (advantages, aux)`` and every importance
+correction ``fn(logp, behaviour_logp, mask, **kwargs) -> ImportanceWeights``.
+`POLICY_LOSSES` and `ADVANTAGE_ESTIMATORS` are the name -> function views of the specs.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
 
@@ -20,44 +23,115 @@ from gac_jax.objectives.advantages import (
     rloo_advantages,
     vcpo_advantages,
 )
+from gac_jax.objectives.bapo import bapo_batch_statistics, bapo_loss
 from gac_jax.objectives.importance import (
     icepop_weights,
     masked_importance_weights,
     truncated_importance_weights,
 )
 from gac_jax.objectives.losses import (
-    bapo_loss,
     cispo_loss,
     decoupled_ppo_loss,
     gspo_loss,
-    m2po_loss,
     ppo_clip_loss,
     reinforce_loss,
     topr_loss,
-    trajectory_balance_loss,
+)
+from gac_jax.objectives.m2po import m2po_batch_statistics, m2po_loss
+from gac_jax.objectives.trajectory_balance import trajectory_balance_loss
+
+
+@dataclasses.dataclass(frozen=True)
+class PolicyLossSpec:
+    """A policy loss and what a learner must feed it.
+
+    Attributes:
+      fn: the loss, ``fn(logp, behaviour_logp, advantages, mask, **kwargs) -> (loss, aux)``.
+      default_aggregation: the reduction it uses when ``aggregation`` is not given (a name
+        of `AGGREGATIONS`); a learner that splits the batch weighs micro-batches by it.
+      needs_proximal: takes ``proximal_logp``, the log-probs of a proximal policy.
+      needs_reference: takes ``reference_logp`` (and ``group_ids``), a frozen reference
+        policy's log-probs.
+      takes_is_weights: accepts ``is_weights``, so an importance correction can feed it.
+      takes_rewards: reads raw rewards in the advantages position.
+      batch_statistics: None, or ``fn(logp, behaviour_logp, advantages, mask, **kwargs) ->
+        {name: value}`` computed once on the whole batch and passed back to the loss as
+        keyword arguments (M2PO's mask, BAPO's bounds), so splitting the batch into
+        micro-batches does not change what they select.
+      unsupported: None if the learner can train with it, else why not.
+    """
+
+    fn: Callable
+    default_aggregation: str = "token-mean"
+    needs_proximal: bool = False
+    needs_reference: bool = False
+    takes_is_weights: bool = False
+    takes_rewards: bool = False
+    batch_statistics: Callable | None = None
+    unsupported: str | None = None
+
+    def keyword_arguments(self) -> tuple[str, ...]:
+        """The loss's keyword-only arguments a config may set (those a learner supplies
+        itself excluded)."""
+        supplied = {"is_weights", "proximal_logp", "reference_logp", "group_ids"}
+        if self.batch_statistics is not None:
+            supplied |= {"bounds", "statistics"}
+        return tuple(
+            name
+            for name, p in inspect.signature(self.fn).parameters.items()
+            if p.kind is inspect.Parameter.KEYWORD_ONLY and name not in supplied
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class AdvantageSpec:
+    """An advantage estimator and what it needs beyond rewards and group ids.
+
+    Attributes:
+      fn: ``fn(rewards, group_ids, **kwargs) -> (advantages, aux)``.
+      needs_log_weights: takes per-sequence ``log_weights`` of current to behaviour policy
+        and per-sequence squared gradient norms ``grad_sq_norms`` (VCPO's baseline).
+    """
+
+    fn: Callable
+    needs_log_weights: bool = False
+
+
+POLICY_LOSS_SPECS: Mapping[str, PolicyLossSpec] = MappingProxyType(
+    {
+        "reinforce": PolicyLossSpec(reinforce_loss, takes_is_weights=True),
+        "ppo": PolicyLossSpec(ppo_clip_loss, takes_is_weights=True),
+        "decoupled_ppo": PolicyLossSpec(decoupled_ppo_loss, needs_proximal=True),
+        "cispo": PolicyLossSpec(cispo_loss),
+        "gspo": PolicyLossSpec(gspo_loss, default_aggregation="seq-mean-token-mean"),
+        "topr": PolicyLossSpec(topr_loss, default_aggregation="seq-mean-token-sum"),
+        "bapo": PolicyLossSpec(bapo_loss, batch_statistics=bapo_batch_statistics),
+        "m2po": PolicyLossSpec(m2po_loss, batch_statistics=m2po_batch_statistics),
+        "tb": PolicyLossSpec(
+            trajectory_balance_loss,
+            default_aggregation="seq-mean-token-sum",
+            needs_reference=True,
+            takes_rewards=True,
+            unsupported="trajectory balance needs a reference model's log-probs, which the "
+            "learner does not compute yet",
+        ),
+    }
+)
+
+ADVANTAGE_SPECS: Mapping[str, AdvantageSpec] = MappingProxyType(
+    {
+        "grpo": AdvantageSpec(grpo_advantages),
+        "dr_grpo": AdvantageSpec(dr_grpo_advantages),
+        "rloo": AdvantageSpec(rloo_advantages),
+        "vcpo": AdvantageSpec(vcpo_advantages, needs_log_weights=True),
+    }
 )
 
 POLICY_LOSSES: Mapping[str, Callable] = MappingProxyType(
-    {
-        "reinforce": reinforce_loss,
-        "ppo": ppo_clip_loss,
-        "decoupled_ppo": decoupled_ppo_loss,
-        "cispo": cispo_loss,
-        "gspo": gspo_loss,
-        "topr": topr_loss,
-        "bapo": bapo_loss,
-        "m2po": m2po_loss,
-        "tb": trajectory_balance_loss,
-    }
+    {name: spec.fn for name, spec in POLICY_LOSS_SPECS.items()}
 )
-
 ADVANTAGE_ESTIMATORS: Mapping[str, Callable] = MappingProxyType(
-    {
-        "grpo": grpo_advantages,
-        "dr_grpo": dr_grpo_advantages,
-        "rloo": rloo_advantages,
-        "vcpo": vcpo_advantages,
-    }
+    {name: spec.fn for name, spec in ADVANTAGE_SPECS.items()}
 )
 
 # Importance corrections whose weights a loss takes as `is_weights` (and whose mask replaces
@@ -71,12 +145,22 @@ IMPORTANCE_CORRECTIONS: Mapping[str, Callable] = MappingProxyType(
 )
 
 
-def _lookup(kind: str, registry: Mapping[str, Callable], name: str) -> Callable:
+def _lookup(kind: str, registry: Mapping, name: str):
     try:
         return registry[name]
     except (KeyError, TypeError):
         known = ", ".join(sorted(registry))
         raise ValueError(f"Unknown {kind} {name!r}; known {kind}s: {known}.") from None
+
+
+def get_policy_loss_spec(name: str) -> PolicyLossSpec:
+    """The `PolicyLossSpec` registered under `name`; ValueError listing the names otherwise."""
+    return _lookup("policy loss", POLICY_LOSS_SPECS, name)
+
+
+def get_advantage_spec(name: str) -> AdvantageSpec:
+    """The `AdvantageSpec` registered under `name`; ValueError listing the names otherwise."""
+    return _lookup("advantage estimator", ADVANTAGE_SPECS, name)
 
 
 def get_policy_loss(name: str) -> Callable:
@@ -85,7 +169,7 @@ def get_policy_loss(name: str) -> Callable:
     Raises:
       ValueError: for an unknown name, listing the known ones.
     """
-    return _lookup("policy loss", POLICY_LOSSES, name)
+    return get_policy_loss_spec(name).fn
 
 
 def get_advantage_estimator(name: str) -> Callable:
@@ -94,7 +178,7 @@ def get_advantage_estimator(name: str) -> Callable:
     Raises:
       ValueError: for an unknown name, listing the known ones.
     """
-    return _lookup("advantage estimator", ADVANTAGE_ESTIMATORS, name)
+    return get_advantage_spec(name).fn
 
 
 def get_importance_correction(name: str) -> Callable:

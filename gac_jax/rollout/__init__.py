@@ -11,14 +11,27 @@ train step; the staleness and reservation rules are the pure functions of
 from gac_jax.rollout.batching import BATCH_KEYS, collate
 from gac_jax.rollout.buffer import (
     STALE_POLICIES,
+    BufferConfig,
     BufferStats,
     RolloutBuffer,
     RolloutBufferClosed,
     RolloutWorkerError,
 )
+from gac_jax.rollout.generation import (
+    GenerationConfig,
+    TaskGroupGenerator,
+    make_sampler,
+)
 from gac_jax.rollout.param_store import ParamStore
 from gac_jax.rollout.record import Rollout
-from gac_jax.rollout.sources import AsyncRollouts, LaggedRollouts, SyncRollouts
+from gac_jax.rollout.sources import (
+    ROLLOUT_MODES,
+    AsyncRollouts,
+    LaggedRollouts,
+    RolloutConfig,
+    SyncRollouts,
+    make_source,
+)
 from gac_jax.rollout.worker import (
     GenerateGroups,
     GroupRequest,
@@ -29,9 +42,16 @@ from gac_jax.rollout.worker import (
 
 __all__ = [
     "BATCH_KEYS",
+    "ROLLOUT_MODES",
     "STALE_POLICIES",
     "AsyncRollouts",
+    "BufferConfig",
     "BufferStats",
+    "GenerationConfig",
+    "RolloutConfig",
+    "TaskGroupGenerator",
+    "make_sampler",
+    "make_source",
     "GenerateGroups",
     "GroupRequest",
     "LaggedRollouts",

@@ -19,11 +19,48 @@ from gac_jax.rollout.staleness import (
 
 __all__ = [
     "STALE_POLICIES",
+    "BufferConfig",
     "BufferStats",
     "RolloutBuffer",
     "RolloutBufferClosed",
     "RolloutWorkerError",
 ]
+
+
+@dataclasses.dataclass(frozen=True)
+class BufferConfig:
+    """The asynchronous mode's buffer (lagged and sync modes bound staleness by their lag).
+
+    Attributes:
+      max_staleness: ROLL Flash's alpha, the largest version gap trained on; None for no
+        bound (drop policy only).
+      stale_policy: "block" (producers wait for a slot that cannot go stale, AReaL's rule)
+        or "drop" (stale groups are discarded when a batch is taken).
+      capacity: groups the buffer holds; None for two batches.
+      take_timeout: seconds the learner waits for a batch before the run fails; None waits
+        forever.
+    """
+
+    max_staleness: int | None = 1
+    stale_policy: str = "block"
+    capacity: int | None = None
+    take_timeout: float | None = 600.0
+
+    def validate(self) -> None:
+        """Raises ValueError naming a bad field."""
+        if self.max_staleness is not None and (
+            isinstance(self.max_staleness, bool) or not isinstance(self.max_staleness, int)
+        ):
+            raise ValueError(f"max_staleness={self.max_staleness!r} must be an int or None.")
+        check_staleness_settings(self.max_staleness, self.stale_policy)
+        if self.capacity is not None and (
+            isinstance(self.capacity, bool)
+            or not isinstance(self.capacity, int)
+            or self.capacity < 1
+        ):
+            raise ValueError(f"capacity={self.capacity!r} must be an int >= 1 or None.")
+        if self.take_timeout is not None and not self.take_timeout > 0:
+            raise ValueError(f"take_timeout={self.take_timeout!r} must be > 0 or None.")
 
 
 class RolloutBufferClosed(RuntimeError):

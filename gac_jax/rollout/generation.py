@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -15,6 +16,53 @@ from gac_jax.models.tokenizers import Tokenizer, decode_completion
 from gac_jax.rollout.record import Rollout
 from gac_jax.rollout.worker import GroupRequest
 from gac_jax.tasks import Task
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationConfig:
+    """How rollouts are sampled: `TaskGroupGenerator`'s settings and the sampler's length.
+
+    Attributes:
+      group_size: G, completions per prompt (>= 2: GRPO compares within a group).
+      prompt_length: prompts are left-padded to this many tokens.
+      max_new_tokens: the longest completion (the `Sampler`'s static length).
+      temperature: sampling temperature, > 0; 0 only with ``greedy=True``.
+      top_k: keep the k most likely tokens; 0 keeps all.
+      top_p: nucleus mass in (0, 1]; 1 keeps all.
+      greedy: decode greedily (temperature 0). RL needs samples, so this must be asked for.
+    """
+
+    group_size: int = 8
+    prompt_length: int = 32
+    max_new_tokens: int = 16
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    greedy: bool = False
+
+    def validate(self) -> None:
+        """Raises ValueError naming a bad field."""
+        for name in ("group_size", "prompt_length", "max_new_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r} must be an int >= 1.")
+        if self.group_size < 2:
+            raise ValueError(
+                f"group_size={self.group_size} must be >= 2: GRPO compares completions "
+                "within a group."
+            )
+        if self.greedy:
+            if self.temperature != 0:
+                raise ValueError(f"temperature={self.temperature} must be 0 with greedy=true.")
+        elif not self.temperature > 0:
+            raise ValueError(
+                f"temperature={self.temperature!r} must be > 0 (rollouts are samples); "
+                "set greedy=true for greedy decoding."
+            )
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k={self.top_k!r} must be an int >= 0.")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p={self.top_p!r} must be in (0, 1].")
 
 
 class TaskGroupGenerator:
@@ -32,9 +80,7 @@ class TaskGroupGenerator:
       task: a `gac_jax.tasks.Task` (prompt, reward).
       examples: the task split's data source (indexable by prompt id).
       tokenizer: encodes prompts and decodes completions.
-      group_size: G, completions per prompt.
-      prompt_length: fixed left-padded prompt length (longer prompts are an error).
-      temperature, top_k, top_p: sampling settings.
+      config: the generation settings; `config.max_new_tokens` must be the sampler's.
     """
 
     def __init__(
@@ -44,23 +90,24 @@ class TaskGroupGenerator:
         task: Task,
         examples: Sequence[Any],
         tokenizer: Tokenizer,
-        *,
-        group_size: int,
-        prompt_length: int,
-        temperature: float = 1.0,
-        top_k: int = 0,
-        top_p: float = 1.0,
+        config: GenerationConfig | None = None,
     ):
-        if group_size < 1:
-            raise ValueError(f"group_size={group_size} must be >= 1.")
+        config = GenerationConfig() if config is None else config
+        config.validate()
+        if sampler.max_new_tokens != config.max_new_tokens:
+            raise ValueError(
+                f"the sampler generates {sampler.max_new_tokens} tokens but "
+                f"max_new_tokens={config.max_new_tokens}."
+            )
         self.graphdef = graphdef
         self.sampler = sampler
         self.task = task
         self.examples = examples
         self.tokenizer = tokenizer
-        self.group_size = group_size
-        self.prompt_length = prompt_length
-        self.sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p)
+        self.group_size = config.group_size
+        self.prompt_length = config.prompt_length
+        temperature = 0.0 if config.greedy else config.temperature
+        self.sampling = dict(temperature=temperature, top_k=config.top_k, top_p=config.top_p)
 
     def encode_prompt(self, prompt_id: int) -> np.ndarray:
         text = self.task.prompt(self.examples[prompt_id])
@@ -112,3 +159,12 @@ class TaskGroupGenerator:
                 )
             )
         return rollouts
+
+
+def make_sampler(model_config, tokenizer: Tokenizer, config: GenerationConfig) -> Sampler:
+    """The `Sampler` of `config` for a model: its EOS ids (the tokenizer's if the model
+    names none) end a row, the tokenizer's pad id fills the rest."""
+    eos = model_config.eos_token_ids or (tokenizer.eos_id,)
+    return Sampler(
+        model_config, max_new_tokens=config.max_new_tokens, eos_ids=eos, pad_id=tokenizer.pad_id
+    )

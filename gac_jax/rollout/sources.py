@@ -15,7 +15,9 @@ batch, and trains the params of version `step`.
 
 from __future__ import annotations
 
-from gac_jax.rollout.buffer import BufferStats, RolloutBuffer
+import dataclasses
+
+from gac_jax.rollout.buffer import BufferConfig, BufferStats, RolloutBuffer
 from gac_jax.rollout.param_store import ParamStore
 from gac_jax.rollout.record import Rollout
 from gac_jax.rollout.worker import (
@@ -25,6 +27,75 @@ from gac_jax.rollout.worker import (
     RolloutWorker,
     group_key,
 )
+
+ROLLOUT_MODES = ("sync", "lagged", "async")
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutConfig:
+    """Which rollout source feeds the learner, and how much it generates.
+
+    Attributes:
+      mode: "sync", "lagged" or "async" (see the module docstring).
+      lag: lagged mode: step t trains on version max(0, t - lag).
+      groups_per_batch: prompts per learner step.
+      num_workers: async mode: worker threads.
+      groups_per_call: async mode: groups each worker generates in one sampler call.
+    """
+
+    mode: str = "lagged"
+    lag: int = 0
+    groups_per_batch: int = 8
+    num_workers: int = 1
+    groups_per_call: int = 1
+
+    def validate(self) -> None:
+        """Raises ValueError naming a bad field."""
+        if self.mode not in ROLLOUT_MODES:
+            raise ValueError(
+                f"mode={self.mode!r} is unknown; expected one of {list(ROLLOUT_MODES)}."
+            )
+        for name, low in (
+            ("lag", 0),
+            ("groups_per_batch", 1),
+            ("num_workers", 1),
+            ("groups_per_call", 1),
+        ):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"{name}={value!r} must be an int >= {low}.")
+
+    @property
+    def history(self) -> int:
+        """Versions the `ParamStore` must keep for this mode."""
+        return self.lag + 1 if self.mode == "lagged" else 1
+
+
+def make_source(
+    config: RolloutConfig,
+    buffer: BufferConfig,
+    generate_groups: GenerateGroups,
+    store: ParamStore,
+    prompts: PromptOrder,
+    *,
+    seed: int = 0,
+):
+    """The rollout source of `config` (the buffer's settings apply to async mode)."""
+    args = (generate_groups, store, prompts, config.groups_per_batch)
+    if config.mode == "sync":
+        return SyncRollouts(*args, seed=seed)
+    if config.mode == "lagged":
+        return LaggedRollouts(*args, lag=config.lag, seed=seed)
+    return AsyncRollouts(
+        *args,
+        max_staleness=buffer.max_staleness,
+        stale_policy=buffer.stale_policy,
+        capacity=buffer.capacity,
+        num_threads=config.num_workers,
+        groups_per_call=config.groups_per_call,
+        seed=seed,
+        take_timeout=buffer.take_timeout,
+    )
 
 
 class _InlineRollouts:

@@ -1,7 +1,7 @@
 """Training: configs, the GRPO loop, evaluation, orbax checkpoints and the warm start.
 
 config = gac_jax.train.get_preset("demo")
-config = gac_jax.train.apply_overrides(config, ["rollout.lag=8", "gac.enabled=true"])
+config = gac_jax.train.apply_overrides(config, ["rollout.lag=8", "gac.monitor_only=false"])
 gac_jax.train.train(config, "runs/mine")
 """
 
@@ -18,9 +18,17 @@ from gac_jax.train.checkpoint import (
     save_checkpoint,
 )
 from gac_jax.train.config import TrainConfig, get_preset, preset_names
+from gac_jax.train.config_io import (
+    apply_overrides,
+    config_from_dict,
+    config_hash,
+    config_to_dict,
+    load_config,
+    save_config,
+    to_yaml,
+)
 from gac_jax.train.evaluation import evaluate_policy, pass_at_k
 from gac_jax.train.loop import build_run, evaluate_checkpoint, train
-from gac_jax.train.overrides import apply_overrides, config_from_dict, config_to_dict, load_config
 from gac_jax.train.warm_start import (
     SHIPPED_WARM_START_DIR,
     WarmStartConfig,
@@ -35,6 +43,9 @@ __all__ = [
     "SHIPPED_WARM_START_DIR",
     "TrainConfig",
     "apply_overrides",
+    "config_hash",
+    "save_config",
+    "to_yaml",
     "build_run",
     "config_from_dict",
     "config_to_dict",

@@ -1,12 +1,13 @@
 """The ``gac-jax`` command: train, evaluate, list presets, show a resolved config, plot a run.
 
-    gac-jax train --config demo --set rollout.lag=8 gac.enabled=false --out runs/lag8
+    gac-jax train --config demo --set rollout.lag=8 gac.monitor_only=true --out runs/lag8
     gac-jax eval --checkpoint runs/lag8/checkpoints/50
     gac-jax presets
     gac-jax show-config --config countdown_sync --set steps=10
+    gac-jax show-config --config my_run.yaml
     gac-jax plot runs/lag8 --out runs/lag8/metrics.png
 
-The command is thin: configs come from `gac_jax.train.overrides`, runs from
+The command is thin: configs come from `gac_jax.train.config_io`, runs from
 `gac_jax.train.loop`. A bad config (unknown key, ill-typed value, failed validation) prints
 the message and exits with status 2, as argparse does for bad arguments.
 """
@@ -21,7 +22,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from gac_jax.train.config import preset_names
-from gac_jax.train.overrides import apply_overrides, config_to_dict, load_config
+from gac_jax.train.config_io import apply_overrides, load_config, to_yaml
 
 CONFIG_FILE = "config.json"  # Written into the run directory by `loop.train`.
 
@@ -97,7 +98,7 @@ def _cmd_presets(args, parser) -> int:
 
 def _cmd_show_config(args, parser) -> int:
     config = _resolve(parser, args.config, args.set)
-    print(json.dumps(config_to_dict(config), indent=2, sort_keys=True))
+    print(to_yaml(config), end="")
     return 0
 
 
@@ -127,7 +128,7 @@ def _add_config_args(p: argparse.ArgumentParser, *, default: str | None) -> None
         "--config",
         default=default,
         metavar="NAME_OR_PATH",
-        help=f"a preset ({', '.join(preset_names())}) or a JSON config file"
+        help=f"a preset ({', '.join(preset_names())}) or a YAML/JSON config file"
         + (f" (default: {default})" if default else ""),
     )
     p.add_argument(
@@ -136,7 +137,7 @@ def _add_config_args(p: argparse.ArgumentParser, *, default: str | None) -> None
         nargs="+",
         default=[],
         metavar="KEY=VALUE",
-        help="override a field by dotted name, e.g. rollout.lag=8 optimizer.clip_norm=none",
+        help="override a field by dotted name, e.g. rollout.lag=8 optimizer.clip_norm=none ess={}",
     )
 
 
@@ -160,7 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("presets", help="list the config presets")
     p.set_defaults(func=_cmd_presets, parser=p)
 
-    p = sub.add_parser("show-config", help="print the resolved config as JSON")
+    p = sub.add_parser("show-config", help="print the resolved config as YAML")
     _add_config_args(p, default="demo")
     p.set_defaults(func=_cmd_show_config, parser=p)
 

@@ -11,7 +11,6 @@ exactly (the ParamStore's history is part of the checkpoint).
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import logging
 import os
@@ -24,18 +23,19 @@ import jax.numpy as jnp
 import numpy as np
 
 from gac_jax import models
-from gac_jax.learner import GRPOLearner, collate, make_optimizer
+from gac_jax.learner import GRPOLearner, TrainBatch, make_optimizer
 from gac_jax.rollout import (
-    AsyncRollouts,
-    LaggedRollouts,
     ParamStore,
     PromptOrder,
-    SyncRollouts,
+    TaskGroupGenerator,
+    collate,
+    make_sampler,
 )
-from gac_jax.rollout.generation import TaskGroupGenerator
+from gac_jax.rollout import make_source as make_rollout_source
 from gac_jax.tasks import get_task
+from gac_jax.train import config_io
 from gac_jax.train.checkpoint import CheckpointManager
-from gac_jax.train.config import TrainConfig, validate
+from gac_jax.train.config import TrainConfig
 from gac_jax.train.evaluation import evaluate_policy
 
 logger = logging.getLogger(__name__)
@@ -57,25 +57,14 @@ class Run:
 
 
 def config_hash(config: TrainConfig) -> str:
-    """A short stable hash of what a checkpoint depends on: the config but for `steps`
-    (resuming with more steps is how a finished run is trained further)."""
-    from gac_jax.train.overrides import config_to_dict
-
-    fields = config_to_dict(config)
-    fields.pop("steps", None)
-    text = json.dumps(fields, sort_keys=True, default=str)
-    return hashlib.sha256(text.encode()).hexdigest()[:12]
+    """The hash of what a checkpoint depends on: the config but for `steps` (resuming with
+    more steps is how a finished run is trained further)."""
+    return config_io.config_hash(config, exclude=("steps",))
 
 
 def resolve_mesh(config: TrainConfig) -> jax.sharding.Mesh:
-    """The mesh of `config.mesh`, a -1 axis taking the devices the others leave."""
-    sizes = {"data": config.mesh.data, "fsdp": config.mesh.fsdp, "tensor": config.mesh.tensor}
-    fixed = int(np.prod([s for s in sizes.values() if s != -1]))
-    count = jax.device_count()
-    if count % fixed:
-        raise ValueError(f"mesh {sizes} does not divide the {count} devices.")
-    sizes = {k: (count // fixed if v == -1 else v) for k, v in sizes.items()}
-    return models.make_mesh(**sizes)
+    """The mesh of `config.mesh` on every device."""
+    return config.mesh.make()
 
 
 def build_model(config: TrainConfig, mesh):
@@ -105,86 +94,36 @@ def build_model(config: TrainConfig, mesh):
     return models.load_hf_checkpoint(path, mesh=mesh), models.HFTokenizer.from_directory(path)
 
 
+def build_learner(config: TrainConfig, model, mesh) -> GRPOLearner:
+    """The sharded learner of `config`: its optax chain, objective and settings."""
+    tx = make_optimizer(config.optimizer, config.gac, config.ess)
+    return GRPOLearner(model, tx, mesh, loss=config.loss, config=config.learner)
+
+
 def build_run(config: TrainConfig) -> Run:
     """Builds the task, model, learner, sampler and generator of a run."""
-    config = validate(config)
+    config.validate()
     task = get_task(config.task)
     train_examples = task.data_source("train", data_dir=config.data_dir)
     test_examples = task.data_source("test", data_dir=config.data_dir)
     mesh = resolve_mesh(config)
     model, tokenizer = build_model(config, mesh)
-    o, g, e, obj = config.optimizer, config.gac, config.ess, config.objective
-    tx = make_optimizer(
-        learning_rate=o.learning_rate,
-        weight_decay=o.weight_decay,
-        b1=o.b1,
-        b2=o.b2,
-        clip_norm=o.clip_norm,
-        gac=None
-        if not g.enabled
-        else dict(
-            tau_low=g.tau_low,
-            tau_high=g.tau_high,
-            projection=g.projection,
-            skip=g.skip,
-            reference=g.reference,
-            scope=g.scope,
-            thresholds=g.thresholds,
-        ),
-        ess=dict(rho_base=e.rho_base, power=e.power) if e.enabled else None,
-    )
-    learner = GRPOLearner(
-        model,
-        tx,
-        mesh,
-        step_kwargs=dict(
-            policy_loss=obj.policy_loss,
-            loss_kwargs=obj.loss_kwargs,
-            advantage=obj.advantage,
-            grad_norm=obj.grad_norm,
-            micro_batches=config.micro_batches,
-            correction=obj.correction,
-            correction_kwargs=obj.correction_kwargs,
-        ),
-    )
-    r = config.rollout
-    eos = model.config.eos_token_ids or (tokenizer.eos_id,)
-    sampler = models.Sampler(
-        model.config, max_new_tokens=r.max_new_tokens, eos_ids=eos, pad_id=tokenizer.pad_id
-    )
+    learner = build_learner(config, model, mesh)
+    sampler = make_sampler(model.config, tokenizer, config.generation)
     generator = TaskGroupGenerator(
-        learner.graphdef,
-        sampler,
-        task,
-        train_examples,
-        tokenizer,
-        group_size=r.group_size,
-        prompt_length=r.prompt_length,
-        temperature=r.temperature,
+        learner.graphdef, sampler, task, train_examples, tokenizer, config.generation
     )
-    history = r.lag + 1 if r.mode == "lagged" else 1
-    store = ParamStore(history=history)
+    store = ParamStore(history=config.rollout.history)
     return Run(
         config, task, train_examples, test_examples, tokenizer, learner, sampler, generator, store
     )
 
 
 def make_source(run: Run):
-    r, seed = run.config.rollout, run.config.seed
-    prompts = PromptOrder(len(run.train_examples), seed=seed)
-    args = (run.generator, run.store, prompts, r.groups_per_batch)
-    if r.mode == "sync":
-        return SyncRollouts(*args, seed=seed)
-    if r.mode == "lagged":
-        return LaggedRollouts(*args, lag=r.lag, seed=seed)
-    return AsyncRollouts(
-        *args,
-        max_staleness=r.max_staleness,
-        stale_policy=r.stale_policy,
-        num_threads=r.num_workers,
-        groups_per_call=r.groups_per_call,
-        seed=seed,
-    )
+    """The run's rollout source (sync, lagged or async, by `config.rollout.mode`)."""
+    c = run.config
+    prompts = PromptOrder(len(run.train_examples), seed=c.seed)
+    return make_rollout_source(c.rollout, c.buffer, run.generator, run.store, prompts, seed=c.seed)
 
 
 def _snapshot(params):
@@ -213,7 +152,6 @@ def train(config: TrainConfig, out_dir: str | os.PathLike, *, resume: bool = Fal
     `plot.png`. Returns `out_dir`.
     """
     from gac_jax.train.metrics import MetricWriter, ProgressLine
-    from gac_jax.train.overrides import config_to_dict
     from gac_jax.train.plots import plot_run
 
     out_dir = Path(out_dir)
@@ -236,7 +174,7 @@ def train(config: TrainConfig, out_dir: str | os.PathLike, *, resume: bool = Fal
     elif resume:
         logger.info("no checkpoint in %s: starting from step 0", out_dir / "checkpoints")
     # Written once the run is known to be this config's (a refused resume leaves it alone).
-    (out_dir / "config.json").write_text(json.dumps(config_to_dict(run.config), indent=2))
+    (out_dir / "config.json").write_text(json.dumps(config_io.config_to_dict(run.config), indent=2))
     source = make_source(run)
     eval_key = jax.random.key(config.seed + 1)
     progress = ProgressLine(total=config.steps)
@@ -248,7 +186,7 @@ def train(config: TrainConfig, out_dir: str | os.PathLike, *, resume: bool = Fal
                 started = time.monotonic()
                 rollouts = source.next_batch(step)
                 waited = time.monotonic() - started
-                batch = collate(rollouts, config.rollout.prompt_length)
+                batch = TrainBatch(**collate(rollouts, config.generation.prompt_length))
                 started = time.monotonic()
                 metrics = learner.step(batch, step)
                 train_seconds = time.monotonic() - started
@@ -284,7 +222,7 @@ def evaluate_run(run: Run, key) -> dict[str, float]:
         run.task,
         run.test_examples,
         run.tokenizer,
-        prompt_length=c.rollout.prompt_length,
+        prompt_length=c.generation.prompt_length,
         num_problems=c.eval_size,
         num_samples=c.eval_samples,
         key=key,

@@ -9,12 +9,18 @@ from gac_jax.transforms.alignment import (
     REGIME_PASS,
     REGIME_PROJECT,
     REGIME_SKIP,
+    GACConfig,
     GradientAlignmentControlState,
     gradient_alignment_control,
     gradient_alignment_monitor,
     set_gac_reference,
 )
-from gac_jax.transforms.ess_scaling import ScaleByEssState, ess_step_scale, scale_by_ess
+from gac_jax.transforms.ess_scaling import (
+    ESSConfig,
+    ScaleByEssState,
+    ess_step_scale,
+    scale_by_ess,
+)
 
 __all__ = [
     "REGIME_NAMES",
@@ -22,6 +28,8 @@ __all__ = [
     "REGIME_PASS",
     "REGIME_PROJECT",
     "REGIME_SKIP",
+    "ESSConfig",
+    "GACConfig",
     "GradientAlignmentControlState",
     "ScaleByEssState",
     "ess_step_scale",

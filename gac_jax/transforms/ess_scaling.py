@@ -16,6 +16,7 @@ is scaling the learning rate.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple
 
 import jax
@@ -23,6 +24,7 @@ import jax.numpy as jnp
 import optax
 from optax import GradientTransformationExtraArgs
 
+from gac_jax._configs import arguments
 from gac_jax._validation import check_range, concrete_number
 from gac_jax.numerics import effective_sample_size
 
@@ -140,3 +142,20 @@ def scale_by_ess(
         return scaled, new_state
 
     return GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+@dataclasses.dataclass(frozen=True)
+class ESSConfig:
+    """`scale_by_ess`'s arguments, one to one; `build()` makes the transformation."""
+
+    rho_base: float = 1.0
+    power: float | str = "sqrt"
+    ema_decay: float = 0.9
+
+    def build(self) -> GradientTransformationExtraArgs:
+        """`scale_by_ess` with these arguments (which it validates)."""
+        return scale_by_ess(**arguments(self))
+
+    def validate(self) -> None:
+        """Raises ValueError naming a bad field: the factory's own checks."""
+        self.build()

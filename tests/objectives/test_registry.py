@@ -50,7 +50,13 @@ def test_every_policy_loss_shares_the_signature():
 
 def test_every_public_function_cites_its_source():
     # Lookups: no method, no paper.
-    lookups = {"get_policy_loss", "get_advantage_estimator", "get_importance_correction"}
+    lookups = {
+        "get_policy_loss",
+        "get_advantage_estimator",
+        "get_importance_correction",
+        "get_policy_loss_spec",
+        "get_advantage_spec",
+    }
     for name in objectives.__all__:
         obj = getattr(objectives, name)
         if not inspect.isfunction(obj):

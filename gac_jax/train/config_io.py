@@ -1,0 +1,184 @@
+"""Configs to and from YAML, JSON and ``--set key=value`` overrides, with draccus.
+
+draccus (the dataclass config library Levanter and LeRobot use) decodes nested dicts into
+the frozen dataclasses with their annotated types, reports a bad value with its dotted path,
+and dumps YAML; this module adds the messages users rely on (an unknown key names its
+section's valid keys and the closest one) and the ``--set`` syntax.
+
+An override is ``dotted.key=value``; the value is read as YAML (``8``, ``1e-3``, ``true``,
+``null`` or ``none``, ``{}``, a string), so ``rollout.lag=8``, ``ess={}`` (ESS scaling with
+its defaults), ``ess=none``, ``loss.loss_kwargs.tau_m2=0.04``. A config file is YAML or JSON
+holding a (possibly partial) config; ``base: <preset>`` starts from that preset instead of
+the `TrainConfig` defaults.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import functools
+import hashlib
+import json
+import os
+import types
+import typing
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import draccus
+import yaml
+
+from gac_jax.train.config import PRESETS, TrainConfig, get_preset, preset_names
+
+_NONE = ("none", "null", "~")
+
+
+@functools.cache
+def _field_types(cls: type) -> dict[str, Any]:
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+def _section_type(tp: Any) -> type | None:
+    """The dataclass of a section annotated ``X`` or ``X | None``; None for a leaf."""
+    if typing.get_origin(tp) in (types.UnionType, typing.Union):
+        inner = [a for a in typing.get_args(tp) if a is not type(None)]
+        tp = inner[0] if len(inner) == 1 else None
+    return tp if isinstance(tp, type) and dataclasses.is_dataclass(tp) else None
+
+
+def _unknown_key(cls: type, prefix: str, name: str) -> ValueError:
+    fields = _field_types(cls)
+    section = f"section '{prefix[:-1]}'" if prefix else "the top level"
+    close = difflib.get_close_matches(name, list(fields), n=1)
+    hint = f" Did you mean '{prefix}{close[0]}'?" if close else ""
+    keys = ", ".join(
+        f"{prefix}{k}" + (".*" if _section_type(tp) else "") for k, tp in fields.items()
+    )
+    return ValueError(
+        f"Unknown config key '{prefix}{name}'.{hint} Valid keys of {section}: {keys}."
+    )
+
+
+def _check_keys(cls: type, values: Mapping[str, Any], prefix: str = "") -> None:
+    """Raises ValueError for the first key that is not a field of `cls` (recursively)."""
+    if not isinstance(values, Mapping):
+        raise ValueError(f"'{prefix[:-1]}' is a section; got {values!r}, expected a mapping.")
+    types_ = _field_types(cls)
+    for name, value in values.items():
+        if name not in types_:
+            raise _unknown_key(cls, prefix, name)
+        section = _section_type(types_[name])
+        if section is not None and value is not None:
+            _check_keys(section, value, f"{prefix}{name}.")
+
+
+def config_to_dict(config: Any) -> dict[str, Any]:
+    """The config as plain nested dicts, lists and scalars (what YAML and JSON hold)."""
+    return draccus.encode(config)
+
+
+def _merge(base: Any, update: Mapping[str, Any]) -> Any:
+    """`update` laid over `base` key by key (a section given as None replaces it)."""
+    merged = dict(base) if isinstance(base, Mapping) else {}
+    for key, value in update.items():
+        if isinstance(value, Mapping) and value and isinstance(merged.get(key), Mapping):
+            merged[key] = _merge(merged[key], value)
+        elif isinstance(value, Mapping) and value:
+            merged[key] = _merge({}, value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def config_from_dict(values: Mapping[str, Any], base: TrainConfig | None = None) -> TrainConfig:
+    """The `TrainConfig` of a (partial) dict laid over `base` (the defaults if None),
+    validated. Unknown keys, ill-typed values and failed checks are `ValueError`s naming
+    the field."""
+    values = dict(values)
+    if "base" in values:
+        base = get_preset(values.pop("base"))
+    _check_keys(TrainConfig, values)
+    merged = _merge(config_to_dict(base or TrainConfig()), values)
+    try:
+        config = draccus.decode(TrainConfig, merged)
+    except draccus.utils.DecodingError as error:
+        raise ValueError(str(error).replace("`", "'")) from None
+    config.validate()
+    return config
+
+
+def parse_value(raw: str) -> Any:
+    """An override's value, read as YAML; ``none`` (any case) is null too."""
+    if raw.strip().lower() in _NONE:
+        return None
+    try:
+        return yaml.safe_load(raw)
+    except yaml.YAMLError:
+        return raw
+
+
+def _override_dict(override: str) -> dict[str, Any]:
+    key, sep, raw = override.partition("=")
+    if not sep or not key.strip():
+        raise ValueError(f"Override {override!r} is not of the form key=value.")
+    parts = key.strip().split(".")
+    nested: dict[str, Any] = {parts[-1]: parse_value(raw)}
+    for part in reversed(parts[:-1]):
+        nested = {part: nested}
+    return nested
+
+
+def apply_overrides(config: TrainConfig, overrides: Sequence[str]) -> TrainConfig:
+    """`config` with each ``dotted.key=value`` applied in order, validated."""
+    values: dict[str, Any] = {}
+    for override in overrides:
+        values = _merge(values, _override_dict(override))
+    return config_from_dict(values, base=config)
+
+
+def to_yaml(config: Any) -> str:
+    """The config as YAML (what `show-config` prints)."""
+    return draccus.dump(config)
+
+
+def save_config(config: TrainConfig, path: str | os.PathLike) -> Path:
+    """Writes the config as JSON (``.json``) or YAML (any other suffix); returns the path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.suffix == ".json":
+        path.write_text(json.dumps(config_to_dict(config), indent=2))
+    else:
+        path.write_text(to_yaml(config))
+    return path
+
+
+def load_config(name_or_path: str | os.PathLike) -> TrainConfig:
+    """A preset by name, or a YAML/JSON config file (partial; ``base:`` names a preset)."""
+    name = str(name_or_path)
+    if name in PRESETS:
+        return get_preset(name)
+    path = Path(name)
+    if not path.is_file():
+        raise ValueError(
+            f"{name!r} is neither a preset ({', '.join(preset_names())}) nor a config file."
+        )
+    text = path.read_text()
+    try:
+        values = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+    except (json.JSONDecodeError, yaml.YAMLError) as error:
+        raise ValueError(f"{path} is not valid {path.suffix[1:] or 'YAML'}: {error}") from None
+    if not isinstance(values, Mapping):
+        raise ValueError(f"{path} must hold a mapping of config keys, got {type(values).__name__}.")
+    return config_from_dict(values)
+
+
+def config_hash(config: Any, exclude: Sequence[str] = ()) -> str:
+    """A short stable hash of a config's fields but the top-level `exclude` ones: the one
+    hash of runs, sweeps and warm starts (names what a checkpoint or cache depends on)."""
+    fields = config_to_dict(config)
+    for name in exclude:
+        fields.pop(name, None)
+    text = json.dumps(fields, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]

@@ -101,14 +101,20 @@ def _validate_run_fields(config: TrainConfig) -> None:
         ("seed", 0),
     ):
         _int_at_least(config, name, low)
-    get_task(config.task)  # ValueError listing the tasks.
+    try:
+        get_task(config.task)
+    except ValueError as error:
+        raise ValueError(f"task={config.task!r}: {error}") from None
     if config.init not in INIT_MODES and not os.path.isdir(config.init):
         raise ValueError(
             f"init={config.init!r} is neither one of {list(INIT_MODES)} nor an existing "
             "directory (a Hugging Face checkpoint with config.json)."
         )
     if config.init in INIT_MODES:
-        get_config(config.model)  # ValueError listing the models.
+        try:
+            get_config(config.model)
+        except ValueError as error:
+            raise ValueError(f"model={config.model!r}: {error}") from None
 
 
 def _validate_across_sections(config: TrainConfig) -> None:

@@ -32,6 +32,7 @@ import yaml
 from gac_jax.train.config import PRESETS, TrainConfig, get_preset, preset_names
 
 _NONE = ("none", "null", "~")
+_BOOLEANS = ("true", "false", "yes", "no")
 
 
 @functools.cache
@@ -46,6 +47,12 @@ def _section_type(tp: Any) -> type | None:
         inner = [a for a in typing.get_args(tp) if a is not type(None)]
         tp = inner[0] if len(inner) == 1 else None
     return tp if isinstance(tp, type) and dataclasses.is_dataclass(tp) else None
+
+
+def _leaf_types(tp: Any) -> tuple[Any, ...]:
+    if typing.get_origin(tp) in (types.UnionType, typing.Union):
+        return typing.get_args(tp)
+    return (tp,)
 
 
 def _unknown_key(cls: type, prefix: str, name: str) -> ValueError:
@@ -69,6 +76,9 @@ def _check_keys(cls: type, values: Mapping[str, Any], prefix: str = "") -> None:
     for name, value in values.items():
         if name not in types_:
             raise _unknown_key(cls, prefix, name)
+        if isinstance(value, bool) and bool not in _leaf_types(types_[name]):
+            # draccus would read true as 1: a number field never takes a boolean.
+            raise ValueError(f"'{prefix}{name}': expected {types_[name]}, got {value!r}.")
         section = _section_type(types_[name])
         if section is not None and value is not None:
             _check_keys(section, value, f"{prefix}{name}.")
@@ -111,12 +121,21 @@ def config_from_dict(values: Mapping[str, Any], base: TrainConfig | None = None)
 
 def parse_value(raw: str) -> Any:
     """An override's value, read as YAML; ``none`` (any case) is null too."""
-    if raw.strip().lower() in _NONE:
+    text = raw.strip()
+    if text.lower() in _NONE:
         return None
     try:
-        return yaml.safe_load(raw)
+        value = yaml.safe_load(text)
     except yaml.YAMLError:
-        return raw
+        return text
+    if isinstance(value, bool) and text.lower() not in _BOOLEANS:
+        return text  # YAML 1.1 reads on/off/y/n as booleans; only these words are.
+    if isinstance(value, str):
+        try:
+            return float(value)  # YAML 1.1 leaves "1e-3" (no dot) a string.
+        except ValueError:
+            return value
+    return value
 
 
 def _override_dict(override: str) -> dict[str, Any]:

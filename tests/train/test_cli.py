@@ -5,11 +5,12 @@ import sys
 import types
 
 import pytest
+import yaml
 
 from gac_jax.train.cli import main
 from gac_jax.train.config import get_preset, preset_names
+from gac_jax.train.config_io import apply_overrides, save_config
 from gac_jax.train.metrics import MetricWriter
-from gac_jax.train.overrides import apply_overrides, save_config
 
 
 @pytest.fixture
@@ -45,7 +46,7 @@ def test_train_passes_config_and_out_dir(fake_loop, tmp_path, capsys):
             "countdown_sync",
             "--set",
             "rollout.lag=3",
-            "gac.enabled=true",
+            "gac.monitor_only=false",
             "--set",
             "steps=5",
             "--out",
@@ -56,7 +57,7 @@ def test_train_passes_config_and_out_dir(fake_loop, tmp_path, capsys):
     assert status == 0
     [(kind, config, out_dir, resume)] = fake_loop
     expected = apply_overrides(
-        get_preset("countdown_sync"), ["rollout.lag=3", "gac.enabled=true", "steps=5"]
+        get_preset("countdown_sync"), ["rollout.lag=3", "gac.monitor_only=false", "steps=5"]
     )
     assert (kind, config, out_dir, resume) == ("train", expected, out, True)
     assert str(out) in capsys.readouterr().out
@@ -90,8 +91,10 @@ def test_train_from_a_json_file(fake_loop, tmp_path):
     ("argv", "needle"),
     [
         (["train", "--set", "rollout.lagg=3"], "rollout.lagg"),
-        (["train", "--set", "gac.enabled=maybe"], "'maybe'"),
-        (["train", "--set", "steps"], "Malformed override 'steps'"),
+        (["train", "--set", "gac.skip=maybe"], "'maybe'"),
+        (["train", "--set", "steps"], "Override 'steps' is not of the form key=value"),
+        (["show-config", "--set", "optimizer.learning_rate=-1"], "optimizer.learning_rate=-1"),
+        (["show-config", "--set", "loss.policy_loss=tb"], "not supported by the learner"),
         (["train", "--config", "nosuch"], "'nosuch'"),
         (["show-config", "--set", "gac.tau_low=0.9"], "gac.tau_low=0.9"),
     ],
@@ -148,14 +151,15 @@ def test_presets_and_show_config(capsys):
                 "demo",
                 "--set",
                 "optimizer.clip_norm=none",
-                "objective.loss_kwargs.tau_m2=0.04",
+                "loss.policy_loss=m2po",
+                "loss.loss_kwargs.tau_m2=0.04",
             ]
         )
         == 0
     )
-    d = json.loads(capsys.readouterr().out)
+    d = yaml.safe_load(capsys.readouterr().out)
     assert d["optimizer"]["clip_norm"] is None
-    assert d["objective"]["loss_kwargs"] == {"tau_m2": 0.04}
+    assert d["loss"]["loss_kwargs"] == {"tau_m2": 0.04}
     assert d["rollout"]["mode"] == get_preset("demo").rollout.mode
 
 

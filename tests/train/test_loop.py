@@ -7,17 +7,15 @@ import numpy as np
 import pytest
 
 from gac_jax import models
+from gac_jax.learner import LossConfig
+from gac_jax.models import MeshConfig
+from gac_jax.rollout import GenerationConfig, RolloutConfig
 from gac_jax.tasks import get_task
 from gac_jax.train import loop
 from gac_jax.train.checkpoint import restore_checkpoint
-from gac_jax.train.config import (
-    GACConfig,
-    MeshConfig,
-    ObjectiveConfig,
-    RolloutConfig,
-    TrainConfig,
-)
+from gac_jax.train.config import TrainConfig
 from gac_jax.train.metrics import read_metrics
+from gac_jax.transforms import GACConfig
 
 TIMING = ("per_s", "seconds", "wait")
 
@@ -47,14 +45,8 @@ def _config(tmp_path, steps):
         eval_samples=2,
         checkpoint_every=3,
         keep_checkpoints=2,
-        rollout=RolloutConfig(
-            mode="lagged",
-            lag=2,
-            groups_per_batch=2,
-            group_size=2,
-            prompt_length=12,
-            max_new_tokens=5,
-        ),
+        rollout=RolloutConfig(mode="lagged", lag=2, groups_per_batch=2),
+        generation=GenerationConfig(group_size=2, prompt_length=12, max_new_tokens=5),
         mesh=MeshConfig(data=1),
     )
 
@@ -104,10 +96,10 @@ def test_resume_refuses_a_different_config(tmp_path, digit_task):
 @pytest.mark.parametrize(
     "change, fragment",
     [
-        (dict(rollout=RolloutConfig(group_size=1)), "group_size=1"),
+        (dict(generation=GenerationConfig(group_size=1)), "generation.group_size=1"),
         (dict(mesh=MeshConfig(data=16)), "does not divide the 8 devices"),
         (dict(mesh=MeshConfig(data=8)), "not divisible by the 8 devices"),
-        (dict(objective=ObjectiveConfig(policy_loss="ppo3")), "policy_loss='ppo3'"),
+        (dict(loss=LossConfig(policy_loss="ppo3")), "Unknown policy loss 'ppo3'"),
         (dict(gac=GACConfig(tau_low=0.9, tau_high=0.3)), "tau_low=0.9"),
     ],
 )

@@ -30,6 +30,7 @@ reference. Everything else is O(number of leaves) scalar work.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, NamedTuple
 
 import jax
@@ -37,8 +38,18 @@ import jax.numpy as jnp
 import optax
 from optax import GradientTransformationExtraArgs
 
+from gac_jax._configs import arguments
 from gac_jax._validation import check_choice, check_range, concrete_number
-from gac_jax.numerics import safe_divide
+from gac_jax.transforms._alignment_math import (
+    Alignment,
+    Control,
+    control_coefficients,
+    cosine_after_control,
+    emitted_and_next_references,
+    per_leaf_alignment,
+    per_leaf_control,
+    safe_cosine,
+)
 
 REGIME_PASS = 0
 REGIME_PROJECT = 1
@@ -76,28 +87,6 @@ class GradientAlignmentControlState(NamedTuple):
     gac_tau_high: jax.Array  # f32 []: upper threshold in force at the last step.
 
 
-class _Alignment(NamedTuple):
-    """Inner products of a gradient with the reference, per control unit (tree or leaf)."""
-
-    dot: jax.Array  # f32 [U]: <g, r>.
-    grad_sq: jax.Array  # f32 [U]: |g|^2.
-    ref_sq: jax.Array  # f32 [U]: |r|^2.
-
-
-def _leaf_products(g: jax.Array, r: jax.Array, cached_ref_sq: jax.Array | None):
-    """`<g, r>`, `|g|^2` and `|r|^2` in float32; `|r|^2` is `cached_ref_sq` unless None."""
-    g32 = g.astype(jnp.float32)
-    r32 = r.astype(jnp.float32)
-    ref_sq = jnp.sum(r32 * r32) if cached_ref_sq is None else cached_ref_sq
-    return jnp.sum(g32 * r32), jnp.sum(g32 * g32), ref_sq
-
-
-def _reference_is_gradient_exactly(g: jax.Array, r: jax.Array) -> bool:
-    """Whether storing `g` as `r` keeps its values (so `|r|^2` is this step's `|g|^2`)."""
-    widened = r.dtype == jnp.float32 and jnp.finfo(g.dtype).bits < 32  # bf16/f16 -> f32.
-    return r.dtype == g.dtype or widened
-
-
 def _squared_norm(x) -> jax.Array:
     return jnp.sum(jnp.square(jnp.asarray(x, jnp.float32)))
 
@@ -120,11 +109,6 @@ def set_gac_reference(
         gac_reference=treedef.unflatten(cast),
         gac_reference_sq=jnp.stack(norms) if norms else jnp.zeros([0], jnp.float32),
     )
-
-
-def _cosine(dot, grad_sq, ref_sq):
-    # sqrt before multiplying: |g|^2 |r|^2 overflows float32 long before |g| |r| does.
-    return jnp.clip(safe_divide(dot, jnp.sqrt(grad_sq) * jnp.sqrt(ref_sq)), -1.0, 1.0)
 
 
 def _zeros_like(param, dtype):
@@ -164,6 +148,31 @@ def _update_cosine_stats(state, cosine, usable, decay):
         jnp.where(usable, mean, state.gac_cosine_mean),
         jnp.where(usable, var, state.gac_cosine_var),
         jnp.where(usable, optax.safe_increment(state.gac_stats_count), state.gac_stats_count),
+    )
+
+
+def _regime(finite, control: Control) -> jax.Array:
+    """int32 []: the most severe regime of any unit (non-finite > skip > project > pass)."""
+    any_skip = jnp.any(control.skip)
+    any_project = jnp.any(control.project)
+    return jnp.where(
+        ~finite,
+        REGIME_NONFINITE,
+        jnp.where(any_skip, REGIME_SKIP, jnp.where(any_project, REGIME_PROJECT, REGIME_PASS)),
+    ).astype(jnp.int32)
+
+
+def _regime_counts(state: GradientAlignmentControlState, regime) -> dict[str, jax.Array]:
+    """The state's per-regime step counters, the one for `regime` advanced."""
+
+    def bump(counter, regime_id):
+        return jnp.where(regime == regime_id, optax.safe_increment(counter), counter)
+
+    return dict(
+        gac_pass_count=bump(state.gac_pass_count, REGIME_PASS),
+        gac_project_count=bump(state.gac_project_count, REGIME_PROJECT),
+        gac_skip_count=bump(state.gac_skip_count, REGIME_SKIP),
+        gac_nonfinite_count=bump(state.gac_nonfinite_count, REGIME_NONFINITE),
     )
 
 
@@ -278,95 +287,25 @@ def gradient_alignment_control(
             return updates, state._replace(gac_count=optax.safe_increment(state.gac_count))
 
         cache_norms = reference == "gradient"
-        products = [
-            _leaf_products(
-                g,
-                r,
-                state.gac_reference_sq[i]
-                if cache_norms and _reference_is_gradient_exactly(g, r)
-                else None,
-            )
-            for i, (g, r) in enumerate(zip(grads, refs, strict=True))
-        ]
-        per_leaf = _Alignment(*(jnp.stack(column) for column in zip(*products, strict=True)))
-        total = _Alignment(*(jnp.sum(x, keepdims=True) for x in per_leaf))
+        per_leaf = per_leaf_alignment(grads, refs, state.gac_reference_sq, cache_norms)
+        total = Alignment(*(jnp.sum(x, keepdims=True) for x in per_leaf))
         unit = per_leaf if scope == "per_leaf" else total
 
-        global_cosine = _cosine(total.dot[0], total.grad_sq[0], total.ref_sq[0])
+        global_cosine = safe_cosine(total.dot[0], total.grad_sq[0], total.ref_sq[0])
         finite = jnp.isfinite(total.grad_sq[0]) & jnp.isfinite(total.dot[0])
         usable = finite & (total.grad_sq[0] > 0) & (total.ref_sq[0] > 0)
         low, high = _thresholds(state, tau_low, tau_high, thresholds, adaptive_k, adaptive_warmup)
-
-        # Control coefficients per unit: emitted = keep * g - alpha * r.
-        cosine = _cosine(unit.dot, unit.grad_sq, unit.ref_sq)
-        target = jnp.maximum(low, 0.0)
-        skip_unit = jnp.asarray(skip) & (cosine > high) & finite
-        project_unit = (cosine > target) & ~skip_unit & finite
-        if monitor_only:
-            skip_unit = jnp.zeros_like(skip_unit)
-            project_unit = jnp.zeros_like(project_unit)
-        norm_ratio = safe_divide(jnp.sqrt(unit.grad_sq), jnp.sqrt(unit.ref_sq))
-        if projection == "full":
-            alpha = safe_divide(unit.dot, unit.ref_sq)
-        else:
-            sine = jnp.sqrt(jnp.maximum((1.0 - cosine) * (1.0 + cosine), 0.0))
-            target_sine = jnp.sqrt(jnp.maximum(1.0 - target * target, 1e-12))
-            alpha = norm_ratio * (cosine - target * sine / target_sine)
-        alpha = jnp.where(project_unit, alpha, 0.0)
-        keep = jnp.where(skip_unit, 0.0, 1.0)
-
-        # Cosine after control from the inner products, with no second pass over memory:
-        # the along-r and orthogonal parts are tracked separately to avoid cancellation.
-        along = keep * safe_divide(unit.dot, jnp.sqrt(unit.ref_sq)) - alpha * jnp.sqrt(unit.ref_sq)
-        orthogonal_sq = (
-            keep
-            * keep
-            * jnp.maximum(unit.grad_sq - safe_divide(unit.dot * unit.dot, unit.ref_sq), 0.0)
-        )
-        after_dot = jnp.sum(along * jnp.sqrt(unit.ref_sq))
-        after_sq = jnp.sum(along * along + orthogonal_sq)
-        cosine_after = jnp.where(finite, _cosine(after_dot, after_sq, total.ref_sq[0]), jnp.nan)
-
-        if scope == "per_leaf":
-            leaf_keep, leaf_alpha, leaf_skip = keep, alpha, skip_unit
-        else:
-            n = len(grads)
-            leaf_keep = jnp.broadcast_to(keep, (n,))
-            leaf_alpha = jnp.broadcast_to(alpha, (n,))
-            leaf_skip = jnp.broadcast_to(skip_unit, (n,))
+        control = control_coefficients(unit, low, high, finite, skip, projection, monitor_only)
+        cosine_after = cosine_after_control(unit, control, total.ref_sq[0], finite)
 
         if cache_norms:  # |r|^2 of the next reference, per leaf, with no pass over it.
             next_ref_sq = jnp.where(finite, per_leaf.grad_sq, state.gac_reference_sq)
         else:
             next_ref_sq = state.gac_reference_sq
-
-        emitted, new_refs = [], []
-        for i, (g, r) in enumerate(zip(grads, refs, strict=True)):
-            out = leaf_keep[i] * g.astype(jnp.float32) - leaf_alpha[i] * r.astype(jnp.float32)
-            out = out.astype(g.dtype)
-            if reference == "gradient":
-                new_r = g
-            elif reference == "update":
-                new_r = jnp.where(leaf_skip[i], r, out)
-            else:
-                new_r = ema_decay * r.astype(jnp.float32) + (1.0 - ema_decay) * g.astype(
-                    jnp.float32
-                )
-            new_r = jnp.where(finite, new_r, r).astype(r.dtype)
-            emitted.append(out)
-            new_refs.append(new_r)
-
-        any_skip = jnp.any(skip_unit)
-        any_project = jnp.any(project_unit)
-        regime = jnp.where(
-            ~finite,
-            REGIME_NONFINITE,
-            jnp.where(any_skip, REGIME_SKIP, jnp.where(any_project, REGIME_PROJECT, REGIME_PASS)),
-        ).astype(jnp.int32)
-
-        def bump(counter, regime_id):
-            return jnp.where(regime == regime_id, optax.safe_increment(counter), counter)
-
+        emitted, new_refs = emitted_and_next_references(
+            grads, refs, per_leaf_control(control, len(grads), scope), finite, reference, ema_decay
+        )
+        regime = _regime(finite, control)
         mean, var, stats_count = _update_cosine_stats(state, global_cosine, usable, adaptive_decay)
         new_state = GradientAlignmentControlState(
             gac_count=optax.safe_increment(state.gac_count),
@@ -375,10 +314,7 @@ def gradient_alignment_control(
             gac_cosine=jnp.where(finite, global_cosine, jnp.nan),
             gac_cosine_after=cosine_after,
             gac_regime=regime,
-            gac_pass_count=bump(state.gac_pass_count, REGIME_PASS),
-            gac_project_count=bump(state.gac_project_count, REGIME_PROJECT),
-            gac_skip_count=bump(state.gac_skip_count, REGIME_SKIP),
-            gac_nonfinite_count=bump(state.gac_nonfinite_count, REGIME_NONFINITE),
+            **_regime_counts(state, regime),
             gac_cosine_mean=mean,
             gac_cosine_var=var,
             gac_stats_count=stats_count,
@@ -408,3 +344,34 @@ def gradient_alignment_monitor(
         ema_decay=ema_decay,
         reference_dtype=reference_dtype,
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class GACConfig:
+    """`gradient_alignment_control`'s arguments, one to one; `build()` makes it.
+
+    ``monitor_only=True`` records `c_t` without touching the gradient (the baseline runs of
+    a comparison use it, so every run reports the same cosine).
+    """
+
+    tau_low: float = 0.2
+    tau_high: float = 0.8
+    projection: str = "partial"
+    skip: bool = True
+    reference: str = "gradient"
+    ema_decay: float = 0.9
+    scope: str = "global"
+    thresholds: str = "fixed"
+    adaptive_k: float = 2.0
+    adaptive_decay: float = 0.98
+    adaptive_warmup: int = 10
+    monitor_only: bool = False
+    reference_dtype: str | None = None
+
+    def build(self) -> GradientTransformationExtraArgs:
+        """`gradient_alignment_control` with these arguments (which it validates)."""
+        return gradient_alignment_control(**arguments(self))
+
+    def validate(self) -> None:
+        """Raises ValueError naming a bad field: the factory's own checks."""
+        self.build()

@@ -83,6 +83,51 @@ def _run_layer(layer, x_btd, positions_bt, mask_bts, cache, cache_index, rope):
     return layer(x_btd, positions_bt, mask_bts, cache, cache_index, rope)
 
 
+def _checked_inputs(
+    tokens_bt: jax.Array, positions_bt: jax.Array | None, input_mask_bt: jax.Array | None
+) -> tuple[jax.Array, jax.Array, int | None]:
+    """`(input_mask_bt, positions_bt, max_position)` with defaults filled in, shapes checked.
+
+    `max_position` is T when the positions are derived from the mask (they then lie in
+    [0, T), so their rotary tables can be looked up), else None.
+    """
+    if tokens_bt.ndim != 2:
+        raise ValueError(f"tokens must have shape [B, T]; got shape {tokens_bt.shape}.")
+    b, t = tokens_bt.shape
+    if input_mask_bt is None:
+        input_mask_bt = jnp.ones((b, t), bool)
+    input_mask_bt = input_mask_bt.astype(bool)
+    if input_mask_bt.shape != (b, t):
+        raise ValueError(f"input_mask shape {input_mask_bt.shape} != tokens shape {(b, t)}.")
+    max_position = t if positions_bt is None else None
+    if positions_bt is None:
+        positions_bt = positions_from_mask(input_mask_bt)
+    if positions_bt.shape != (b, t):
+        raise ValueError(f"positions shape {positions_bt.shape} != tokens shape {(b, t)}.")
+    return input_mask_bt, positions_bt, max_position
+
+
+def _causal_mask(input_mask_bt: jax.Array) -> jax.Array:
+    """bool [B, T, T]: query t sees key s <= t when s is a real token (no cache)."""
+    t = input_mask_bt.shape[1]
+    causal_tt = jnp.tril(jnp.ones((t, t), bool))
+    return causal_tt[None, :, :] & input_mask_bt[:, None, :]
+
+
+def _cached_mask(cache: Cache, input_mask_bt: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """`(mask_bts, key_mask)`: the attention mask [B, T, S] of T new tokens written at
+    `cache["index"]`, and the cache's key mask [B, S] with them marked."""
+    t = input_mask_bt.shape[1]
+    cache_index = cache["index"]
+    key_mask = jax.lax.dynamic_update_slice(
+        cache["key_mask"], input_mask_bt, (jnp.zeros((), jnp.int32), cache_index)
+    )
+    s = key_mask.shape[1]
+    query_slot_t = cache_index + jnp.arange(t, dtype=jnp.int32)
+    causal_ts = jnp.arange(s, dtype=jnp.int32)[None, :] <= query_slot_t[:, None]
+    return causal_ts[None, :, :] & key_mask[:, None, :], key_mask
+
+
 class Decoder(nnx.Module):
     """Token embedding, `num_layers` pre-norm blocks, final RMSNorm, output projection.
 
@@ -152,34 +197,16 @@ class Decoder(nnx.Module):
           `(hidden_btd, new_cache)`; `new_cache` is None when `cache` is None.
         """
         cfg, rules = self.config, self.rules
-        if tokens_bt.ndim != 2:
-            raise ValueError(f"tokens must have shape [B, T]; got shape {tokens_bt.shape}.")
-        b, t = tokens_bt.shape
-        if input_mask_bt is None:
-            input_mask_bt = jnp.ones((b, t), bool)
-        input_mask_bt = input_mask_bt.astype(bool)
-        if input_mask_bt.shape != (b, t):
-            raise ValueError(f"input_mask shape {input_mask_bt.shape} != tokens shape {(b, t)}.")
-        # Positions derived from the mask lie in [0, t): their rotary tables are looked up.
-        max_position = t if positions_bt is None else None
-        if positions_bt is None:
-            positions_bt = positions_from_mask(input_mask_bt)
-        if positions_bt.shape != (b, t):
-            raise ValueError(f"positions shape {positions_bt.shape} != tokens shape {(b, t)}.")
-
+        input_mask_bt, positions_bt, max_position = _checked_inputs(
+            tokens_bt, positions_bt, input_mask_bt
+        )
+        t = tokens_bt.shape[1]
         if cache is None:
-            causal_tt = jnp.tril(jnp.ones((t, t), bool))
-            mask_bts = causal_tt[None, :, :] & input_mask_bt[:, None, :]
+            mask_bts = _causal_mask(input_mask_bt)
             cache_index, layer_caches, key_mask = None, (None,) * cfg.num_layers, None
         else:
             cache_index = cache["index"]
-            key_mask = jax.lax.dynamic_update_slice(
-                cache["key_mask"], input_mask_bt, (jnp.zeros((), jnp.int32), cache_index)
-            )
-            s = key_mask.shape[1]
-            query_slot_t = cache_index + jnp.arange(t, dtype=jnp.int32)
-            causal_ts = jnp.arange(s, dtype=jnp.int32)[None, :] <= query_slot_t[:, None]
-            mask_bts = causal_ts[None, :, :] & key_mask[:, None, :]
+            mask_bts, key_mask = _cached_mask(cache, input_mask_bt)
             layer_caches = cache["layers"]
 
         embedding = self.embedding_vd[...].astype(cfg.compute_dtype)

@@ -213,7 +213,34 @@ class Attention(nnx.Module):
         cfg, rules = self.config, self.rules
         dtype = cfg.compute_dtype
         b, t, _ = x_btd.shape
+        q_btnh, k_btkh, v_btkh = self._project_qkv(x_btd, positions_bt, rope)
 
+        kv, g, h = cfg.num_kv_heads, cfg.group_size, cfg.head_dim
+        q_btkgh = jnp.reshape(q_btnh, (b, t, kv, g, h))
+        if cache is not None:
+            new_cache = _write_kv_cache(cache, cache_index, k_btkh, v_btkh, rules)
+            scores = _cached_scores(q_btkgh, new_cache["k"], dtype)
+        else:
+            new_cache = None
+            scores = jnp.einsum(
+                "BTKGH,BSKH->BKGTS", q_btkgh, k_btkh, preferred_element_type=jnp.float32
+            )
+        probs = _attention_probs(scores, mask_bts, h, dtype)
+        if new_cache is not None:
+            out_btkgh = _cached_values(probs, new_cache["v"], dtype)
+        else:
+            out_btkgh = jnp.einsum("BKGTS,BSKH->BTKGH", probs, v_btkh)
+        out_btnh = constrain(jnp.reshape(out_btkgh, (b, t, kv * g, h)), rules.act_btnh)
+        out_btd = dense(out_btnh, self.o_nhd[...].astype(dtype), num_contracted=2)
+        return constrain(out_btd, rules.act_btd), new_cache
+
+    def _project_qkv(
+        self, x_btd: jax.Array, positions_bt: jax.Array, rope: tuple[jax.Array, jax.Array] | None
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Queries [B, T, N, H] and keys [B, T, K, H] (normed if so configured, rotated),
+        and values [B, T, K, H], all constrained to their activation shardings."""
+        cfg, rules = self.config, self.rules
+        dtype = cfg.compute_dtype
         q_btnh = dense(x_btd, self.q_dnh[...].astype(dtype))
         k_btkh = dense(x_btd, self.k_dkh[...].astype(dtype))
         v_btkh = dense(x_btd, self.v_dkh[...].astype(dtype))
@@ -226,59 +253,71 @@ class Attention(nnx.Module):
         q_btnh = constrain(rotate(q_btnh, rope), rules.act_btnh)
         k_btkh = constrain(rotate(k_btkh, rope), rules.act_btkh)
         v_btkh = constrain(v_btkh, rules.act_btkh)
+        return q_btnh, k_btkh, v_btkh
 
-        kv, g, h = cfg.num_kv_heads, cfg.group_size, cfg.head_dim
-        q_btkgh = jnp.reshape(q_btnh, (b, t, kv, g, h))
-        new_cache = None
-        if cache is not None:
-            # The cache keeps keys as [B, K, H, S] and values as [B, K, S, H]: the layouts
-            # in which both attention products are plain batched matmuls over (B, K), so
-            # a decode step reads the cache once instead of first copying it transposed.
-            zero = jnp.zeros((), jnp.int32)
-            index = cache_index.astype(jnp.int32)
-            k_bkhs = jax.lax.dynamic_update_slice(
-                cache["k"],
-                jnp.transpose(k_btkh, (0, 2, 3, 1)).astype(cache["k"].dtype),
-                (zero, zero, zero, index),
-            )
-            v_bksh = jax.lax.dynamic_update_slice(
-                cache["v"],
-                jnp.transpose(v_btkh, (0, 2, 1, 3)).astype(cache["v"].dtype),
-                (zero, zero, index, zero),
-            )
-            k_bkhs = constrain(k_bkhs, rules.spec("batch", "kv_heads", "head_dim", "sequence"))
-            v_bksh = constrain(v_bksh, rules.spec("batch", "kv_heads", "sequence", "head_dim"))
-            new_cache = {"k": k_bkhs, "v": v_bksh}
-            # [B, K, G*T, H] @ [B, K, H, S]: rows of queries times the key columns.
-            q_bkrh = jnp.reshape(jnp.transpose(q_btkgh, (0, 2, 3, 1, 4)), (b, kv, g * t, h))
-            scores = jax.lax.dot_general(
-                q_bkrh,
-                k_bkhs.astype(dtype),
-                (((3,), (2,)), ((0, 1), (0, 1))),
-                preferred_element_type=jnp.float32,
-            )
-            scores = jnp.reshape(scores, (b, kv, g, t, -1))
-        else:
-            v_bksh = None
-            scores = jnp.einsum(
-                "BTKGH,BSKH->BKGTS", q_btkgh, k_btkh, preferred_element_type=jnp.float32
-            )
-        scores = scores * (h**-0.5)
-        scores = jnp.where(mask_bts[:, None, None, :, :], scores, _MASKED_SCORE)
-        probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
-        if v_bksh is not None:
-            # [B, K, G*T, S] @ [B, K, S, H].
-            out_bkrh = jax.lax.dot_general(
-                jnp.reshape(probs, (b, kv, g * t, -1)),
-                v_bksh.astype(dtype),
-                (((3,), (2,)), ((0, 1), (0, 1))),
-            )
-            out_btkgh = jnp.transpose(jnp.reshape(out_bkrh, (b, kv, g, t, h)), (0, 3, 1, 2, 4))
-        else:
-            out_btkgh = jnp.einsum("BKGTS,BSKH->BTKGH", probs, v_btkh)
-        out_btnh = constrain(jnp.reshape(out_btkgh, (b, t, kv * g, h)), rules.act_btnh)
-        out_btd = dense(out_btnh, self.o_nhd[...].astype(dtype), num_contracted=2)
-        return constrain(out_btd, rules.act_btd), new_cache
+
+def _write_kv_cache(
+    cache: dict[str, jax.Array],
+    cache_index: jax.Array,
+    k_btkh: jax.Array,
+    v_btkh: jax.Array,
+    rules: ShardingRules,
+) -> dict[str, jax.Array]:
+    """The layer's cache with the T new keys and values written at slot `cache_index`.
+
+    The cache keeps keys as [B, K, H, S] and values as [B, K, S, H]: the layouts in which
+    both attention products are plain batched matmuls over (B, K), so a decode step reads
+    the cache once instead of first copying it transposed.
+    """
+    zero = jnp.zeros((), jnp.int32)
+    index = cache_index.astype(jnp.int32)
+    k_bkhs = jax.lax.dynamic_update_slice(
+        cache["k"],
+        jnp.transpose(k_btkh, (0, 2, 3, 1)).astype(cache["k"].dtype),
+        (zero, zero, zero, index),
+    )
+    v_bksh = jax.lax.dynamic_update_slice(
+        cache["v"],
+        jnp.transpose(v_btkh, (0, 2, 1, 3)).astype(cache["v"].dtype),
+        (zero, zero, index, zero),
+    )
+    k_bkhs = constrain(k_bkhs, rules.spec("batch", "kv_heads", "head_dim", "sequence"))
+    v_bksh = constrain(v_bksh, rules.spec("batch", "kv_heads", "sequence", "head_dim"))
+    return {"k": k_bkhs, "v": v_bksh}
+
+
+def _cached_scores(q_btkgh: jax.Array, k_bkhs: jax.Array, dtype) -> jax.Array:
+    """Attention scores [B, K, G, T, S] (float32) of the queries against cached keys."""
+    b, t, kv, g, h = q_btkgh.shape
+    # [B, K, G*T, H] @ [B, K, H, S]: rows of queries times the key columns.
+    q_bkrh = jnp.reshape(jnp.transpose(q_btkgh, (0, 2, 3, 1, 4)), (b, kv, g * t, h))
+    scores = jax.lax.dot_general(
+        q_bkrh,
+        k_bkhs.astype(dtype),
+        (((3,), (2,)), ((0, 1), (0, 1))),
+        preferred_element_type=jnp.float32,
+    )
+    return jnp.reshape(scores, (b, kv, g, t, -1))
+
+
+def _attention_probs(scores: jax.Array, mask_bts: jax.Array, head_dim: int, dtype) -> jax.Array:
+    """Softmax over the keys of the scaled scores [B, K, G, T, S], masked keys excluded."""
+    scores = scores * (head_dim**-0.5)
+    scores = jnp.where(mask_bts[:, None, None, :, :], scores, _MASKED_SCORE)
+    return jax.nn.softmax(scores, axis=-1).astype(dtype)
+
+
+def _cached_values(probs: jax.Array, v_bksh: jax.Array, dtype) -> jax.Array:
+    """The attention output [B, T, K, G, H] from probabilities over the cached values."""
+    b, kv, g, t, _ = probs.shape
+    h = v_bksh.shape[-1]
+    # [B, K, G*T, S] @ [B, K, S, H].
+    out_bkrh = jax.lax.dot_general(
+        jnp.reshape(probs, (b, kv, g * t, -1)),
+        v_bksh.astype(dtype),
+        (((3,), (2,)), ((0, 1), (0, 1))),
+    )
+    return jnp.transpose(jnp.reshape(out_bkrh, (b, kv, g, t, h)), (0, 3, 1, 2, 4))
 
 
 class MLP(nnx.Module):

@@ -9,31 +9,36 @@ Three parts:
   drawn among the reachable values in a target range (never one of the given numbers),
   and the reference solution from the search.
 * **Verification** (`check_countdown`, `countdown_reward`): a small tokenizer and a
-  recursive-descent parser with length and depth limits, no ``eval``.
+  recursive-descent parser with length and depth limits, no ``eval``. It lives in
+  `gac_jax.tasks.countdown_verifier`, whose docstring states the verifier's rule and how
+  the answer is read from a completion; its public names are importable from here too.
 
-The arithmetic rule of the verifier: an answer is an expression over the four binary
-operators and parentheses (no unary minus, no other literals) in which each given number
-appears at most as many times as it was given; it is evaluated in exact rational
-arithmetic (`fractions.Fraction`), so non-integer intermediates are allowed (``8/3*3``
-makes 8); a division by zero makes the answer wrong; the value must equal the target
-exactly. The reference search (``integer_only=True``, used for generation) is stricter,
-the classic game's rule: every intermediate is a positive integer. So every reference
-solution passes the verifier, and the targets of the data sets are reachable with whole
-numbers; ``integer_only=False`` searches under the verifier's own rule.
-
-The answer is read from a completion as follows: the content of the last
-``<answer>...</answer>`` if there is one, else the whole completion; then, after
-stripping surrounding whitespace, up to the first newline. An optional ``= N`` suffix is
-accepted, and N must then equal the target.
+The verifier evaluates in exact rational arithmetic, so non-integer intermediates are
+allowed (``8/3*3`` makes 8). The reference search (``integer_only=True``, used for
+generation) is stricter, the classic game's rule: every intermediate is a positive
+integer. So every reference solution passes the verifier, and the targets of the data
+sets are reachable with whole numbers; ``integer_only=False`` searches under the
+verifier's own rule.
 """
 
 from __future__ import annotations
 
 import random
-import re
 from collections.abc import Sequence
 from fractions import Fraction
 from typing import NamedTuple
+
+from gac_jax.tasks.countdown_verifier import (
+    MAX_ANSWER_CHARS,
+    MAX_DEPTH,
+    CountdownVerdict,
+    ExpressionError,
+    check_countdown,
+    countdown_reward,
+    evaluate_expression,
+    extract_countdown_answer,
+    parse_expression,
+)
 
 __all__ = [
     "MAX_ANSWER_CHARS",
@@ -56,15 +61,6 @@ __all__ = [
 #: Most numbers a problem may have: the search is exhaustive and grows quickly.
 MAX_NUMBERS = 5
 
-#: Longest answer (in characters, after extraction) the parser reads.
-MAX_ANSWER_CHARS = 200
-#: Deepest nesting of parentheses the parser accepts.
-MAX_DEPTH = 16
-# Longest literal: bounds int() on adversarial digit runs; the given numbers are short.
-_MAX_LITERAL_DIGITS = 9
-
-_ANSWER_TAG_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
-
 # Operator precedence for printing with the fewest parentheses.
 _PREC_ATOM, _PREC_MUL, _PREC_ADD = 3, 2, 1
 
@@ -75,19 +71,6 @@ class CountdownProblem(NamedTuple):
     numbers: tuple[int, ...]  # the given numbers, in the order they are shown
     target: int  # the value to make
     solution: str  # a reference expression that makes the target
-
-
-class CountdownVerdict(NamedTuple):
-    """The verifier's judgement of one completion."""
-
-    correct: bool  # the answer makes the target under the rules
-    well_formed: bool  # the answer parses as an expression
-    reason: str  # "correct" or why not, for diagnostics
-    value: Fraction | None  # the expression's value, when it has one
-
-
-class ExpressionError(ValueError):
-    """An answer that is not a well-formed Countdown expression."""
 
 
 # --------------------------------------------------------------------------- search
@@ -298,228 +281,3 @@ def sample_problem(
 def format_prompt(numbers: Sequence[int], target: int) -> str:
     """The task prompt, e.g. ``"Use 3 5 7 to make 22: "``."""
     return f"Use {' '.join(str(int(n)) for n in numbers)} to make {int(target)}: "
-
-
-# --------------------------------------------------------------------- verification
-
-
-def extract_countdown_answer(completion: str) -> str:
-    """The answer part of a completion: the last ``<answer>...</answer>`` content if any,
-    else the completion; surrounding whitespace stripped, cut at the first newline."""
-    tagged = _ANSWER_TAG_RE.findall(completion)
-    text = tagged[-1] if tagged else completion
-    return text.strip().split("\n", 1)[0].strip()
-
-
-def _tokenize(text: str) -> list[tuple[str, int | None]]:
-    tokens: list[tuple[str, int | None]] = []
-    i, n = 0, len(text)
-    while i < n:
-        c = text[i]
-        if c in " \t\r":
-            i += 1
-        elif c in "+-*/()":
-            tokens.append((c, None))
-            i += 1
-        elif "0" <= c <= "9":
-            j = i
-            while j < n and "0" <= text[j] <= "9":
-                j += 1
-            if j - i > _MAX_LITERAL_DIGITS:
-                raise ExpressionError(f"number too long at position {i}")
-            tokens.append(("num", int(text[i:j])))
-            i = j
-        else:
-            raise ExpressionError(f"unexpected character {c!r} at position {i}")
-    return tokens
-
-
-class _Parser:
-    """Recursive descent over ``expr := term (("+"|"-") term)*``,
-    ``term := atom (("*"|"/") atom)*``, ``atom := NUMBER | "(" expr ")"``.
-
-    Trees are ``("num", n)`` or ``(op, left, right)``.
-    """
-
-    def __init__(self, tokens, max_depth: int):
-        self.tokens = tokens
-        self.pos = 0
-        self.max_depth = max_depth
-
-    def peek(self) -> str | None:
-        return self.tokens[self.pos][0] if self.pos < len(self.tokens) else None
-
-    def expr(self, depth: int):
-        tree = self.term(depth)
-        while self.peek() in ("+", "-"):
-            op = self.tokens[self.pos][0]
-            self.pos += 1
-            tree = (op, tree, self.term(depth))
-        return tree
-
-    def term(self, depth: int):
-        tree = self.atom(depth)
-        while self.peek() in ("*", "/"):
-            op = self.tokens[self.pos][0]
-            self.pos += 1
-            tree = (op, tree, self.atom(depth))
-        return tree
-
-    def atom(self, depth: int):
-        kind = self.peek()
-        if kind == "num":
-            value = self.tokens[self.pos][1]
-            self.pos += 1
-            return ("num", value)
-        if kind == "(":
-            if depth >= self.max_depth:
-                raise ExpressionError(f"parentheses nested deeper than {self.max_depth}")
-            self.pos += 1
-            tree = self.expr(depth + 1)
-            if self.peek() != ")":
-                raise ExpressionError("unbalanced parentheses")
-            self.pos += 1
-            return tree
-        found = "end of input" if kind is None else repr(kind)
-        raise ExpressionError(f"expected a number or '(' but found {found}")
-
-
-def parse_expression(
-    text: str, *, max_length: int = MAX_ANSWER_CHARS, max_depth: int = MAX_DEPTH
-) -> tuple:
-    """Parses an arithmetic expression over non-negative integer literals, + - * / and
-    parentheses. No unary operators.
-
-    Args:
-      text: the expression, e.g. ``"(8-2)*4"``.
-      max_length: longest accepted text, in characters.
-      max_depth: deepest accepted nesting of parentheses.
-
-    Returns:
-      The tree: ``("num", n)`` or ``(op, left, right)`` with op one of ``+ - * /``.
-
-    Raises:
-      ExpressionError: if the text is empty, too long, too deep or malformed.
-    """
-    if len(text) > max_length:
-        raise ExpressionError(f"answer longer than {max_length} characters")
-    tokens = _tokenize(text)
-    if not tokens:
-        raise ExpressionError("empty answer")
-    parser = _Parser(tokens, max_depth)
-    tree = parser.expr(0)
-    if parser.pos != len(tokens):
-        raise ExpressionError(f"unexpected {tokens[parser.pos][0]!r} after a complete expression")
-    return tree
-
-
-def _literals(tree) -> list[int]:
-    out, stack = [], [tree]
-    while stack:
-        node = stack.pop()
-        if node[0] == "num":
-            out.append(node[1])
-        else:
-            stack.extend((node[2], node[1]))
-    return out
-
-
-def evaluate_expression(tree) -> Fraction:
-    """The exact value of a tree from `parse_expression`.
-
-    Raises:
-      ZeroDivisionError: if the expression divides by zero.
-    """
-    if tree[0] == "num":
-        return Fraction(tree[1])
-    op, left, right = tree
-    a, b = evaluate_expression(left), evaluate_expression(right)
-    if op == "+":
-        return a + b
-    if op == "-":
-        return a - b
-    if op == "*":
-        return a * b
-    return a / b  # Fraction raises ZeroDivisionError on b == 0
-
-
-def _verdict(completion, numbers: Sequence[int], target: int) -> CountdownVerdict:
-    if isinstance(completion, bytes):
-        completion = completion.decode("utf-8", errors="replace")
-    if not isinstance(completion, str):
-        return CountdownVerdict(False, False, "completion is not text", None)
-    answer = extract_countdown_answer(completion)
-    if not answer:
-        return CountdownVerdict(False, False, "empty answer", None)
-    if len(answer) > MAX_ANSWER_CHARS:
-        return CountdownVerdict(False, False, "answer too long", None)
-    claimed = None
-    if "=" in answer:
-        answer, _, rhs = answer.partition("=")
-        rhs = rhs.strip()
-        if not (rhs.isascii() and rhs.isdigit()) or len(rhs) > _MAX_LITERAL_DIGITS:
-            return CountdownVerdict(False, False, f"malformed result after '=': {rhs!r}", None)
-        claimed = int(rhs)
-    try:
-        tree = parse_expression(answer)
-    except ExpressionError as e:
-        return CountdownVerdict(False, False, f"malformed: {e}", None)
-    available = list(numbers)
-    for n in _literals(tree):
-        if n in available:
-            available.remove(n)
-        elif n in numbers:
-            return CountdownVerdict(False, True, f"number used too often: {n}", None)
-        else:
-            return CountdownVerdict(False, True, f"number not given: {n}", None)
-    try:
-        value = evaluate_expression(tree)
-    except ZeroDivisionError:
-        return CountdownVerdict(False, True, "division by zero", None)
-    if claimed is not None and claimed != target:
-        return CountdownVerdict(False, True, f"claims {claimed}, target is {target}", value)
-    if value != target:
-        return CountdownVerdict(False, True, f"makes {value}, target is {target}", value)
-    return CountdownVerdict(True, True, "correct", value)
-
-
-def check_countdown(completion: str, numbers: Sequence[int], target: int) -> CountdownVerdict:
-    """Judges a completion under the rules in this module's docstring.
-
-    Args:
-      completion: model output (anything: non-text scores as malformed).
-      numbers: the given numbers.
-      target: the value to make.
-
-    Returns:
-      A `CountdownVerdict`. Never raises on any completion.
-    """
-    numbers = [int(n) for n in numbers]
-    target = int(target)
-    try:
-        return _verdict(completion, numbers, target)
-    except Exception as e:  # model output must never crash a reward
-        return CountdownVerdict(False, False, f"unexpected {type(e).__name__}", None)
-
-
-def countdown_reward(
-    completion: str, numbers: Sequence[int], target: int, *, format_score: float = 0.0
-) -> float:
-    """1.0 for a correct answer, `format_score` for a well-formed but wrong one, else 0.0.
-
-    "Well-formed" means the answer parses as an expression (see `check_countdown`); with
-    the default ``format_score=0.0`` the reward is plain correctness.
-
-    Args:
-      completion: model output.
-      numbers: the given numbers.
-      target: the value to make.
-      format_score: reward of a well-formed wrong answer, in [0, 1].
-
-    Returns:
-      The reward, a float. Never raises on any completion.
-    """
-    verdict = check_countdown(completion, numbers, target)
-    if verdict.correct:
-        return 1.0
-    return float(format_score) if verdict.well_formed else 0.0

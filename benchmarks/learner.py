@@ -35,8 +35,9 @@ import numpy as np
 from flax import nnx
 
 from gac_jax import models
-from gac_jax.learner import GRPOLearner, TrainBatch, make_optimizer
+from gac_jax.learner import GRPOLearner, OptimizerConfig, TrainBatch, make_optimizer
 from gac_jax.rollout import Rollout, collate
+from gac_jax.transforms import ESSConfig, GACConfig
 
 CONFIGS = {
     "tiny": models.get_config("tiny"),
@@ -57,9 +58,11 @@ NUM_BATCHES = 4  # Distinct batches cycled through, so GAC sees changing gradien
 
 
 def variants() -> dict[str, dict]:
+    """The keyword arguments of `make_optimizer` of each variant."""
+    config = OptimizerConfig(learning_rate=1e-4)
     return {
-        "off": dict(learning_rate=1e-4),
-        "on": dict(learning_rate=1e-4, gac=dict(tau_low=0.2, tau_high=0.8), ess=dict()),
+        "off": dict(config=config),
+        "on": dict(config=config, gac=GACConfig(tau_low=0.2, tau_high=0.8), ess=ESSConfig()),
     }
 
 

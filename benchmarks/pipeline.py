@@ -33,7 +33,7 @@ import numpy as np
 from flax import nnx
 
 from gac_jax import models
-from gac_jax.learner import GRPOLearner, TrainBatch, make_optimizer
+from gac_jax.learner import GRPOLearner, OptimizerConfig, TrainBatch, make_optimizer
 from gac_jax.rollout import Rollout, RolloutBuffer, collate
 from gac_jax.rollout.simulation import (
     LengthDistribution,
@@ -148,7 +148,8 @@ def sample_seconds(model, max_new_tokens: int, repeats: int, eos_ids=None) -> tu
 def learner_step_seconds(batch_groups: int, completion_length: int, repeats: int) -> float:
     """Median time of one `GRPOLearner.step` (PPO loss, the default optimizer chain)."""
     model = models.create_model(models.get_config("tiny"), seed=0)  # Its params get donated.
-    learner = GRPOLearner(model, make_optimizer(learning_rate=1e-6), models.make_mesh())
+    tx = make_optimizer(OptimizerConfig(learning_rate=1e-6))
+    learner = GRPOLearner(model, tx, models.make_mesh())
     rollouts = [fake_rollout(0, completion_length, g) for g in range(batch_groups)]
     batch = learner.place_batch(TrainBatch(**collate(rollouts, PROMPT_LENGTH)))
     return median_seconds(lambda: learner.step(batch, 0), repeats)

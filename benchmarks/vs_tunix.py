@@ -106,7 +106,13 @@ import optax
 from flax import nnx
 
 from gac_jax import models
-from gac_jax.learner import GRPOLearner, TrainBatch, make_optimizer
+from gac_jax.learner import (
+    GRPOLearner,
+    LossConfig,
+    OptimizerConfig,
+    TrainBatch,
+    make_optimizer,
+)
 from gac_jax.rollout import Rollout, collate
 
 BATCH, PROMPT, NEW = 64, 16, 48
@@ -291,9 +297,9 @@ def fake_rollouts(cfg, seed: int) -> list[Rollout]:
 def make_gac_trainer(gac_model, batch):
     learner = GRPOLearner(
         gac_model,
-        make_optimizer(learning_rate=LEARNING_RATE, clip_norm=GRAD_CLIP),
+        make_optimizer(OptimizerConfig(learning_rate=LEARNING_RATE, clip_norm=GRAD_CLIP)),
         models.make_mesh(),  # One CPU device; XLA's intra-op threads use both cores.
-        step_kwargs=dict(
+        loss=LossConfig(
             policy_loss="ppo",
             loss_kwargs=dict(eps_low=CLIP_EPS, eps_high=CLIP_EPS, aggregation="token-mean"),
             advantage="grpo",

@@ -28,7 +28,9 @@ VARIANTS = {
 
 def specs(seeds):
     return [
-        RunSpec(f"{name}/k{LAG}", (f"rollout.lag={LAG}", "gac.enabled=true", *overrides), seed)
+        RunSpec(
+            f"{name}/k{LAG}", (f"rollout.lag={LAG}", "gac.monitor_only=false", *overrides), seed
+        )
         for seed in seeds
         for name, overrides in VARIANTS.items()
     ]

@@ -16,8 +16,8 @@ from gac_jax.train.sweeps import METHODS, RunSpec, sweep_main
 
 ASYNC = (
     "rollout.mode=async",
-    "rollout.max_staleness=8",
-    "rollout.stale_policy=block",
+    "buffer.max_staleness=8",
+    "buffer.stale_policy=block",
     "rollout.num_workers=1",
     "rollout.groups_per_call=16",
 )

@@ -96,7 +96,9 @@ def grpo_config(lag: int, gac: bool, steps: int):
         [
             "rollout.mode=lagged",
             f"rollout.lag={lag}",
-            f"gac.enabled={str(gac).lower()}",  # tau_low 0.2, tau_high 0.8, partial projection
+            # GAC with its defaults (tau_low 0.2, tau_high 0.8, partial projection), or its
+            # monitor only.
+            f"gac.monitor_only={str(not gac).lower()}",
             f"steps={steps}",
             "optimizer.learning_rate=2e-4",
             "eval_every=0",

@@ -259,7 +259,7 @@ for i in range(8):
 # The fifth completion (a failure with the largest weight and gradient) carries most of the
 # variance weight, so `b*` moves towards 0 and the failures' advantages shrink while the
 # successes' grow. Per-sequence squared gradient norms are exact for small models (the
-# learner vmaps per-example gradients with `objective.grad_norm=exact`) and otherwise come
+# learner vmaps per-example gradients with `loss.grad_norm=exact`) and otherwise come
 # from a named proxy, `objectives.grad_sq_norm_proxy(mask, proxy="length")`.
 #
 # ## 5 · Does `b*` reduce the variance? A Monte-Carlo check

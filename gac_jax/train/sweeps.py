@@ -29,8 +29,8 @@ from typing import Any
 import numpy as np
 
 from gac_jax.train.config import TrainConfig
+from gac_jax.train.config_io import apply_overrides, load_config
 from gac_jax.train.metrics import read_metrics
-from gac_jax.train.overrides import apply_overrides
 
 SUMMARY_FILE = "summary.json"
 
@@ -40,19 +40,19 @@ METHODS: Mapping[str, tuple[str, ...]] = {
     # Asynchronous GRPO with nothing added (the cosine is still monitored).
     "naive": (),
     # Gradient Alignment Control with the config's thresholds.
-    "gac": ("gac.enabled=true",),
-    # VCPO: ESS step scaling and the off-policy minimum-variance baseline.
-    "vcpo": ("ess.enabled=true", "objective.advantage=vcpo"),
+    "gac": ("gac.monitor_only=false",),
+    # VCPO: ESS step scaling (its defaults) and the off-policy minimum-variance baseline.
+    "vcpo": ("ess={}", "loss.advantage=vcpo"),
     # M2PO's second-moment token mask.
-    "m2po": ("objective.policy_loss=m2po",),
+    "m2po": ("loss.policy_loss=m2po",),
     # REINFORCE with sequence-level truncated importance sampling (cap 2).
     "seq_tis": (
-        "objective.policy_loss=reinforce",
-        "objective.correction=tis",
-        "objective.correction_kwargs.level=sequence",
-        "objective.correction_kwargs.cap=2.0",
+        "loss.policy_loss=reinforce",
+        "loss.correction=tis",
+        "loss.correction_kwargs.level=sequence",
+        "loss.correction_kwargs.cap=2.0",
     ),
-    "gac_vcpo": ("gac.enabled=true", "ess.enabled=true", "objective.advantage=vcpo"),
+    "gac_vcpo": ("gac.monitor_only=false", "ess={}", "loss.advantage=vcpo"),
 }
 
 
@@ -341,7 +341,7 @@ def add_sweep_arguments(parser, *, default_root: str, default_seeds: Sequence[in
     parser.add_argument(
         "--config",
         default="countdown_sweep",
-        help="base config: a preset or a JSON file (default: countdown_sweep)",
+        help="base config: a preset or a YAML/JSON file (default: countdown_sweep)",
     )
     parser.add_argument("--shard", default=None, help=argparse.SUPPRESS)  # Set for children.
     parser.add_argument(
@@ -355,8 +355,6 @@ def add_sweep_arguments(parser, *, default_root: str, default_seeds: Sequence[in
 
 def base_config(args) -> TrainConfig:
     """The base config of parsed `add_sweep_arguments` options: `--config`, then `--set`."""
-    from gac_jax.train.overrides import load_config
-
     return apply_overrides(load_config(args.config), args.set)
 
 

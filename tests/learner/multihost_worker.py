@@ -83,10 +83,16 @@ def main():
     assert jax.local_device_count() == args.local_devices
 
     from gac_jax import models
-    from gac_jax.learner import GRPOLearner, collate, make_optimizer
+    from gac_jax.learner import GRPOLearner, OptimizerConfig, TrainBatch, make_optimizer
+    from gac_jax.rollout import collate
+    from gac_jax.transforms import ESSConfig, GACConfig
 
     mesh = models.make_mesh(*map(int, args.mesh.split(",")))
-    tx = make_optimizer(learning_rate=1e-2, gac=dict(tau_low=0.1, tau_high=0.9), ess={})
+    tx = make_optimizer(
+        OptimizerConfig(learning_rate=1e-2),
+        gac=GACConfig(tau_low=0.1, tau_high=0.9),
+        ess=ESSConfig(),
+    )
     learner = GRPOLearner(models.create_model(models.get_config("tiny"), seed=0), tx, mesh)
 
     first_feed = args.process_id * args.feeds
@@ -94,7 +100,7 @@ def main():
     metrics = []
     for step in range(args.steps):
         rollouts = [r for feed in feeds for r in fake_rollouts(feed, step)]
-        metrics.append(learner.step(collate(rollouts, PROMPT), step))
+        metrics.append(learner.step(TrainBatch(**collate(rollouts, PROMPT)), step))
 
     out = {}
     names = sorted(metrics[0])

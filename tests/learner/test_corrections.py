@@ -8,8 +8,14 @@ import pytest
 from flax import nnx
 
 from gac_jax import models, objectives
-from gac_jax.learner import collate, make_optimizer, make_train_step
-from gac_jax.rollout import Rollout
+from gac_jax.learner import (
+    LossConfig,
+    OptimizerConfig,
+    TrainBatch,
+    make_optimizer,
+    make_train_step,
+)
+from gac_jax.rollout import Rollout, collate
 
 CONFIG = models.get_config("tiny")
 G, L, PROMPT = 4, 6, 8
@@ -35,12 +41,12 @@ def _batch(seed=0, num_groups=3):
                 policy_version=0,
             )
         )
-    return jax.tree.map(jnp.asarray, collate(rollouts, PROMPT))
+    return jax.tree.map(jnp.asarray, TrainBatch(**collate(rollouts, PROMPT)))
 
 
-def _sgd_step(graphdef, params, batch, **step_kwargs):
+def _sgd_step(graphdef, params, batch, **loss):
     tx = optax.sgd(1.0)
-    step = jax.jit(make_train_step(graphdef, tx, policy_loss="reinforce", **step_kwargs))
+    step = jax.jit(make_train_step(graphdef, tx, LossConfig(policy_loss="reinforce", **loss)))
     new_params, _, metrics = step(params, tx.init(params), batch, jnp.int32(0))
     grads = jax.tree.map(lambda old, new: old - new, params, new_params)
     return grads, metrics
@@ -110,8 +116,8 @@ def test_mis_drops_the_rejected_tokens_from_the_loss(model_and_batch):
 
 def test_correction_errors_name_the_bad_value():
     graphdef, _ = nnx.split(models.create_model(CONFIG))
-    tx = make_optimizer(learning_rate=1e-3)
+    tx = make_optimizer(OptimizerConfig(learning_rate=1e-3))
     with pytest.raises(ValueError, match="policy_loss='gspo' does not"):
-        make_train_step(graphdef, tx, policy_loss="gspo", correction="tis")
+        make_train_step(graphdef, tx, LossConfig(policy_loss="gspo", correction="tis"))
     with pytest.raises(ValueError, match="'tiss'.*icepop, mis, tis"):
-        make_train_step(graphdef, tx, correction="tiss")
+        make_train_step(graphdef, tx, LossConfig(correction="tiss"))

@@ -10,12 +10,15 @@ from flax import nnx
 from gac_jax import models
 from gac_jax.learner import (
     GRPOLearner,
-    collate,
+    LossConfig,
+    OptimizerConfig,
+    TrainBatch,
     make_optimizer,
     make_train_step,
     per_example_grad_sq_norms,
 )
-from gac_jax.rollout import Rollout
+from gac_jax.rollout import Rollout, collate
+from gac_jax.transforms import ESSConfig, GACConfig
 
 CONFIG = models.get_config("tiny")
 G, L, PROMPT = 4, 6, 8
@@ -42,37 +45,30 @@ def _rollouts(num_groups=4, version=0, seed=0):
     return out
 
 
-def _learner(mesh_shape, **step_kwargs):
+def _batch(rollouts):
+    return TrainBatch(**collate(rollouts, PROMPT))
+
+
+def _learner(mesh_shape, **loss):
     mesh = models.make_mesh(*mesh_shape)
-    tx = make_optimizer(learning_rate=1e-3, gac=dict(tau_low=0.1, tau_high=0.9), ess={})
+    tx = make_optimizer(
+        OptimizerConfig(learning_rate=1e-3),
+        gac=GACConfig(tau_low=0.1, tau_high=0.9),
+        ess=ESSConfig(),
+    )
     model = models.create_model(CONFIG, seed=0)
-    return GRPOLearner(model, tx, mesh, step_kwargs=step_kwargs)
+    return GRPOLearner(model, tx, mesh, loss=LossConfig(**loss))
 
 
 def _specs(tree):
     return [leaf.sharding.spec for leaf in jax.tree.leaves(tree)]
 
 
-def test_collate_lays_out_prompt_then_completion():
-    rollouts = _rollouts(2)
-    batch = collate(rollouts, PROMPT)
-    assert batch.tokens.shape == (2 * G, PROMPT + L)
-    p = len(rollouts[1].prompt_tokens)
-    row = G  # First row of the second group.
-    np.testing.assert_array_equal(batch.tokens[row, PROMPT - p : PROMPT], rollouts[1].prompt_tokens)
-    assert not batch.attention_mask[row, : PROMPT - p].any()
-    assert not batch.loss_mask[row, :PROMPT].any()
-    np.testing.assert_array_equal(batch.loss_mask[1, PROMPT:], rollouts[0].completion_mask[1])
-    np.testing.assert_array_equal(batch.group_ids, np.repeat([0, 1], G))
-    with pytest.raises(ValueError, match="longer than prompt_length=2"):
-        collate(rollouts, 2)
-
-
 @pytest.fixture(scope="module")
 def single_device_step():
     """Params and metrics after one step on one device: the reference of the mesh tests."""
     learner = _learner((1, 1, 1))
-    metrics = learner.step(collate(_rollouts(4, version=0), PROMPT), 1)
+    metrics = learner.step(_batch(_rollouts(4, version=0)), 1)
     return jax.device_get(learner.params), metrics
 
 
@@ -81,7 +77,7 @@ def test_sharded_step_equals_single_device_step(mesh_shape, single_device_step):
     single_params, m1 = single_device_step
     sharded = _learner(mesh_shape)
     param_specs, opt_specs = _specs(sharded.params), _specs(sharded.opt_state)
-    m2 = sharded.step(collate(_rollouts(4, version=0), PROMPT), 1)
+    m2 = sharded.step(_batch(_rollouts(4, version=0)), 1)
     for a, b in zip(jax.tree.leaves(single_params), jax.tree.leaves(sharded.params), strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
     for key in ("loss", "reward", "gac_cosine", "ess_ratio", "grad_norm", "loss/entropy"):
@@ -95,13 +91,13 @@ def test_sharded_step_equals_single_device_step(mesh_shape, single_device_step):
 
 def test_batch_not_divisible_by_data_axis_is_an_error():
     learner = _learner((8, 1, 1))
-    batch = collate(_rollouts(1), PROMPT)  # 4 sequences over 8 devices.
+    batch = _batch(_rollouts(1))  # 4 sequences over 8 devices.
     with pytest.raises(ValueError, match="4 sequences is not divisible by the 8 devices"):
         learner.step(batch, 0)
 
 
 def test_micro_batching_equals_one_batch():
-    batch = jax.tree.map(jnp.asarray, collate(_rollouts(4), PROMPT))
+    batch = jax.tree.map(jnp.asarray, _batch(_rollouts(4)))
     model = models.create_model(CONFIG, seed=1)
     graphdef, params = nnx.split(model)
     # Plain SGD: the parameter change is proportional to the gradient (Adam's first step,
@@ -119,7 +115,7 @@ def test_micro_batching_equals_one_batch():
 
 
 def test_exact_grad_norms_match_one_gradient_per_sequence():
-    batch = jax.tree.map(jnp.asarray, collate(_rollouts(2), PROMPT))
+    batch = jax.tree.map(jnp.asarray, _batch(_rollouts(2)))
     graphdef, params = nnx.split(models.create_model(CONFIG, seed=2))
     norms = jax.jit(per_example_grad_sq_norms, static_argnums=0)(graphdef, params, batch)
 
@@ -143,32 +139,32 @@ def test_exact_grad_norms_match_one_gradient_per_sequence():
 @pytest.mark.parametrize("loss", ["m2po", "decoupled_ppo"])
 def test_every_supported_loss_trains(loss):
     learner = _learner((1, 1, 1), policy_loss=loss, advantage="grpo")
-    metrics = learner.step(collate(_rollouts(2), PROMPT), 2)
+    metrics = learner.step(_batch(_rollouts(2)), 2)
     assert np.isfinite(metrics["loss"]) and metrics["version_gap_mean"] == 2.0
 
 
 def test_vcpo_advantage_runs_with_exact_norms_and_with_a_proxy():
     for grad_norm in ("exact", "length"):
         learner = _learner((1, 1, 1), advantage="vcpo", grad_norm=grad_norm)
-        metrics = learner.step(collate(_rollouts(2), PROMPT), 0)
+        metrics = learner.step(_batch(_rollouts(2)), 0)
         assert np.isfinite(metrics["loss"])
 
 
 def test_step_rejects_unsupported_and_unknown_names():
     graphdef, _ = nnx.split(models.create_model(CONFIG))
-    tx = make_optimizer(learning_rate=1e-3)
+    tx = make_optimizer(OptimizerConfig(learning_rate=1e-3))
     with pytest.raises(ValueError, match="not supported by the learner"):
-        make_train_step(graphdef, tx, policy_loss="tb")
+        make_train_step(graphdef, tx, LossConfig(policy_loss="tb"))
     with pytest.raises(ValueError, match="ppo"):
-        make_train_step(graphdef, tx, policy_loss="ppo2")
+        make_train_step(graphdef, tx, LossConfig(policy_loss="ppo2"))
     with pytest.raises(ValueError, match="grad_norm='l2'"):
-        make_train_step(graphdef, tx, advantage="vcpo", grad_norm="l2")
+        make_train_step(graphdef, tx, LossConfig(advantage="vcpo", grad_norm="l2"))
 
 
 def test_step_donates_the_state_but_not_gacs_reference():
     learner = _learner((1, 1, 1))
     before = learner.opt_state
-    learner.step(collate(_rollouts(2), PROMPT), 0)
+    learner.step(_batch(_rollouts(2)), 0)
     paths, _ = jax.tree_util.tree_flatten_with_path(before)
     kept = [x for p, x in paths if any(getattr(k, "name", None) == "gac_reference" for k in p)]
     donated = [x for p, x in paths if ".mu" in jax.tree_util.keystr(p)]

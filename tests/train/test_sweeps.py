@@ -20,6 +20,7 @@ from gac_jax.train.sweeps import (
     shard,
     summarize_run,
 )
+from gac_jax.transforms import ESSConfig
 
 
 def _records(rewards, **series):
@@ -129,9 +130,11 @@ def test_methods_are_valid_overrides_of_the_sweep_preset():
     base = get_preset("countdown_sweep")
     configs = {name: RunSpec(name, o, 0).config(base) for name, o in METHODS.items()}
     assert configs["naive"] == base
-    assert configs["gac"].gac.enabled and not configs["gac"].ess.enabled
-    assert configs["vcpo"].ess.enabled and configs["vcpo"].objective.advantage == "vcpo"
-    assert configs["seq_tis"].objective.correction_kwargs == {"level": "sequence", "cap": 2.0}
+    assert base.gac.monitor_only and base.ess is None
+    assert not configs["gac"].gac.monitor_only and configs["gac"].ess is None
+    assert configs["vcpo"].ess == ESSConfig() and configs["vcpo"].loss.advantage == "vcpo"
+    assert configs["gac_vcpo"].ess == ESSConfig() and not configs["gac_vcpo"].gac.monitor_only
+    assert configs["seq_tis"].loss.correction_kwargs == {"level": "sequence", "cap": 2.0}
     assert len({str(c) for c in configs.values()}) == len(METHODS)  # All distinct.
 
 

@@ -13,7 +13,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from gac_jax.learner.batch import TrainBatch
-from gac_jax.learner.objective import LossConfig
+from gac_jax.learner.objective import LossConfig, Objective
 from gac_jax.learner.step import make_train_step
 from gac_jax.models.sharding import ShardingRules, state_shardings
 
@@ -106,9 +106,9 @@ class GRPOLearner:
         self.batch_sharding = NamedSharding(mesh, P(BATCH_AXES))
         self.replicated = NamedSharding(mesh, P())
         self.batch_divisor = int(np.prod([mesh.shape[a] for a in BATCH_AXES]))
-        step = make_train_step(
-            self.graphdef, tx, loss, micro_batches=self.config.micro_batches
-        )
+        self.objective = Objective(LossConfig() if loss is None else loss)
+        self.micro_batches = self.config.micro_batches
+        step = make_train_step(self.graphdef, tx, loss, micro_batches=self.micro_batches)
         # Params and optimizer state are donated, except the leaves a transform replaces
         # wholesale while still reading the old value (GAC's reference: the new one is
         # this step's gradient). Donating those makes XLA copy the old value out of the

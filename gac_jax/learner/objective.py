@@ -60,6 +60,13 @@ def _check_keywords(what: str, fn, given, allowed) -> None:
         )
 
 
+def _named(field: str, lookup, name):
+    try:
+        return lookup(name)
+    except ValueError as error:
+        raise ValueError(f"{field}={name!r}: {error}") from None
+
+
 def _keyword_only(fn) -> tuple[str, ...]:
     params = inspect.signature(fn).parameters.values()
     return tuple(p.name for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY)
@@ -82,18 +89,19 @@ class Objective:
 
     def __init__(self, config: LossConfig):
         self.config = config
-        self.spec = objectives.get_policy_loss_spec(config.policy_loss)
+        self.spec = _named("policy_loss", objectives.get_policy_loss_spec, config.policy_loss)
         if self.spec.unsupported is not None:
             raise ValueError(
                 f"policy_loss={config.policy_loss!r} is not supported by the learner: "
                 f"{self.spec.unsupported}."
             )
-        self.advantage_spec = objectives.get_advantage_spec(config.advantage)
+        self.advantage_spec = _named("advantage", objectives.get_advantage_spec, config.advantage)
         if config.grad_norm != "exact" and config.grad_norm not in objectives.GRAD_NORM_PROXIES:
             raise ValueError(
                 f"grad_norm={config.grad_norm!r} is unknown; expected 'exact' or one of "
                 f"{sorted(objectives.GRAD_NORM_PROXIES)}."
             )
+        self.grad_norm = config.grad_norm
         allowed = self.spec.keyword_arguments()
         _check_keywords("loss_kwargs", self.spec.fn, config.loss_kwargs, allowed)
         self.loss_kwargs = dict(config.loss_kwargs)
@@ -106,7 +114,7 @@ class Objective:
         self._dry_run()
 
     def _correction(self, config: LossConfig):
-        fn = objectives.get_importance_correction(config.correction)
+        fn = _named("correction", objectives.get_importance_correction, config.correction)
         if not self.spec.takes_is_weights:
             takers = [n for n, s in objectives.POLICY_LOSS_SPECS.items() if s.takes_is_weights]
             raise ValueError(

@@ -159,7 +159,7 @@ def make_train_step(
         if objective.needs_log_weights or (m > 1 and objective.spec.batch_statistics):
             whole_logp = _whole_batch_logp(graphdef, params, chunks)
         adv_n, adv_aux = _advantages(
-            objective, graphdef, params, batch, whole_logp, objective.config.grad_norm
+            objective, graphdef, params, batch, whole_logp, objective.grad_norm
         )
         statistics = None
         if m > 1:

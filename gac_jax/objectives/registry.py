@@ -150,7 +150,7 @@ def _lookup(kind: str, registry: Mapping, name: str):
         return registry[name]
     except (KeyError, TypeError):
         known = ", ".join(sorted(registry))
-        raise ValueError(f"Unknown {kind} {name!r}; known {kind}s: {known}.") from None
+        raise ValueError(f"Unknown {kind} {name!r}; known: {known}.") from None
 
 
 def get_policy_loss_spec(name: str) -> PolicyLossSpec:

@@ -76,9 +76,19 @@ class TrainConfig:
                 try:
                     section.validate()
                 except ValueError as error:
-                    raise ValueError(f"{field.name}.{error}") from None
+                    raise ValueError(_in_section(field.name, section, error)) from None
         _validate_run_fields(self)
         _validate_across_sections(self)
+
+
+def _in_section(name: str, section, error: ValueError) -> str:
+    """The component's message with its section: ``gac.tau_low=...`` when it starts with
+    one of the section's fields, else ``gac: ...``."""
+    message = str(error)
+    fields = [f.name for f in dataclasses.fields(section)]
+    if any(message.startswith(f) for f in fields):
+        return f"{name}.{message}"
+    return f"{name}: {message}"
 
 
 def _int_at_least(config, name: str, low: int) -> None:

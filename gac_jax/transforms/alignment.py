@@ -256,7 +256,10 @@ def gradient_alignment_control(
     low, high = concrete_number(tau_low), concrete_number(tau_high)
     if low is not None and high is not None and not low < high:
         raise ValueError(f"tau_low={tau_low!r} must be smaller than tau_high={tau_high!r}.")
-    storage_dtype = None if reference_dtype is None else jnp.dtype(reference_dtype)
+    try:
+        storage_dtype = None if reference_dtype is None else jnp.dtype(reference_dtype)
+    except TypeError:
+        raise ValueError(f"reference_dtype={reference_dtype!r} is not a dtype.") from None
 
     def init_fn(params):
         zero_f32 = jnp.zeros([], jnp.float32)

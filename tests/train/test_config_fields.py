@@ -1,0 +1,248 @@
+"""Every field of every component config is settable with ``--set``, reaches its component,
+and a bad value fails when the config is shown, with a message naming the field.
+
+`FIELDS` must list exactly the components' fields (a test checks it against the
+dataclasses), so a new argument cannot be added without saying how it is observed. A value
+is observed in what the run builds (the learner, the optax factories it calls, the sampler,
+the generator, the rollout source, the mesh), never read back from the config. Factories
+are observed through spies that record the arguments they receive and call the real one.
+"""
+
+import dataclasses
+import inspect
+import typing
+
+import optax
+import pytest
+
+from gac_jax import models
+from gac_jax.train import loop
+from gac_jax.train.cli import main
+from gac_jax.train.config import TrainConfig
+from gac_jax.train.config_io import apply_overrides
+from gac_jax.transforms import alignment, ess_scaling
+
+SECTIONS = (
+    "optimizer",
+    "gac",
+    "ess",
+    "loss",
+    "learner",
+    "generation",
+    "rollout",
+    "buffer",
+    "mesh",
+)
+
+
+def _NoFunction():  # The observed "function" of a run without a correction.
+    pass
+
+
+# key: (value to set, observe(built, config) -> the value the component got, expected,
+#       a bad value). `built` holds the run, its rollout source and the spied calls.
+def _gac(name):
+    return lambda b, _: b["calls"]["gac"][name]
+
+
+def _ess(name):
+    return lambda b, _: b["calls"]["ess"][name]
+
+
+FIELDS = {
+    "optimizer.learning_rate": (
+        "3e-4",
+        lambda b, _: b["calls"]["adamw"]["learning_rate"],
+        3e-4,
+        "-1",
+    ),
+    "optimizer.weight_decay": (
+        "0.1",
+        lambda b, _: b["calls"]["adamw"]["weight_decay"],
+        0.1,
+        "-0.5",
+    ),
+    "optimizer.b1": ("0.8", lambda b, _: b["calls"]["adamw"]["b1"], 0.8, "1.5"),
+    "optimizer.b2": ("0.99", lambda b, _: b["calls"]["adamw"]["b2"], 0.99, "1.0"),
+    "optimizer.clip_norm": ("0.5", lambda b, _: b["calls"]["clip"]["max_norm"], 0.5, "0"),
+    "gac.tau_low": ("0.3", _gac("tau_low"), 0.3, "0.95"),
+    "gac.tau_high": ("0.9", _gac("tau_high"), 0.9, "0.1"),
+    "gac.projection": ("full", _gac("projection"), "full", "half"),
+    "gac.skip": ("false", _gac("skip"), False, "maybe"),
+    "gac.reference": ("ema", _gac("reference"), "ema", "latest"),
+    "gac.ema_decay": ("0.5", _gac("ema_decay"), 0.5, "1.5"),
+    "gac.scope": ("per_leaf", _gac("scope"), "per_leaf", "per_layer"),
+    "gac.thresholds": ("adaptive", _gac("thresholds"), "adaptive", "dynamic"),
+    "gac.adaptive_k": ("3.0", _gac("adaptive_k"), 3.0, "-1"),
+    "gac.adaptive_decay": ("0.9", _gac("adaptive_decay"), 0.9, "1.0"),
+    "gac.adaptive_warmup": ("4", _gac("adaptive_warmup"), 4, "-2"),
+    "gac.monitor_only": ("false", _gac("monitor_only"), False, "perhaps"),
+    "gac.reference_dtype": ("bfloat16", _gac("reference_dtype"), "bfloat16", "float7"),
+    "ess.rho_base": ("0.5", _ess("rho_base"), 0.5, "2.0"),
+    "ess.power": ("linear", _ess("power"), "linear", "cubic"),
+    "ess.ema_decay": ("0.5", _ess("ema_decay"), 0.5, "1.0"),
+    "loss.policy_loss": (
+        "cispo",
+        lambda b, _: b["run"].learner.objective.spec.fn.__name__,
+        "cispo_loss",
+        "ppo3",
+    ),
+    "loss.loss_kwargs": (
+        "{eps_high: 0.3}",
+        lambda b, _: b["run"].learner.objective.loss_kwargs,
+        {"eps_high": 0.3},
+        "{eps_hi: 0.3}",
+    ),
+    "loss.advantage": (
+        "rloo",
+        lambda b, _: b["run"].learner.objective.advantage_spec.fn.__name__,
+        "rloo_advantages",
+        "gae",
+    ),
+    "loss.grad_norm": (
+        "length",
+        lambda b, _: b["run"].learner.objective.grad_norm,
+        "length",
+        "approx",
+    ),
+    "loss.correction": (
+        "mis",
+        lambda b, _: getattr(b["run"].learner.objective.correct, "func", _NoFunction).__name__,
+        "masked_importance_weights",
+        "trunc",
+    ),
+    "loss.correction_kwargs": (
+        "{cap: 3.0}",
+        lambda b, _: b["run"].learner.objective.correct.keywords,
+        {"cap": 3.0},
+        "{cup: 3.0}",
+    ),
+    "learner.micro_batches": ("4", lambda b, _: b["run"].learner.micro_batches, 4, "3"),
+    "generation.group_size": ("4", lambda b, _: b["run"].generator.group_size, 4, "1"),
+    "generation.prompt_length": ("40", lambda b, _: b["run"].generator.prompt_length, 40, "0"),
+    "generation.max_new_tokens": ("12", lambda b, _: b["run"].sampler.max_new_tokens, 12, "0"),
+    "generation.temperature": (
+        "0.7",
+        lambda b, _: b["run"].generator.sampling["temperature"],
+        0.7,
+        "0",
+    ),
+    "generation.top_k": ("5", lambda b, _: b["run"].generator.sampling["top_k"], 5, "-1"),
+    "generation.top_p": ("0.9", lambda b, _: b["run"].generator.sampling["top_p"], 0.9, "1.5"),
+    "generation.greedy": (
+        "true",
+        lambda b, _: b["run"].generator.sampling["temperature"],
+        0.0,
+        "sometimes",
+    ),
+    "rollout.mode": ("async", lambda b, _: type(b["source"]).__name__, "AsyncRollouts", "never"),
+    "rollout.lag": ("3", lambda b, _: b["source"].lag, 3, "-1"),
+    "rollout.groups_per_batch": ("4", lambda b, _: b["source"].buffer.groups_per_batch, 4, "0"),
+    "rollout.num_workers": ("2", lambda b, _: len(b["source"].worker._threads), 2, "0"),
+    "rollout.groups_per_call": ("2", lambda b, _: b["source"].worker._groups_per_call, 2, "0"),
+    "buffer.max_staleness": ("3", lambda b, _: b["source"].buffer.max_staleness, 3, "-1"),
+    "buffer.stale_policy": ("drop", lambda b, _: b["source"].buffer.stale_policy, "drop", "wait"),
+    "buffer.capacity": ("24", lambda b, _: b["source"].buffer.capacity, 24, "0"),
+    "buffer.take_timeout": ("30.0", lambda b, _: b["source"]._take_timeout, 30.0, "-1"),
+    "mesh.data": ("2", lambda b, _: b["run"].learner.mesh.shape["data"], 2, "0"),
+    "mesh.fsdp": ("2", lambda b, _: b["run"].learner.mesh.shape["fsdp"], 2, "-2"),
+    "mesh.tensor": ("2", lambda b, _: b["run"].learner.mesh.shape["tensor"], 2, "0"),
+}
+
+# Settings a field needs from another section to take effect or to be valid.
+CONTEXT = {
+    "ess": ["ess={}"],
+    "loss.grad_norm": ["loss.advantage=vcpo"],
+    "loss.correction": ["loss.policy_loss=reinforce"],
+    "loss.correction_kwargs": ["loss.policy_loss=reinforce", "loss.correction=mis"],
+    "rollout.num_workers": ["rollout.mode=async"],
+    "rollout.groups_per_call": ["rollout.mode=async"],
+    "buffer": ["rollout.mode=async"],
+    "mesh.fsdp": ["mesh.data=-1"],
+    "mesh.tensor": ["mesh.data=-1"],
+}
+# Settings that are only valid together with the field's new value.
+WITH_VALUE = {"generation.greedy": ["generation.temperature=0"]}
+
+
+def _component_fields():
+    hints = typing.get_type_hints(TrainConfig)
+    keys = []
+    for section in SECTIONS:
+        tp = hints[section]
+        inner = [a for a in typing.get_args(tp) if a is not type(None)] or [tp]
+        keys += [f"{section}.{f.name}" for f in dataclasses.fields(inner[0])]
+    return keys
+
+
+def _context(key):
+    return [o for prefix, extra in CONTEXT.items() if key.startswith(prefix) for o in extra]
+
+
+def test_the_table_lists_every_component_field():
+    assert sorted(FIELDS) == sorted(_component_fields())
+
+
+@pytest.fixture(scope="module")
+def model():
+    return models.create_model(models.get_config("tiny"), seed=0), models.CharTokenizer()
+
+
+SPIED = {
+    "adamw": (optax, "adamw"),
+    "clip": (optax, "clip_by_global_norm"),
+    "gac": (alignment, "gradient_alignment_control"),
+    "ess": (ess_scaling, "scale_by_ess"),
+}
+ORIGINALS = {name: getattr(owner, attribute) for name, (owner, attribute) in SPIED.items()}
+
+
+def _spied(monkeypatch, calls):
+    def record(name, real):
+        def spy(*args, **kwargs):
+            calls[name] = dict(inspect.signature(real).bind(*args, **kwargs).arguments)
+            return real(*args, **kwargs)
+
+        return spy
+
+    for name, (owner, attribute) in SPIED.items():
+        monkeypatch.setattr(owner, attribute, record(name, ORIGINALS[name]))
+
+
+def _build(config, model, monkeypatch):
+    calls = {}
+    _spied(monkeypatch, calls)
+    monkeypatch.setattr(loop, "build_model", lambda config, mesh: model)
+    run = loop.build_run(config)
+    # No version is published, so the async source's workers wait and generate nothing.
+    source = loop.make_source(run)
+    try:
+        return {"run": run, "source": source, "calls": calls}
+    finally:
+        source.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("key", sorted(FIELDS))
+def test_each_field_reaches_its_component(key, model, monkeypatch):
+    value, observe, expected, _ = FIELDS[key]
+    base = apply_overrides(
+        TrainConfig(init="random", eval_every=0, checkpoint_every=0), _context(key)
+    )
+    config = apply_overrides(base, [*WITH_VALUE.get(key, []), f"{key}={value}"])
+    built = _build(config, model, monkeypatch)
+    assert observe(built, config) == expected
+    # The default reaches it too, and differs: the observation is of this field.
+    assert observe(_build(base, model, monkeypatch), base) != expected
+
+
+@pytest.mark.parametrize("key", sorted(FIELDS))
+def test_a_bad_value_fails_at_show_config_naming_the_field(key, capsys):
+    bad = FIELDS[key][3]
+    argv = ["show-config", "--config", "countdown_sync", "--set", *_context(key), f"{key}={bad}"]
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    name = key.split(".")[-1]
+    assert name in err and "Traceback" not in err, err

@@ -35,7 +35,7 @@ def _parser() -> argparse.ArgumentParser:
         "--out", default=str(SHIPPED_WARM_START_DIR), help="checkpoint directory to write"
     )
     parser.add_argument("--data_dir", default=None, help="tfds data directory")
-    parser.add_argument("--log_every", type=int, default=250, help="0: no loss log")
+    parser.add_argument("--quiet", action="store_true", help="no progress line")
     parser.add_argument("--json", action="store_true", help="also print the metrics as JSON")
     parser.add_argument(
         "--overwrite", action="store_true", help="replace the warm start already in --out"
@@ -60,7 +60,7 @@ def main() -> None:
             raise SystemExit(f"--overwrite: {out} holds no warm start; not deleting it.")
         shutil.rmtree(out)
     print(f"warm start {config_hash(config)}: {config}", flush=True)
-    metrics = warm_start(config, out, data_dir=args.data_dir, log_every=args.log_every)
+    metrics = warm_start(config, out, data_dir=args.data_dir, progress=not args.quiet)
     wall = time.perf_counter() - _STARTED
     n = config.eval_samples
     print()

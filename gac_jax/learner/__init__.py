@@ -1,10 +1,22 @@
 """The GRPO learner: batches, the optimizer chain, the train step, mesh and shardings."""
 
 from gac_jax.learner.batch import TrainBatch
-from gac_jax.learner.learner import BATCH_AXES, GRPOLearner, LearnerConfig, optimizer_shardings
+from gac_jax.learner.learner import (
+    BATCH_AXES,
+    GRPOLearner,
+    LearnerConfig,
+    ShardedLearner,
+    optimizer_shardings,
+)
 from gac_jax.learner.objective import LossConfig, Objective
 from gac_jax.learner.optimizer import OptimizerConfig, make_optimizer
 from gac_jax.learner.step import make_train_step, per_example_grad_sq_norms
+from gac_jax.learner.supervised import (
+    SupervisedLearner,
+    make_supervised_step,
+    masked_nll,
+    sft_loss,
+)
 
 __all__ = [
     "BATCH_AXES",
@@ -13,8 +25,13 @@ __all__ = [
     "LossConfig",
     "Objective",
     "OptimizerConfig",
+    "ShardedLearner",
+    "SupervisedLearner",
     "TrainBatch",
     "make_optimizer",
+    "make_supervised_step",
+    "masked_nll",
+    "sft_loss",
     "make_train_step",
     "optimizer_shardings",
     "per_example_grad_sq_norms",

@@ -65,14 +65,103 @@ class LearnerConfig:
             raise ValueError(f"micro_batches={m!r} must be an int >= 1.")
 
 
-class GRPOLearner:
+class ShardedLearner:
+    """Params and optimizer state on a mesh, and a jitted, donated step over them.
+
+    The one step machinery of gac_jax: the GRPO learner and the supervised warm start both
+    run on it. Params and optimizer state (GAC's reference direction included) carry
+    `NamedSharding`s from the model's logical axes; the step is `jax.jit` with in/out
+    shardings, and both are donated but for GAC's reference, which the step replaces with
+    the gradient.
+
+    Args:
+      model: a `gac_jax.models.Decoder` (its params are resharded onto `mesh`).
+      tx: the optimizer chain.
+      mesh: a mesh with axes ("data", "fsdp", "tensor").
+      step: ``step(params, opt_state, batch, *extra) -> (params, opt_state, metrics)``;
+        the batch's leaves are split by rows over ("data", "fsdp"), `extra` arguments
+        and the metrics are replicated.
+      num_extra: how many `extra` arguments the step takes.
+      rules: logical-to-mesh sharding rules.
+    """
+
+    def __init__(
+        self,
+        model: nnx.Module,
+        tx: optax.GradientTransformation,
+        mesh: Mesh,
+        step,
+        *,
+        num_extra: int = 0,
+        rules: ShardingRules | None = None,
+    ):
+        self.mesh = mesh
+        self.tx = tx
+        rules = ShardingRules() if rules is None else rules
+        self.graphdef, params = nnx.split(model)
+        self.param_shardings = state_shardings(params, mesh, rules)
+        self.params = jax.device_put(params, self.param_shardings)
+        self.opt_shardings = optimizer_shardings(tx, self.params, self.param_shardings, mesh)
+        self.opt_state = jax.jit(tx.init, out_shardings=self.opt_shardings)(self.params)
+        self.batch_sharding = NamedSharding(mesh, P(BATCH_AXES))
+        self.replicated = NamedSharding(mesh, P())
+        self.batch_divisor = int(np.prod([mesh.shape[a] for a in BATCH_AXES]))
+        # Params and optimizer state are donated, except the leaves a transform replaces
+        # wholesale while still reading the old value (GAC's reference: the new one is
+        # this step's gradient). Donating those makes XLA copy the old value out of the
+        # way first, a full extra pass; not donating them lets the gradient's own buffer
+        # become the new reference, at no extra peak memory.
+        leaves, self._opt_treedef = jax.tree.flatten(self.opt_state)
+        kept = _replaced_leaves(self.opt_state)
+        self._kept = tuple(i for i in range(len(leaves)) if i in kept)
+        self._donated = tuple(i for i in range(len(leaves)) if i not in kept)
+        opt_sharding_leaves = self._opt_treedef.flatten_up_to(self.opt_shardings)
+
+        def split_step(params, donated, kept, batch, *extra):
+            params, opt_state, metrics = step(params, self._merge(donated, kept), batch, *extra)
+            return (params, *self._split(opt_state), metrics)
+
+        shardings = self._split_leaves(opt_sharding_leaves)
+        self._step = jax.jit(
+            split_step,
+            in_shardings=(self.param_shardings, *shardings, self.batch_sharding)
+            + (None,) * num_extra,
+            out_shardings=(self.param_shardings, *shardings, self.replicated),
+            donate_argnums=(0, 1),
+        )
+
+    def run_step(self, batch, *extra) -> dict[str, float]:
+        """One update on a placed batch; returns the metrics as Python floats."""
+        self.params, donated, kept, metrics = self._step(
+            self.params, *self._split(self.opt_state), batch, *extra
+        )
+        self.opt_state = self._merge(donated, kept)
+        return {k: float(v) for k, v in jax.device_get(metrics).items()}
+
+    def model(self) -> nnx.Module:
+        """The current params merged into a model (shares the arrays)."""
+        return nnx.merge(self.graphdef, self.params)
+
+    def _split_leaves(self, leaves):
+        return [leaves[i] for i in self._donated], [leaves[i] for i in self._kept]
+
+    def _split(self, opt_state):
+        return self._split_leaves(self._opt_treedef.flatten_up_to(opt_state))
+
+    def _merge(self, donated, kept):
+        leaves = [None] * (len(donated) + len(kept))
+        for i, leaf in zip(self._donated, donated, strict=True):
+            leaves[i] = leaf
+        for i, leaf in zip(self._kept, kept, strict=True):
+            leaves[i] = leaf
+        return self._opt_treedef.unflatten(leaves)
+
+
+class GRPOLearner(ShardedLearner):
     """Holds params and optimizer state on a mesh and runs the GRPO step on batches.
 
-    Params and optimizer state (GAC's reference direction included) carry `NamedSharding`s
-    from the model's logical axes; the step is `jax.jit` with in/out shardings, and both
-    are donated but for GAC's reference, which the step replaces with the gradient. Under
-    `jax.distributed`, each process passes its own rows (`local_batch`) and they form one
-    global batch.
+    A `ShardedLearner` whose step is `make_train_step`'s. Under `jax.distributed`, each
+    process passes its own rows (`local_batch`) and they form one global batch.
 
     Args:
       model: a `gac_jax.models.Decoder` (its params are resharded onto `mesh`).
@@ -95,58 +184,11 @@ class GRPOLearner:
     ):
         self.config = LearnerConfig() if config is None else config
         self.config.validate()
-        self.mesh = mesh
-        self.tx = tx
-        rules = ShardingRules() if rules is None else rules
-        self.graphdef, params = nnx.split(model)
-        self.param_shardings = state_shardings(params, mesh, rules)
-        self.params = jax.device_put(params, self.param_shardings)
-        self.opt_shardings = optimizer_shardings(tx, self.params, self.param_shardings, mesh)
-        self.opt_state = jax.jit(tx.init, out_shardings=self.opt_shardings)(self.params)
-        self.batch_sharding = NamedSharding(mesh, P(BATCH_AXES))
-        self.replicated = NamedSharding(mesh, P())
-        self.batch_divisor = int(np.prod([mesh.shape[a] for a in BATCH_AXES]))
         self.objective = Objective(LossConfig() if loss is None else loss)
         self.micro_batches = self.config.micro_batches
-        step = make_train_step(self.graphdef, tx, loss, micro_batches=self.micro_batches)
-        # Params and optimizer state are donated, except the leaves a transform replaces
-        # wholesale while still reading the old value (GAC's reference: the new one is
-        # this step's gradient). Donating those makes XLA copy the old value out of the
-        # way first, a full extra pass; not donating them lets the gradient's own buffer
-        # become the new reference, at no extra peak memory.
-        leaves, self._opt_treedef = jax.tree.flatten(self.opt_state)
-        kept = _replaced_leaves(self.opt_state)
-        self._kept = tuple(i for i in range(len(leaves)) if i in kept)
-        self._donated = tuple(i for i in range(len(leaves)) if i not in kept)
-        opt_sharding_leaves = self._opt_treedef.flatten_up_to(self.opt_shardings)
-
-        def split_step(params, donated, kept, batch, learner_version):
-            params, opt_state, metrics = step(
-                params, self._merge(donated, kept), batch, learner_version
-            )
-            return (params, *self._split(opt_state), metrics)
-
-        shardings = self._split_leaves(opt_sharding_leaves)
-        self._step = jax.jit(
-            split_step,
-            in_shardings=(self.param_shardings, *shardings, self.batch_sharding, None),
-            out_shardings=(self.param_shardings, *shardings, self.replicated),
-            donate_argnums=(0, 1),
-        )
-
-    def _split_leaves(self, leaves):
-        return [leaves[i] for i in self._donated], [leaves[i] for i in self._kept]
-
-    def _split(self, opt_state):
-        return self._split_leaves(self._opt_treedef.flatten_up_to(opt_state))
-
-    def _merge(self, donated, kept):
-        leaves = [None] * (len(donated) + len(kept))
-        for i, leaf in zip(self._donated, donated, strict=True):
-            leaves[i] = leaf
-        for i, leaf in zip(self._kept, kept, strict=True):
-            leaves[i] = leaf
-        return self._opt_treedef.unflatten(leaves)
+        graphdef = nnx.graphdef(model)
+        step = make_train_step(graphdef, tx, loss, micro_batches=self.micro_batches)
+        super().__init__(model, tx, mesh, step, num_extra=1, rules=rules)
 
     def place_batch(self, local_batch: TrainBatch) -> TrainBatch:
         """Host rows -> one global batch sharded over ("data", "fsdp").
@@ -187,12 +229,4 @@ class GRPOLearner:
         """One update on `batch` (host or placed); returns the metrics as Python floats."""
         if not isinstance(batch.tokens, jax.Array) or batch.tokens.sharding != self.batch_sharding:
             batch = self.place_batch(batch)
-        self.params, donated, kept, metrics = self._step(
-            self.params, *self._split(self.opt_state), batch, np.int32(learner_version)
-        )
-        self.opt_state = self._merge(donated, kept)
-        return {k: float(v) for k, v in jax.device_get(metrics).items()}
-
-    def model(self) -> nnx.Module:
-        """The current params merged into a model (shares the arrays)."""
-        return nnx.merge(self.graphdef, self.params)
+        return self.run_step(batch, np.int32(learner_version))

@@ -11,7 +11,10 @@ some problems, then measures it on the test split with the RL loop's own evaluat
   2021, arXiv 2107.03374, eq. 1) with c correct out of n samples, averaged over problems;
 * greedy accuracy: one greedy completion per problem.
 
-The result is an orbax checkpoint (`gac_jax.train.checkpoint`) whose metadata holds the
+Training is `gac_jax.train.supervised.train_sft` (the learner's step machinery, the RL
+loop's progress line and metric writer); this module keeps the warm start's config, its
+evaluation, and the checkpoint cache. The result is an orbax checkpoint
+(`gac_jax.train.checkpoint`) whose metadata holds the
 config, its hash, the model config, the tokenizer and the measured metrics. The default
 config's checkpoint ships with the package (`SHIPPED_WARM_START_DIR`), so a fresh
 machine starts RL from it without training::
@@ -26,21 +29,17 @@ workers use (`tokenizer.encode(prompt, add_bos=True)`).
 from __future__ import annotations
 
 import dataclasses
-import functools
-import hashlib
-import json
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 import optax
 from flax import nnx
 
+from gac_jax.learner.supervised import masked_nll, sft_loss
 from gac_jax.models import (
     CharTokenizer,
     ModelConfig,
@@ -48,11 +47,9 @@ from gac_jax.models import (
     Sampler,
     ShardingRules,
     create_model,
-    get_config,
-    per_token_logps,
     state_shardings,
 )
-from gac_jax.tasks import Task, get_task
+from gac_jax.tasks import get_task
 from gac_jax.train.checkpoint import (
     CheckpointManager,
     abstract_tree,
@@ -60,7 +57,9 @@ from gac_jax.train.checkpoint import (
     model_params,
     read_metadata,
 )
+from gac_jax.train.config_io import config_hash, config_to_dict
 from gac_jax.train.evaluation import evaluate_policy
+from gac_jax.train.supervised import encode_sft_batch, train_sft
 
 __all__ = [
     "SHIPPED_WARM_START_DIR",
@@ -153,124 +152,6 @@ class WarmStartConfig:
         if not self.clip_norm > 0:
             raise ValueError(f"clip_norm={self.clip_norm!r} must be positive.")
 
-    def to_dict(self) -> dict[str, Any]:
-        """The fields as a JSON-able dict."""
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, fields: Mapping[str, Any]) -> WarmStartConfig:
-        """The config from `to_dict`'s output (unknown keys are an error)."""
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(fields) - known)
-        if unknown:
-            raise ValueError(f"Unknown WarmStartConfig fields {unknown}; known: {sorted(known)}.")
-        return cls(**fields)
-
-
-def config_hash(config: WarmStartConfig) -> str:
-    """A short stable hash of every field (names the cache directory of a config)."""
-    text = json.dumps(config.to_dict(), sort_keys=True)
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
-
-
-# ----------------------------------------------------------------------------- data
-
-
-def encode_sft_batch(
-    tokenizer, prompts: Sequence[str], completions: Sequence[str], length: int
-) -> dict[str, np.ndarray]:
-    """Right-padded ``<bos> prompt completion <eos>`` rows and their masks.
-
-    Args:
-      tokenizer: a `gac_jax.models.Tokenizer` with a BOS id.
-      prompts: B prompt texts.
-      completions: B completion texts.
-      length: T, the padded length.
-
-    Returns:
-      ``{"tokens": int32 [B, T], "mask": bool [B, T] (real tokens),
-      "loss_mask": bool [B, T] (the completion and its EOS)}``.
-
-    Raises:
-      ValueError: if a row is longer than `length`.
-    """
-    if len(prompts) != len(completions):
-        raise ValueError(f"{len(prompts)} prompts but {len(completions)} completions.")
-    batch = len(prompts)
-    tokens = np.full((batch, length), tokenizer.pad_id, np.int32)
-    mask = np.zeros((batch, length), bool)
-    loss_mask = np.zeros((batch, length), bool)
-    for row, (prompt, completion) in enumerate(zip(prompts, completions, strict=True)):
-        prompt_ids = tokenizer.encode(prompt, add_bos=True)
-        completion_ids = tokenizer.encode(completion, add_eos=True)
-        n = len(prompt_ids) + len(completion_ids)
-        if n > length:
-            raise ValueError(
-                f"Row {row} has {n} tokens, more than length={length}: "
-                f"{prompt!r} + {completion!r}. Raise WarmStartConfig.max_length."
-            )
-        tokens[row, :n] = prompt_ids + completion_ids
-        mask[row, :n] = True
-        loss_mask[row, len(prompt_ids) : n] = True
-    return {"tokens": tokens, "mask": mask, "loss_mask": loss_mask}
-
-
-def _task_texts(task: Task, examples, count: int = 0):
-    count = len(examples) if count == 0 else min(count, len(examples))
-    rows = [examples[i] for i in range(count)]
-    return rows, [task.prompt(ex) for ex in rows], [task.reference_completion(ex) for ex in rows]
-
-
-# ----------------------------------------------------------------------------- loss
-
-
-def masked_nll(logps_bt: jax.Array, loss_mask_bt: jax.Array) -> jax.Array:
-    r"""Mean negative log-likelihood over the masked tokens.
-
-    .. math::
-
-        L = -\frac{\sum_{b,t} m_{bt} \log p_{bt}}{\max(1, \sum_{b,t} m_{bt})}
-
-    Args:
-      logps_bt: float [B, T], `log p(x_t | x_<t)`.
-      loss_mask_bt: bool [B, T], True for the tokens trained on.
-    """
-    weights = loss_mask_bt.astype(jnp.float32)
-    return -jnp.sum(logps_bt * weights) / jnp.maximum(jnp.sum(weights), 1.0)
-
-
-def sft_loss(model, tokens_bt, mask_bt, loss_mask_bt) -> jax.Array:
-    """Teacher-forced `masked_nll` of `model` on a batch from `encode_sft_batch`."""
-    return masked_nll(per_token_logps(model, tokens_bt, mask_bt), loss_mask_bt)
-
-
-# The model structure and the optimizer are static (hashable); `_optimizer` is cached per
-# config, so runs of one config in one process share a compilation.
-@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(2, 3))
-def _train_step(graphdef, tx, params, opt_state, rest, batch):
-    def loss_fn(p):
-        model = nnx.merge(graphdef, p, rest)
-        return sft_loss(model, batch["tokens"], batch["mask"], batch["loss_mask"])
-
-    loss, grads = jax.value_and_grad(loss_fn)(params)
-    updates, opt_state = tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, loss
-
-
-@functools.lru_cache(maxsize=8)
-def _optimizer(config: WarmStartConfig) -> optax.GradientTransformation:
-    schedule = optax.warmup_cosine_decay_schedule(
-        init_value=0.0,
-        peak_value=config.learning_rate,
-        warmup_steps=min(config.warmup_steps, config.steps - 1),
-        decay_steps=config.steps,
-        end_value=0.1 * config.learning_rate,
-    )
-    return optax.chain(
-        optax.clip_by_global_norm(config.clip_norm),
-        optax.adamw(schedule, weight_decay=config.weight_decay),
-    )
-
 
 # ------------------------------------------------------------------------ evaluation
 
@@ -328,96 +209,12 @@ def _versions() -> dict[str, str]:
     }
 
 
-def _model_config(config: WarmStartConfig, tokenizer: CharTokenizer) -> ModelConfig:
-    model_config = get_config(config.model, dtype="float32")
-    if model_config.vocab_size < tokenizer.vocab_size:
-        raise ValueError(
-            f"Model preset {config.model!r} has vocab_size={model_config.vocab_size}, fewer "
-            f"than the character tokenizer's {tokenizer.vocab_size} ids."
-        )
-    return model_config.replace(
-        bos_token_id=tokenizer.bos_id,
-        eos_token_ids=(tokenizer.eos_id,),
-        pad_token_id=tokenizer.pad_id,
-    )
-
-
-def train_sft(
-    config: WarmStartConfig,
-    *,
-    data_dir: str | os.PathLike | None = None,
-    log_every: int = 0,
-):
-    """Supervised training on the task's reference completions (no evaluation, no save).
-
-    Deterministic for a config on a given machine: the initialisation and the batch
-    order derive from `config.seed`.
-
-    Args:
-      config: what to train.
-      data_dir: tfds data directory of the task (tfds's default if None).
-      log_every: print the mean training loss every this many steps (0: never).
-
-    Returns:
-      `(model, tokenizer, metrics)`: the trained `Decoder`, its `CharTokenizer`, and
-      training statistics (losses, parameter count, timings).
-    """
-    started = time.perf_counter()
-    task = get_task(config.task)
-    tokenizer = CharTokenizer()
-    model_config = _model_config(config, tokenizer)
-
-    train = task.data_source("train", data_dir=data_dir)
-    _, prompts, completions = _task_texts(task, train, config.train_examples)
-    data = encode_sft_batch(tokenizer, prompts, completions, config.max_length)
-    num_train = len(prompts)
-    rng = np.random.default_rng(config.seed)
-
-    model = create_model(model_config, seed=config.seed)
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    num_params = sum(x.size for x in jax.tree.leaves(params))
-    tx = _optimizer(config)
-    opt_state = tx.init(params)
-    data_seconds = time.perf_counter() - started
-
-    losses = []
-    order = np.empty(0, np.int64)
-    train_started = time.perf_counter()
-    for step in range(config.steps):
-        # Epochs of fresh permutations, so every example is seen once per epoch.
-        if len(order) < config.batch_size:
-            order = np.concatenate([order, rng.permutation(num_train)])
-        rows, order = order[: config.batch_size], order[config.batch_size :]
-        batch = {name: jnp.asarray(array[rows]) for name, array in data.items()}
-        params, opt_state, loss = _train_step(graphdef, tx, params, opt_state, rest, batch)
-        losses.append(loss)
-        if log_every and (step + 1) % log_every == 0:
-            recent = float(np.mean(jax.device_get(losses[-log_every:])))
-            print(f"step {step + 1:5d}  loss {recent:.4f}", flush=True)
-    losses = np.asarray(jax.device_get(losses), np.float64)
-    train_seconds = time.perf_counter() - train_started
-    nnx.update(model, params)
-
-    tokens_trained = float(data["mask"].sum(axis=1).mean()) * config.batch_size * config.steps
-    metrics = {
-        "first_train_loss": float(losses[0]),
-        "final_train_loss": float(losses[-min(50, len(losses)) :].mean()),
-        "num_params": int(num_params),
-        "train_examples": num_train,
-        "epochs": config.steps * config.batch_size / num_train,
-        "data_seconds": data_seconds,
-        "train_seconds": train_seconds,
-        "train_tokens_per_second": tokens_trained / train_seconds,
-    }
-    return model, tokenizer, metrics
-
-
 def warm_start(
     config: WarmStartConfig,
     out_dir: str | os.PathLike,
     *,
     data_dir: str | os.PathLike | None = None,
-    log_every: int = 0,
+    progress: bool = False,
 ) -> dict[str, Any]:
     """Trains the warm start (`train_sft`), evaluates it on the test split
     (`evaluate_warm_start`), and saves it as an orbax checkpoint with its config and
@@ -428,7 +225,7 @@ def warm_start(
       out_dir: checkpoint directory (the checkpoint is step `config.steps`; the
         directory must not hold that step already).
       data_dir: tfds data directory of the task (tfds's default if None).
-      log_every: print the training loss every this many steps (0: never).
+      progress: show the training progress line.
 
     Returns:
       The metrics: "pass@1", f"pass@{n}", "greedy_accuracy", training losses and
@@ -436,7 +233,9 @@ def warm_start(
       "checkpoint_dir" and "checkpoint_bytes".
     """
     started = time.perf_counter()
-    model, tokenizer, metrics = train_sft(config, data_dir=data_dir, log_every=log_every)
+    model, tokenizer, metrics = train_sft(
+        config, data_dir=data_dir, progress=progress, metrics_dir=Path(out_dir) / "sft_metrics"
+    )
     eval_started = time.perf_counter()
     metrics.update(evaluate_warm_start(model, tokenizer, config, data_dir=data_dir))
     metrics["eval_seconds"] = time.perf_counter() - eval_started
@@ -444,7 +243,7 @@ def warm_start(
 
     metadata = {
         "kind": _METADATA_KIND,
-        "config": config.to_dict(),
+        "config": config_to_dict(config),
         "config_hash": config_hash(config),
         "model_config": _model_config_to_dict(model.config),
         "tokenizer": {"kind": "char", "characters": tokenizer.characters},

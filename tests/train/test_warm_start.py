@@ -3,6 +3,7 @@
 import dataclasses
 import functools
 
+import draccus
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -16,7 +17,10 @@ from gac_jax.models import (
     make_mesh,
     token_logps_from_logits,
 )
+from gac_jax.train import config_io
 from gac_jax.train.checkpoint import model_params, read_metadata
+from gac_jax.train.config_io import config_to_dict
+from gac_jax.train.metrics import read_metrics
 from gac_jax.train.warm_start import (
     SHIPPED_WARM_START_DIR,
     WarmStartConfig,
@@ -106,13 +110,14 @@ def test_masked_nll_reference():
 
 def test_config_validation_and_hash():
     config = WarmStartConfig()
-    assert WarmStartConfig.from_dict(config.to_dict()) == config
+    assert draccus.decode(WarmStartConfig, config_to_dict(config)) == config
     assert config_hash(config) == config_hash(WarmStartConfig())
     assert config_hash(dataclasses.replace(config, steps=config.steps + 1)) != config_hash(config)
     with pytest.raises(ValueError, match="steps"):
         WarmStartConfig(steps=0)
-    with pytest.raises(ValueError, match="Unknown WarmStartConfig fields"):
-        WarmStartConfig.from_dict({"stpes": 3})
+    # One hash for runs, sweeps and warm starts; the shipped checkpoint's still matches.
+    assert config_hash is config_io.config_hash
+    assert read_metadata(SHIPPED_WARM_START_DIR)["config_hash"] == config_hash(config)
 
 
 # A run short enough for a test: a few steps, four test problems, two samples each.
@@ -145,7 +150,11 @@ def test_short_run_writes_a_checkpoint_with_its_metrics(short_run):
     assert metrics["pass@2"] >= metrics["pass@1"]
     assert metrics["eval_problems"] == 4 and metrics["checkpoint_bytes"] > 0
     metadata = read_metadata(out)
-    assert metadata["config"] == _SHORT.to_dict()
+    assert metadata["config"] == config_to_dict(_SHORT)
+    # Training reported through the RL loop's metric writer: one record per step.
+    records = read_metrics(out / "sft_metrics")
+    assert [r["step"] for r in records] == list(range(_SHORT.steps))
+    assert all(r["loss"] > 0 and r["grad_norm"] > 0 for r in records)
     assert metadata["config_hash"] == config_hash(_SHORT)
     assert metadata["metrics"]["pass@1"] == metrics["pass@1"]
     assert metadata["prompt_format"]["add_bos"] is True
@@ -188,7 +197,7 @@ def test_load_rejects_a_checkpoint_that_is_not_a_warm_start(tmp_path):
 
 def test_the_shipped_checkpoint_is_the_default_configs_and_solves_some_problems():
     metadata = read_metadata(SHIPPED_WARM_START_DIR)
-    assert metadata["config"] == WarmStartConfig().to_dict()
+    assert metadata["config"] == config_to_dict(WarmStartConfig())
     assert metadata["config_hash"] == config_hash(WarmStartConfig())
     metrics = metadata["metrics"]
     n = WarmStartConfig().eval_samples

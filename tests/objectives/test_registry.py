@@ -29,7 +29,9 @@ def test_unknown_names_list_the_known_ones():
         get_advantage_estimator("gae")
     for name in ADVANTAGE_ESTIMATORS:
         assert name in str(err.value)
-    with pytest.raises(ValueError, match="Unknown importance correction 'is'; known: icepop, mis, tis"):
+    with pytest.raises(
+        ValueError, match="Unknown importance correction 'is'; known: icepop, mis, tis"
+    ):
         objectives.get_importance_correction("is")
 
 

@@ -246,3 +246,18 @@ def test_a_bad_value_fails_at_show_config_naming_the_field(key, capsys):
     err = capsys.readouterr().err
     name = key.split(".")[-1]
     assert name in err and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize(
+    ("config_type", "factory"),
+    [
+        (alignment.GACConfig, ORIGINALS["gac"]),
+        (ess_scaling.ESSConfig, ORIGINALS["ess"]),
+    ],
+)
+def test_transform_configs_mirror_their_factories_one_to_one(config_type, factory):
+    # Same names, same defaults: an argument added to the factory must be added here, and
+    # is then settable with --set (the walk above) with no change to the loop.
+    params = inspect.signature(factory).parameters
+    fields = {f.name: f.default for f in dataclasses.fields(config_type)}
+    assert fields == {name: p.default for name, p in params.items()}

@@ -52,7 +52,9 @@ def effective_sample_size(
         \rho = \mathrm{ESS} / n, \qquad w_i = \exp(\ell_i)
 
     Shifting every log weight by their maximum leaves ESS unchanged and keeps every
-    exponent <= 0, so log weights of any magnitude give a finite answer. VCPO
+    exponent <= 0, so log weights of any magnitude give a finite answer. Infinite log
+    weights are taken at their limit: the `k` entries at `+inf` dominate (ESS = k), `-inf`
+    entries are zero weights; a NaN entry gives a NaN ESS. VCPO
     (arXiv 2602.17616) uses the ratio `rho` of the sequence-level weights
     `ell_i = sum_t (logp_theta - logp_behaviour)` as its stability signal.
 
@@ -73,8 +75,12 @@ def effective_sample_size(
                 f"`where` has shape {where.shape}, expected the shape of the log weights "
                 f"{log_weights.shape}."
             )
-    # Non-finite log weights of valid samples make the ESS undefined; they propagate as NaN
-    # rather than being silently dropped.
+    # +inf log weights are the limit they are: those samples dominate every finite one, so
+    # they keep equal weights and the rest weigh nothing (k of them give ESS = k). -inf is
+    # a zero weight. NaN makes the ESS undefined and propagates rather than being dropped.
+    dominant = where & (log_weights == jnp.inf)
+    limit = jnp.where(dominant, 0.0, jnp.where(jnp.isnan(log_weights), jnp.nan, -jnp.inf))
+    log_weights = jnp.where(jnp.any(dominant), limit, log_weights)
     masked = jnp.where(where, log_weights, -jnp.inf)
     shift = jnp.max(masked, initial=-jnp.inf)
     shift = jnp.where(jnp.isfinite(shift), shift, 0.0)

@@ -70,8 +70,10 @@ def scale_by_ess(
     either `log_importance_weights` (shape [B]: per-sequence
     `sum_t (logp_theta - logp_behaviour)`, with an optional boolean `sequence_mask` [B]
     excluding padded sequences; ESS is computed in log space) or a precomputed scalar
-    `ess_ratio`. Non-finite weights give a NaN scale, so the update is NaN rather than
-    silently rescaled; the EMA skips such steps.
+    `ess_ratio`. Infinite log weights are taken at their limit (`k` sequences at `+inf`
+    dominate: ESS = k; `-inf` is a zero weight; `effective_sample_size`). A NaN weight gives
+    a NaN scale, so the update is NaN rather than silently rescaled (the learner's step then
+    skips it); the EMA skips such steps.
 
     Args:
       rho_base: ESS ratio at and above which the step is not scaled, in (0, 1]. VCPO's

@@ -115,6 +115,64 @@ def test_nonfinite_weights_poison_the_update_not_the_ema():
     np.testing.assert_allclose(state.ess_ratio_ema, 0.5)
 
 
+def _reference_ess_limit(log_w, mask):
+    """float64 ESS of weights with infinite logs, as the limit of finite large ones."""
+    log_w = np.asarray(log_w, np.float64)[np.asarray(mask, bool)]
+    if np.isnan(log_w).any():
+        return np.nan, np.nan
+    if not log_w.size:
+        return 0.0, 1.0
+    if np.isneginf(log_w).all():
+        return 0.0, 0.0  # Nothing carries weight: the ESS is 0 (the step is scaled to 0).
+    # +inf as a log weight far above every finite one (exp underflows the rest to exactly 0
+    # in float64), -inf as one far below.
+    big = np.abs(log_w[np.isfinite(log_w)]).max(initial=0.0) + 1e4
+    finite = np.clip(log_w, -big, big)
+    w = np.exp(finite - finite.max())
+    ess = w.sum() ** 2 / (w * w).sum()
+    return ess, ess / log_w.size
+
+
+@pytest.mark.parametrize(
+    "log_w, mask",
+    [
+        ([0.0, 1.0, np.inf], None),
+        ([0.0, np.inf, 3.0, np.inf], None),
+        ([np.inf, np.inf, np.inf], None),
+        ([0.0, -np.inf, 1.0, -2.0], None),
+        ([-np.inf, -np.inf], None),
+        ([-np.inf, np.inf, 5.0], None),
+        ([0.0, np.inf, np.inf, 1.0], [True, True, False, True]),
+        ([0.0, np.nan, 1.0], [True, False, True]),
+        ([0.0, np.nan, np.inf], None),
+        ([np.nan, -np.inf], None),
+    ],
+)
+def test_infinite_log_weights_are_their_limit(log_w, mask):
+    mask = np.ones(len(log_w), bool) if mask is None else np.asarray(mask)
+    log_w32 = jnp.asarray(log_w, jnp.float32)
+    result = jax.jit(effective_sample_size)(log_w32, jnp.asarray(mask))
+    ess, ratio = _reference_ess_limit(log_w, mask)
+    np.testing.assert_allclose(result.ess, ess, rtol=1e-5)
+    np.testing.assert_allclose(result.ess_ratio, ratio, rtol=1e-5)
+    # The number of +inf entries is the limit itself.
+    valid = np.asarray(log_w)[mask]
+    if np.isposinf(valid).any() and not np.isnan(valid).any():
+        assert float(result.ess) == np.isposinf(valid).sum()
+
+
+def test_dominant_sequence_gives_a_finite_update():
+    tx = scale_by_ess(rho_base=1.0, power="sqrt")
+    state = tx.init({"w": jnp.ones(2)})
+    out, state = jax.jit(tx.update)(
+        {"w": jnp.ones(2)}, state, log_importance_weights=jnp.asarray([0.0, 1.0, jnp.inf])
+    )
+    # One dominant sequence of three: ESS = 1, rho = 1/3, scale = sqrt(1/3).
+    np.testing.assert_allclose(state.ess_ratio, 1.0 / 3.0, rtol=1e-6)
+    np.testing.assert_allclose(out["w"], np.sqrt(1.0 / 3.0), rtol=1e-6)
+    np.testing.assert_allclose(state.ess_ratio_ema, 1.0 / 3.0, rtol=1e-6)
+
+
 def test_injected_and_plain_forms_agree():
     plain = scale_by_ess(rho_base=0.7)
     injected = optax.inject_hyperparams(scale_by_ess)(rho_base=0.7, power="sqrt")

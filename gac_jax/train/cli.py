@@ -44,14 +44,47 @@ def _default_out(config: str) -> Path:
     return Path("runs") / Path(config).stem
 
 
+def _resume_config(parser, out_dir: Path, overrides: Sequence[str], resumable):
+    """The run's own config with `overrides`, which may only touch `resumable` fields;
+    each change is named on stderr."""
+    from gac_jax.train.config_io import config_diff
+
+    saved = out_dir / CONFIG_FILE
+    if not saved.is_file():
+        parser.error(f"--resume: {str(saved)!r} does not exist; is {str(out_dir)!r} a run?")
+    base = _resolve(parser, str(saved), [])
+    config = _resolve(parser, str(saved), overrides)
+    for key, old, new in config_diff(base, config):
+        if key.split(".")[0] not in resumable:
+            parser.error(
+                f"--resume: {key} may not change on resume (only {', '.join(resumable)} may)."
+            )
+        print(f"resume: {key} {old!r} -> {new!r}", file=sys.stderr)
+    return config
+
+
 def _cmd_train(args, parser) -> int:
-    config = _resolve(parser, args.config, args.set)
-    out_dir = Path(args.out) if args.out is not None else _default_out(args.config)
+    if args.resume and args.config is not None:
+        parser.error("--resume continues the run's own config.json: drop --config.")
+    if args.resume and args.out is None:
+        parser.error("--resume needs --out, the run directory to continue.")
+    name = args.config or "demo"
+    out_dir = Path(args.out) if args.out is not None else _default_out(name)
     loop = _loop()
+    if args.resume:
+        config = _resume_config(parser, out_dir, args.set, loop.RESUMABLE_FIELDS)
+    else:
+        config = _resolve(parser, name, args.set)
     try:
-        loop.train(config, out_dir, resume=args.resume)
-    except loop.RunExistsError as error:
+        loop.train(config, out_dir, resume=args.resume, overwrite=args.overwrite)
+    except (loop.RunExistsError, ValueError) as error:
         parser.error(str(error))
+    except loop.RunInterrupted as stopped:
+        print(stopped, file=sys.stderr)
+        return stopped.exit_code
+    except (FloatingPointError, RuntimeError) as error:
+        print(f"gac-jax train: error: {error}", file=sys.stderr)
+        return 1
     print(f"Run written to {out_dir}")
     return 0
 
@@ -85,7 +118,10 @@ def _cmd_eval(args, parser) -> int:
             )
         config_name = str(found)
     config = _resolve(parser, config_name, args.set)
-    metrics = _loop().evaluate_checkpoint(config, checkpoint)
+    try:
+        metrics = _loop().evaluate_checkpoint(config, checkpoint, step=args.step)
+    except (ValueError, FileNotFoundError) as error:
+        parser.error(str(error))
     print(json.dumps({k: _json_value(v) for k, v in dict(metrics).items()}, indent=2))
     return 0
 
@@ -148,13 +184,25 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("train", help="train a policy")
-    _add_config_args(p, default="demo")
+    _add_config_args(p, default=None)
     p.add_argument("--out", metavar="DIR", help="run directory (default: runs/<config name>)")
-    p.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue the run in --out from its last checkpoint, with its own config "
+        "(--set may change steps and the evaluation and checkpoint cadence)",
+    )
+    p.add_argument("--overwrite", action="store_true", help="delete a run already in --out")
     p.set_defaults(func=_cmd_train, parser=p)
 
     p = sub.add_parser("eval", help="evaluate a checkpoint on held-out problems")
-    p.add_argument("--checkpoint", required=True, metavar="DIR")
+    p.add_argument(
+        "--checkpoint",
+        required=True,
+        metavar="DIR",
+        help="a run directory, its checkpoints/ directory, or one step's directory",
+    )
+    p.add_argument("--step", type=int, help="the step to evaluate (default: the newest)")
     _add_config_args(p, default=None)
     p.set_defaults(func=_cmd_eval, parser=p)
 

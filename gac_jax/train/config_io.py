@@ -201,3 +201,18 @@ def config_hash(config: Any, exclude: Sequence[str] = ()) -> str:
         fields.pop(name, None)
     text = json.dumps(fields, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def config_diff(old: Any, new: Any) -> list[tuple[str, Any, Any]]:
+    """The fields that differ between two configs (or their dicts), as ``(dotted key, old
+    value, new value)`` in field order."""
+    old = old if isinstance(old, Mapping) else config_to_dict(old)
+    new = new if isinstance(new, Mapping) else config_to_dict(new)
+    changes = []
+    for key in dict.fromkeys([*old, *new]):
+        a, b = old.get(key), new.get(key)
+        if isinstance(a, Mapping) and isinstance(b, Mapping) and a and b:
+            changes += [(f"{key}.{k}", x, y) for k, x, y in config_diff(a, b)]
+        elif a != b:
+            changes.append((key, a, b))
+    return changes

@@ -14,6 +14,7 @@ import dataclasses
 import json
 import logging
 import os
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -37,6 +38,7 @@ from gac_jax.train import config_io
 from gac_jax.train.checkpoint import CheckpointManager
 from gac_jax.train.config import TrainConfig
 from gac_jax.train.evaluation import evaluate_policy
+from gac_jax.train.interrupt import RunInterrupted, StopSignals
 
 logger = logging.getLogger(__name__)
 
@@ -56,10 +58,27 @@ class Run:
     store: ParamStore
 
 
+# What may change when a run is resumed: how long it runs and how it is evaluated and
+# checkpointed, nothing that changes what it trains.
+RESUMABLE_FIELDS = (
+    "steps",
+    "eval_every",
+    "eval_size",
+    "eval_samples",
+    "checkpoint_every",
+    "keep_checkpoints",
+)
+
+
 def config_hash(config: TrainConfig) -> str:
     """The hash of what a checkpoint depends on: the config but for `steps` (resuming with
     more steps is how a finished run is trained further)."""
     return config_io.config_hash(config, exclude=("steps",))
+
+
+def resume_hash(config: TrainConfig) -> str:
+    """The hash a checkpoint records: the config but for `RESUMABLE_FIELDS`."""
+    return config_io.config_hash(config, exclude=RESUMABLE_FIELDS)
 
 
 def resolve_mesh(config: TrainConfig) -> jax.sharding.Mesh:
@@ -142,67 +161,92 @@ def _rollout_metrics(rollouts, seconds: float) -> dict[str, float]:
 
 
 class RunExistsError(ValueError):
-    """`train` without `resume` into a directory that already holds a run's checkpoints."""
+    """`train` without `resume` or `overwrite` into a directory that holds a run."""
 
 
-def train(config: TrainConfig, out_dir: str | os.PathLike, *, resume: bool = False) -> Path:
+RUN_FILES = ("checkpoints", "metrics.jsonl", "tensorboard", "config.json", "plot.png")
+
+
+def _prepare_directory(out_dir: Path, *, resume: bool, overwrite: bool) -> None:
+    """Refuses to train over a run unless resuming it or told to overwrite it."""
+    present = [name for name in RUN_FILES if (out_dir / name).exists()]
+    if not present or resume:
+        return
+    if not overwrite:
+        raise RunExistsError(
+            f"{str(out_dir)!r} already holds a run ({', '.join(present)}): resume it "
+            "(`--resume`), overwrite it (`--overwrite`) or choose another directory."
+        )
+    for name in present:
+        path = out_dir / name
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
+
+
+def _train_step(run: Run, source, step: int, eval_key) -> dict[str, float]:
+    """Publishes version `step`, takes its batch, updates, evaluates when due."""
+    config, learner, store = run.config, run.learner, run.store
+    if store.latest_version is None or store.latest_version < step:
+        store.publish(_snapshot(learner.params), step)
+    started = time.monotonic()
+    rollouts = source.next_batch(step)
+    waited = time.monotonic() - started
+    batch = TrainBatch(**collate(rollouts, config.generation.prompt_length))
+    started = time.monotonic()
+    metrics = learner.step(batch, step)
+    train_seconds = time.monotonic() - started
+    metrics.update(_rollout_metrics(rollouts, waited))
+    trained_tokens = float(np.sum(batch.loss_mask))
+    metrics["train_tokens_per_s"] = trained_tokens / max(train_seconds, 1e-9)
+    stats = source.stats()
+    metrics.update(buffer_depth=stats.depth, buffer_dropped=stats.dropped)
+    if config.eval_every and (step + 1) % config.eval_every == 0:
+        metrics.update(evaluate_run(run, jax.random.fold_in(eval_key, step)))
+    return metrics
+
+
+def train(
+    config: TrainConfig,
+    out_dir: str | os.PathLike,
+    *,
+    resume: bool = False,
+    overwrite: bool = False,
+) -> Path:
     """Runs the training described by `config`, writing everything under `out_dir`.
 
     Writes `metrics.jsonl`, `tensorboard/`, `checkpoints/`, `config.json` and, at the end,
-    `plot.png`. Returns `out_dir`.
+    `plot.png`. A directory that holds a run is refused unless `resume` (continue from its
+    newest checkpoint) or `overwrite` (delete it first). SIGINT or SIGTERM finish the
+    current step, checkpoint it and raise `RunInterrupted`. Returns `out_dir`.
     """
     from gac_jax.train.metrics import MetricWriter, ProgressLine
     from gac_jax.train.plots import plot_run
 
     out_dir = Path(out_dir)
+    _prepare_directory(out_dir, resume=resume, overwrite=overwrite)
     out_dir.mkdir(parents=True, exist_ok=True)
     checkpoints = CheckpointManager(out_dir / "checkpoints", max_to_keep=config.keep_checkpoints)
-    existing = checkpoints.latest_step()
-    if not resume and existing is not None:
-        # Refuse before anything is trained or overwritten: a fresh run here would only
-        # fail at its first checkpoint, after the work.
-        checkpoints.close()
-        raise RunExistsError(
-            f"{str(out_dir)!r} already holds a run (checkpoint at step {existing}): resume "
-            "it (resume=True, `--resume`) or choose another output directory."
-        )
     run = build_run(config)
-    learner, store = run.learner, run.store
     start_step = 0
-    if resume and existing is not None:
-        start_step = _restore(run, checkpoints)
+    if resume and checkpoints.latest_step() is not None:
+        start_step = _restore(run, checkpoints, out_dir)
     elif resume:
         logger.info("no checkpoint in %s: starting from step 0", out_dir / "checkpoints")
     # Written once the run is known to be this config's (a refused resume leaves it alone).
     (out_dir / "config.json").write_text(json.dumps(config_io.config_to_dict(run.config), indent=2))
     source = make_source(run)
-    eval_key = jax.random.key(config.seed + 1)
     progress = ProgressLine(total=config.steps)
     try:
-        with MetricWriter(out_dir, start_step=start_step) as writer:
+        with StopSignals() as stop, MetricWriter(out_dir, start_step=start_step) as writer:
             for step in range(start_step, config.steps):
-                if store.latest_version is None or store.latest_version < step:
-                    store.publish(_snapshot(learner.params), step)
-                started = time.monotonic()
-                rollouts = source.next_batch(step)
-                waited = time.monotonic() - started
-                batch = TrainBatch(**collate(rollouts, config.generation.prompt_length))
-                started = time.monotonic()
-                metrics = learner.step(batch, step)
-                train_seconds = time.monotonic() - started
-                metrics.update(_rollout_metrics(rollouts, waited))
-                trained_tokens = float(np.sum(batch.loss_mask))
-                metrics["train_tokens_per_s"] = trained_tokens / max(train_seconds, 1e-9)
-                stats = source.stats()
-                metrics.update(buffer_depth=stats.depth, buffer_dropped=stats.dropped)
-                if config.eval_every and (step + 1) % config.eval_every == 0:
-                    metrics.update(evaluate_run(run, jax.random.fold_in(eval_key, step)))
+                metrics = _train_step(run, source, step, jax.random.key(config.seed + 1))
                 writer.write(step, metrics)
                 progress.update(step + 1, metrics)
-                if config.checkpoint_every and (
-                    (step + 1) % config.checkpoint_every == 0 or step + 1 == config.steps
-                ):
+                last = step + 1 == config.steps
+                due = (step + 1) % config.checkpoint_every == 0 if config.checkpoint_every else 0
+                if (config.checkpoint_every and (due or last)) or stop.signum is not None:
                     _save(run, checkpoints, step + 1)
+                if stop.signum is not None and step + 1 < config.steps:
+                    raise RunInterrupted(out_dir, step + 1, stop.signum)
     finally:
         source.close()
         checkpoints.close()
@@ -236,26 +280,49 @@ def _checkpoint_state(run: Run) -> dict[str, Any]:
     return {"params": run.learner.params, "opt_state": run.learner.opt_state, "history": history}
 
 
+def _all_finite(tree) -> bool:
+    leaves = [x for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
+    return bool(jax.device_get(jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))))
+
+
 def _save(run: Run, checkpoints: CheckpointManager, next_step: int) -> None:
-    """Saves what resuming at `next_step` needs: params, optimizer, the store's history."""
+    """Saves what resuming at `next_step` needs: params, optimizer, the store's history.
+    Never from non-finite state: that would poison every resume."""
+    state = _checkpoint_state(run)
+    if not _all_finite(state):
+        raise FloatingPointError(
+            f"step {next_step}: params or optimizer state are not finite; no checkpoint "
+            "written (the last one is kept)."
+        )
     metadata = {
         "next_step": next_step,
         "seed": run.config.seed,
-        "config_hash": config_hash(run.config),
+        "config_hash": resume_hash(run.config),
         "store_versions": run.store.versions(),
         "data_position": next_step * run.config.rollout.groups_per_batch,
     }
-    checkpoints.save(next_step, _checkpoint_state(run), metadata)
+    checkpoints.save(next_step, state, metadata)
 
 
-def _restore(run: Run, checkpoints: CheckpointManager) -> int:
+def _check_resumable(run: Run, metadata: dict, out_dir: Path) -> None:
+    if metadata.get("config_hash") == resume_hash(run.config):
+        return
+    saved = out_dir / "config.json"
+    changed = []
+    if saved.is_file():
+        old = json.loads(saved.read_text())
+        changed = [k for k, _, _ in config_io.config_diff(old, run.config)]
+        changed = [k for k in changed if k.split(".")[0] not in RESUMABLE_FIELDS]
+    fields = f" ({', '.join(changed)} changed)" if changed else ""
+    raise ValueError(
+        f"the checkpoint in {str(out_dir)!r} was written by a different config{fields}; "
+        f"only {', '.join(RESUMABLE_FIELDS)} may change on resume."
+    )
+
+
+def _restore(run: Run, checkpoints: CheckpointManager, out_dir: Path) -> int:
     metadata = checkpoints.read_metadata()
-    if metadata.get("config_hash") != config_hash(run.config):
-        raise ValueError(
-            "the checkpoint in the run directory was written by a different config "
-            f"(hash {metadata.get('config_hash')} != {config_hash(run.config)}); resume with "
-            "the same config or use a new directory."
-        )
+    _check_resumable(run, metadata, out_dir)
     versions = metadata["store_versions"]
     target = {
         "params": run.learner.params,
@@ -270,23 +337,37 @@ def _restore(run: Run, checkpoints: CheckpointManager) -> int:
     return int(metadata["next_step"])
 
 
-def evaluate_checkpoint(config: TrainConfig, checkpoint_dir: str | os.PathLike) -> dict:
-    """Held-out evaluation of the newest checkpoint in `checkpoint_dir` (a run's
-    `checkpoints/` folder or the run folder itself)."""
-    path = Path(checkpoint_dir)
+def _step_directory(path: Path, step: int | None) -> tuple[Path, int | None]:
+    """(checkpoints directory, step) for a run dir, a checkpoints dir or a step dir."""
     if (path / "checkpoints").is_dir():
-        path = path / "checkpoints"
+        return path / "checkpoints", step
+    if path.name.isdigit() and path.is_dir() and not (path / "checkpoints").exists():
+        if step is not None and step != int(path.name):
+            raise ValueError(f"--step {step} contradicts the step directory {str(path)!r}.")
+        return path.parent, int(path.name)
+    return path, step
+
+
+def evaluate_checkpoint(
+    config: TrainConfig, checkpoint_dir: str | os.PathLike, *, step: int | None = None
+) -> dict:
+    """Held-out evaluation of a checkpoint: `checkpoint_dir` is a run directory, its
+    `checkpoints/` folder or one step's folder; `step` picks a step (the newest if None)."""
+    path, step = _step_directory(Path(checkpoint_dir), step)
     run = build_run(config)
     with CheckpointManager(path, read_only=True) as checkpoints:
+        if step is not None and step not in checkpoints.steps():
+            raise ValueError(
+                f"no checkpoint of step {step} in {str(path)!r}; steps: {checkpoints.steps()}."
+            )
+        versions = checkpoints.read_metadata(step)["store_versions"]
         restored = checkpoints.restore(
+            step,
             target={
                 "params": run.learner.params,
                 "opt_state": run.learner.opt_state,
-                "history": {
-                    str(v): run.learner.params
-                    for v in checkpoints.read_metadata()["store_versions"]
-                },
-            }
+                "history": {str(v): run.learner.params for v in versions},
+            },
         )
     run.learner.params = restored.state["params"]
     scores = evaluate_run(run, jax.random.key(config.seed + 2))

@@ -1,6 +1,7 @@
 """Tests of the gac-jax command, with a fake training loop."""
 
 import json
+import signal
 import sys
 import types
 
@@ -10,6 +11,8 @@ import yaml
 from gac_jax.train.cli import main
 from gac_jax.train.config import get_preset, preset_names
 from gac_jax.train.config_io import apply_overrides, save_config
+from gac_jax.train.interrupt import RunInterrupted
+from gac_jax.train.loop import RESUMABLE_FIELDS
 from gac_jax.train.metrics import MetricWriter
 
 
@@ -21,16 +24,20 @@ def fake_loop(monkeypatch):
     class RunExistsError(ValueError):
         pass
 
-    def train(config, out_dir, resume=False):
+    def train(config, out_dir, resume=False, overwrite=False):
         calls.append(("train", config, out_dir, resume))
-        if out_dir.name == "taken" and not resume:
+        if out_dir.name == "taken" and not (resume or overwrite):
             raise RunExistsError(f"{str(out_dir)!r} already holds a run")
+        if out_dir.name == "preempted":
+            raise RunInterrupted(out_dir, 7, signal.SIGTERM)
 
-    def evaluate_checkpoint(config, checkpoint_dir):
+    def evaluate_checkpoint(config, checkpoint_dir, step=None):
         calls.append(("eval", config, checkpoint_dir))
         return {"pass@8": 0.5, "reward": float("nan")}
 
     fake.RunExistsError = RunExistsError
+    fake.RunInterrupted = RunInterrupted
+    fake.RESUMABLE_FIELDS = RESUMABLE_FIELDS
     fake.train = train
     fake.evaluate_checkpoint = evaluate_checkpoint
     monkeypatch.setitem(sys.modules, "gac_jax.train.loop", fake)
@@ -51,7 +58,6 @@ def test_train_passes_config_and_out_dir(fake_loop, tmp_path, capsys):
             "steps=5",
             "--out",
             str(out),
-            "--resume",
         ]
     )
     assert status == 0
@@ -59,7 +65,7 @@ def test_train_passes_config_and_out_dir(fake_loop, tmp_path, capsys):
     expected = apply_overrides(
         get_preset("countdown_sync"), ["rollout.lag=3", "gac.monitor_only=false", "steps=5"]
     )
-    assert (kind, config, out_dir, resume) == ("train", expected, out, True)
+    assert (kind, config, out_dir, resume) == ("train", expected, out, False)
     assert str(out) in capsys.readouterr().out
 
 
@@ -68,7 +74,52 @@ def test_train_into_an_existing_run_is_a_usage_error(fake_loop, tmp_path, capsys
         main(["train", "--out", str(tmp_path / "taken")])
     assert exit_info.value.code == 2
     assert "already holds a run" in capsys.readouterr().err
-    assert main(["train", "--out", str(tmp_path / "taken"), "--resume"]) == 0
+    assert main(["train", "--out", str(tmp_path / "taken"), "--overwrite"]) == 0
+
+
+def test_resume_continues_the_runs_own_config(fake_loop, tmp_path, capsys):
+    run = tmp_path / "run"
+    save_config(get_preset("countdown_lagged8"), run / "config.json")
+    assert main(["train", "--out", str(run), "--resume", "--set", "steps=400"]) == 0
+    [(_, config, out_dir, resume)] = fake_loop
+    assert config == apply_overrides(get_preset("countdown_lagged8"), ["steps=400"])
+    assert (out_dir, resume) == (run, True)
+    assert "resume: steps 100 -> 400" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--set", "rollout.lag=2"], "--resume: rollout.lag may not change on resume (only "),
+        (["--config", "demo"], "--resume continues the run's own config.json: drop --config."),
+    ],
+)
+def test_resume_refuses_what_may_not_change(fake_loop, tmp_path, capsys, argv, message):
+    run = tmp_path / "run"
+    save_config(get_preset("countdown_lagged8"), run / "config.json")
+    with pytest.raises(SystemExit) as e:
+        main(["train", "--out", str(run), "--resume", *argv])
+    assert e.value.code == 2 and message in capsys.readouterr().err
+    assert fake_loop == []
+
+
+def test_resume_of_a_directory_without_a_run(fake_loop, tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["train", "--out", str(tmp_path / "empty"), "--resume"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "config.json' does not exist; is" in err
+
+
+def test_an_interrupted_run_says_how_to_resume_and_exits_with_the_signal(
+    fake_loop, tmp_path, capsys
+):
+    status = main(["train", "--out", str(tmp_path / "preempted")])
+    assert status == 128 + signal.SIGTERM
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        f"SIGTERM: stopped after step 7 and saved a checkpoint; resume with `gac-jax train "
+        f"--out {tmp_path / 'preempted'} --resume`."
+    ]
 
 
 def test_train_defaults(fake_loop, tmp_path, monkeypatch):

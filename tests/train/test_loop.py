@@ -84,13 +84,30 @@ def test_resume_refuses_a_different_config(tmp_path, digit_task):
     loop.train(dataclasses.replace(_config(tmp_path, 1), eval_every=0), tmp_path / "run")
     written = (tmp_path / "run" / "config.json").read_text()
     other = dataclasses.replace(_config(tmp_path, 2), eval_every=0, seed=7)
-    with pytest.raises(ValueError, match="different config"):
+    with pytest.raises(ValueError, match=r"different config \(seed changed\); only steps, "):
         loop.train(other, tmp_path / "run", resume=True)
     # A fresh run into a directory that holds one is refused before it trains; neither
     # refusal overwrites the run's config.
-    with pytest.raises(loop.RunExistsError, match="holds a run .checkpoint at step 1.: resume"):
+    with pytest.raises(loop.RunExistsError, match="holds a run .checkpoints, metrics.jsonl"):
         loop.train(other, tmp_path / "run")
     assert (tmp_path / "run" / "config.json").read_text() == written
+    # Steps and the evaluation cadence may change on resume.
+    longer = dataclasses.replace(_config(tmp_path, 2), eval_every=1, eval_size=2)
+    loop.train(longer, tmp_path / "run", resume=True)
+    assert [r["step"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl")] == [0, 1]
+
+
+def test_a_run_without_checkpoints_is_not_overwritten_unless_asked(tmp_path, digit_task):
+    config = dataclasses.replace(_config(tmp_path, 1), eval_every=0, checkpoint_every=0)
+    loop.train(config, tmp_path / "run")
+    assert not (tmp_path / "run" / "checkpoints").exists() or not any(
+        (tmp_path / "run" / "checkpoints").iterdir()
+    )
+    with pytest.raises(loop.RunExistsError, match="holds a run .*metrics.jsonl"):
+        loop.train(config, tmp_path / "run")
+    (tmp_path / "run" / "metrics.jsonl").write_text("")
+    loop.train(config, tmp_path / "run", overwrite=True)
+    assert [r["step"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl")] == [0]
 
 
 @pytest.mark.parametrize(

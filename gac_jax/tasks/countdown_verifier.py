@@ -17,7 +17,6 @@ Problems, their generation and the reference search are in `gac_jax.tasks.countd
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 from fractions import Fraction
 from typing import NamedTuple
@@ -41,7 +40,7 @@ MAX_DEPTH = 16
 # Longest literal: bounds int() on adversarial digit runs; the given numbers are short.
 _MAX_LITERAL_DIGITS = 9
 
-_ANSWER_TAG_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+_OPEN_TAG, _CLOSE_TAG = "<answer>", "</answer>"
 
 
 class CountdownVerdict(NamedTuple):
@@ -60,9 +59,29 @@ class ExpressionError(ValueError):
 def extract_countdown_answer(completion: str) -> str:
     """The answer part of a completion: the last ``<answer>...</answer>`` content if any,
     else the completion; surrounding whitespace stripped, cut at the first newline."""
-    tagged = _ANSWER_TAG_RE.findall(completion)
-    text = tagged[-1] if tagged else completion
+    tagged = _last_tagged(completion)
+    text = completion if tagged is None else tagged
     return text.strip().split("\n", 1)[0].strip()
+
+
+def _last_tagged(text: str) -> str | None:
+    """The content of the last match of a left-to-right scan for ``<answer>(.*?)</answer>``
+    (dot matching newlines), or None; in linear time, where that regex is quadratic on
+    thousands of unclosed ``<answer>`` tags.
+
+    Each match pairs the first opening tag after the previous match with the first closing
+    tag after it, and the tags cannot overlap. So the last match closes at the first
+    closing tag after the last opening tag that some closing tag follows, and opens at the
+    first opening tag after the closing tag before that one.
+    """
+    last_close = text.rfind(_CLOSE_TAG)
+    last_open = text.rfind(_OPEN_TAG, 0, max(last_close, 0))
+    if last_close < 0 or last_open < 0:
+        return None
+    close = text.find(_CLOSE_TAG, last_open + len(_OPEN_TAG))
+    previous_close = text.rfind(_CLOSE_TAG, 0, close)
+    start = 0 if previous_close < 0 else previous_close + len(_CLOSE_TAG)
+    return text[text.find(_OPEN_TAG, start) + len(_OPEN_TAG) : close]
 
 
 def _tokenize(text: str) -> list[tuple[str, int | None]]:

@@ -56,9 +56,33 @@ _NUMBER_RE = re.compile(
 )
 # Markers after which the answer must follow at once (spaces, colons and markdown bold
 # skipped): "Answer: Janet has 16 eggs ... 18" is read by the last-number rule instead.
-_HASHES_RE = re.compile(r"####[\s*]*")
-_ANSWER_IS_RE = re.compile(r"answer\s*(?:is\b|:)[\s*:]*", re.IGNORECASE)
-_BOXED_RE = re.compile(r"\\boxed\s*\{([^{}]*)\}")
+# Each pattern matches exactly the markers that a number follows (the lookahead is
+# `_NUMBER_RE`'s own start), so a text full of bare markers yields no matches to loop over.
+_NUMBER_START = r"(?=-?\$?\.?\d)"
+# "####" runs: the non-overlapping scan reads only the last "####" of a run, and only a run
+# whose length is a multiple of four is followed by something other than "#".
+_HASHES_RE = re.compile(r"#(?<!##)###(?:####)*(?!#)[\s*]*" + _NUMBER_START)
+_ANSWER_IS_RE = re.compile(r"answer\s*(?:is\b|:)[\s*:]*" + _NUMBER_START, re.IGNORECASE)
+# A box without a digit holds no number.
+_BOXED_RE = re.compile(r"\\boxed\s*\{([^{}\d]*\d[^{}]*)\}")
+
+# The last-number rule reads the text backwards, one segment at a time, so it touches only
+# the end of a long text. A segment starts at a cut: a place between two characters that
+# no number match can span (a letter, a "+", two spaces, a "-" after a digit, ...), so the
+# left-to-right scan of `_NUMBER_RE` from a cut sees exactly the matches that the scan of
+# the whole text sees there. `_REV_RUN_RE` runs over the reversed text from a segment's
+# last digit and stops at the first cut: each alternative admits a character only next to
+# a character it can share a match with (a "," only before three digits, a space only next
+# to "/", a "-" only as a sign).
+_REV_RUN_RE = re.compile(
+    r"\d(?:(?<=[\d,./\s])\d+|(?<=\d\d\d),|(?<=\d)\.|(?<=\d)\s(?=/)|(?<=/)\s"
+    r"|(?<=[\s\d])/|(?<=[.\d])\$|(?<=[$.\d])-)*"
+)
+_REV_NON_DIGITS_RE = re.compile(r"\D*")
+# Longest segment read whole. Only adversarial text has longer ones (a 5,000-character
+# chain such as "1/2/3/..." or "1.1.1..."); there the segment is read from this many
+# characters before its end, which bounds the work and may split its first number.
+_MAX_SEGMENT = 4096
 
 
 def _to_text(value) -> str:
@@ -88,12 +112,12 @@ def _number_from_match(text: str, match: re.Match) -> Fraction | None:
     digits = (int_part or "").replace(",", "")
     if len(digits) + len(dec or "") + len(den or "") > _MAX_DIGITS:
         return None
+    if den is not None and not den.strip("0"):
+        return None  # before any Fraction work: texts can hold thousands of "n/0"
     value = Fraction(int(digits or "0"))
     if dec is not None:
         value += Fraction(int(dec), 10 ** len(dec))
     if den is not None:
-        if int(den) == 0:
-            return None
         value /= int(den)
     if match.group("sign") and _is_sign(text, match.start()):
         return -value
@@ -105,6 +129,25 @@ def _iter_numbers(text: str):
         value = _number_from_match(text, match)
         if value is not None:
             yield value
+
+
+def _last_number(text: str) -> Fraction | None:
+    """``find_numbers(text)[-1]`` (None if empty), in time proportional to the segments read
+    from the end (see `_REV_RUN_RE`) rather than to the whole text."""
+    rev, n = text[::-1], len(text)
+    end = n
+    while end > 0:
+        end = n - _REV_NON_DIGITS_RE.match(rev, n - end).end()  # just after the last digit
+        if end == 0:
+            return None
+        run = _REV_RUN_RE.match(rev, n - end, n - end + _MAX_SEGMENT)
+        start = end - (run.end() - run.start())
+        for match in reversed(list(_NUMBER_RE.finditer(text, start, end))):
+            value = _number_from_match(text, match)
+            if value is not None:
+                return value
+        end = start
+    return None
 
 
 def find_numbers(text) -> list[Fraction]:
@@ -137,8 +180,7 @@ def parse_number(text) -> Fraction | None:
         return Fraction(text)
     if isinstance(text, float):
         return Fraction(text) if math.isfinite(text) else None
-    numbers = find_numbers(text)
-    return numbers[-1] if numbers else None
+    return _last_number(_to_text(text))
 
 
 def _number_at(text: str, start: int) -> Fraction | None:
@@ -169,8 +211,7 @@ def extract_numeric_answer(text) -> Fraction | None:
             value = _number_at(text, match.end())
             if value is not None:
                 return value
-        numbers = find_numbers(text)
-        return numbers[-1] if numbers else None
+        return _last_number(text)
     except Exception:  # model output must never crash a reward
         return None
 

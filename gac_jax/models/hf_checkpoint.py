@@ -15,6 +15,7 @@ Needs the `safetensors` package.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from collections.abc import Callable, Iterator
@@ -129,16 +130,80 @@ def _weight_files(path: Path) -> dict[str, Path]:
     """HF tensor name -> file holding it."""
     index_path = path / INDEX_FILE
     if index_path.is_file():
-        weight_map = json.loads(index_path.read_text())["weight_map"]
-        return {name: path / file for name, file in weight_map.items()}
+        weight_map = _read_json(index_path).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"{str(index_path)!r} has no weight_map object.")
+        return _indexed_files(path, weight_map)
     single = path / SINGLE_FILE
     if single.is_file():
-        _, safe_open = _safetensors()
-        with safe_open(single, framework="numpy") as f:
+        with _SafetensorsFile(single) as f:
             return {name: single for name in f.keys()}
     raise FileNotFoundError(
         f"Checkpoint directory {str(path)!r} has neither {SINGLE_FILE} nor {INDEX_FILE}."
     )
+
+
+def _read_json(file: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ValueError(f"{str(file)!r} is not valid JSON: {error}.") from error
+    if not isinstance(data, dict):
+        raise ValueError(f"{str(file)!r} holds a JSON {type(data).__name__}, not an object.")
+    return data
+
+
+def _indexed_files(path: Path, weight_map: dict[str, Any]) -> dict[str, Path]:
+    """The index's files, each checked to lie inside `path`: a checkpoint from elsewhere
+    must not make the loader open files outside its directory."""
+    root = path.resolve()
+    files = {}
+    for name, file in weight_map.items():
+        resolved = (root / str(file)).resolve()
+        if os.path.isabs(str(file)) or not resolved.is_relative_to(root):
+            raise ValueError(
+                f"{INDEX_FILE} maps {name!r} to {str(file)!r}, outside the checkpoint "
+                f"directory {str(path)!r}."
+            )
+        files[name] = path / str(file)
+    return files
+
+
+@contextlib.contextmanager
+def _named_errors(file: Path):
+    """Re-raises the safetensors library's errors as a ValueError naming `file` (its own
+    message does not say which file is corrupt)."""
+    import safetensors
+
+    try:
+        yield
+    except safetensors.SafetensorError as error:
+        raise ValueError(
+            f"Safetensors file {str(file)!r} is corrupt or truncated: {error}."
+        ) from error
+
+
+class _SafetensorsFile:
+    """An open safetensors file whose errors name it."""
+
+    def __init__(self, file: Path):
+        _, safe_open = _safetensors()
+        self.file = file
+        with _named_errors(file):
+            self._handle = safe_open(file, framework="numpy").__enter__()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self._handle.__exit__(None, None, None)
+
+    def keys(self) -> list[str]:
+        return list(self._handle.keys())
+
+    def get_tensor(self, name: str) -> np.ndarray:
+        with _named_errors(self.file):
+            return self._handle.get_tensor(name)
 
 
 class _TensorReader:
@@ -146,7 +211,7 @@ class _TensorReader:
 
     def __init__(self, files: dict[str, Path]):
         self.files = files
-        self._open: dict[Path, Any] = {}
+        self._open: dict[Path, _SafetensorsFile] = {}
 
     def __enter__(self):
         return self
@@ -159,8 +224,7 @@ class _TensorReader:
     def read(self, name: str) -> np.ndarray:
         file = self.files[name]
         if file not in self._open:
-            _, safe_open = _safetensors()
-            self._open[file] = safe_open(file, framework="numpy").__enter__()
+            self._open[file] = _SafetensorsFile(file)
         return self._open[file].get_tensor(name)
 
 
@@ -196,8 +260,10 @@ def load_hf_checkpoint(
 
     Raises:
       FileNotFoundError: if the directory lacks the files above.
-      ValueError: if the config is unsupported, a tensor is missing, has the wrong shape,
-        or the checkpoint holds tensors this architecture does not use.
+      ValueError: if the config is unsupported or corrupt, a tensor is missing, has the
+        wrong shape, or the checkpoint holds tensors this architecture does not use; if
+        the index maps a tensor to a file outside the directory; if a safetensors file is
+        corrupt or truncated (each message names the file or entry).
     """
     path = Path(path)
     config = config_from_hf(read_hf_config(path), **config_overrides)

@@ -15,6 +15,15 @@ from typing import Any
 from gac_jax.models.config import ModelConfig, RopeScaling
 
 CONFIG_FILE = "config.json"
+#: Keys of `config.json` that `config_from_hf` cannot default.
+REQUIRED_KEYS = (
+    "model_type",
+    "vocab_size",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "intermediate_size",
+)
 
 _ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}
 
@@ -145,8 +154,24 @@ def config_to_hf(config: ModelConfig, *, dtype: str | None = None) -> dict[str, 
 
 
 def read_hf_config(path: str | os.PathLike) -> dict[str, Any]:
-    """The parsed `config.json` of a checkpoint directory."""
+    """The parsed `config.json` of a checkpoint directory.
+
+    Raises:
+      FileNotFoundError: if the directory has no `config.json`.
+      ValueError: if it is not a JSON object or lacks a key every decoder needs (the
+        message names the file).
+    """
     config_path = Path(path) / CONFIG_FILE
     if not config_path.is_file():
         raise FileNotFoundError(f"No {CONFIG_FILE} in checkpoint directory {str(path)!r}.")
-    return json.loads(config_path.read_text())
+    try:
+        hf_config = json.loads(config_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ValueError(f"{str(config_path)!r} is not valid JSON: {error}.") from error
+    if not isinstance(hf_config, dict):
+        kind = type(hf_config).__name__
+        raise ValueError(f"{str(config_path)!r} holds a JSON {kind}, not an object.")
+    missing = [key for key in REQUIRED_KEYS if key not in hf_config]
+    if missing:
+        raise ValueError(f"{str(config_path)!r} lacks the required keys {missing}.")
+    return hf_config

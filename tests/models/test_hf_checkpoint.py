@@ -230,3 +230,75 @@ def test_checkpoint_errors(hf, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({**config, "intermediate_size": 80}))
     with pytest.raises(ValueError, match=r"gate_proj.weight.*\(96, 64\)"):
         load_hf_checkpoint(tmp_path)
+
+
+def _copy_checkpoint(source, target):
+    target.mkdir()
+    for file in source.iterdir():
+        (target / file.name).write_bytes(file.read_bytes())
+    return target
+
+
+@pytest.mark.parametrize("entry", ["../elsewhere/w.safetensors", "/abs/w.safetensors"])
+def test_index_entries_outside_the_directory_are_rejected(hf, tmp_path, entry):
+    _, hf_model, _ = hf
+    checkpoint = tmp_path / "ckpt"
+    hf_model.save_pretrained(checkpoint, max_shard_size="40KB")
+    (tmp_path / "elsewhere").mkdir()
+    index_path = checkpoint / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    index["weight_map"]["model.norm.weight"] = entry
+    index_path.write_text(json.dumps(index))
+    want = (
+        f"model.safetensors.index.json maps 'model.norm.weight' to {entry!r}, outside the "
+        f"checkpoint directory {str(checkpoint)!r}."
+    )
+    with pytest.raises(ValueError) as error:
+        load_hf_checkpoint(checkpoint)
+    assert str(error.value) == want
+
+
+def test_corrupt_config_json_names_the_file(hf, tmp_path):
+    _, _, path = hf
+    checkpoint = _copy_checkpoint(path, tmp_path / "ckpt")
+    config_path = checkpoint / "config.json"
+    config = json.loads(config_path.read_text())
+
+    config_path.write_text('{"model_type": "qwen3",')
+    with pytest.raises(ValueError) as error:
+        load_hf_checkpoint(checkpoint)
+    assert str(error.value) == (
+        f"{str(config_path)!r} is not valid JSON: Expecting property name enclosed in double "
+        "quotes: line 1 column 24 (char 23)."
+    )
+
+    config_path.write_text("[1, 2]")
+    with pytest.raises(ValueError) as error:
+        load_hf_checkpoint(checkpoint)
+    assert str(error.value) == f"{str(config_path)!r} holds a JSON list, not an object."
+
+    del config["hidden_size"], config["vocab_size"]
+    config_path.write_text(json.dumps(config))
+    with pytest.raises(ValueError) as error:
+        load_hf_checkpoint(checkpoint)
+    assert str(error.value) == (
+        f"{str(config_path)!r} lacks the required keys ['vocab_size', 'hidden_size']."
+    )
+
+
+def test_truncated_or_corrupt_safetensors_names_the_file(hf, tmp_path):
+    _, _, path = hf
+    checkpoint = _copy_checkpoint(path, tmp_path / "ckpt")
+    weights = checkpoint / "model.safetensors"
+    whole = weights.read_bytes()
+    for damaged, reason in [
+        (whole[: len(whole) // 2], "incomplete metadata, file not fully covered"),
+        (b"garbage", "header too small"),
+    ]:
+        weights.write_bytes(damaged)
+        with pytest.raises(ValueError) as error:
+            load_hf_checkpoint(checkpoint)
+        assert str(error.value) == (
+            f"Safetensors file {str(weights)!r} is corrupt or truncated: "
+            f"Error while deserializing header: {reason}."
+        )

@@ -5,6 +5,7 @@ from gac_jax.learner.learner import (
     BATCH_AXES,
     GRPOLearner,
     LearnerConfig,
+    NonFiniteStepError,
     ShardedLearner,
     optimizer_shardings,
 )
@@ -23,6 +24,7 @@ __all__ = [
     "GRPOLearner",
     "LearnerConfig",
     "LossConfig",
+    "NonFiniteStepError",
     "Objective",
     "OptimizerConfig",
     "ShardedLearner",

@@ -47,6 +47,14 @@ def _replaced_leaves(opt_state) -> set[int]:
     }
 
 
+class NonFiniteStepError(RuntimeError):
+    """Too many consecutive train steps had a non-finite loss, gradient or update.
+
+    Each was skipped (params and optimizer state untouched), so the learner's state is that
+    of the last finite step and safe to checkpoint; the run cannot make progress, though.
+    """
+
+
 @dataclasses.dataclass(frozen=True)
 class LearnerConfig:
     """How the learner runs the step (the objective itself is a `LossConfig`).
@@ -54,15 +62,21 @@ class LearnerConfig:
     Attributes:
       micro_batches: gradient accumulation: the batch is split into this many chunks, whose
         gradients are summed exactly (`make_train_step`); it must divide the batch.
+      max_consecutive_nonfinite: a step with a non-finite loss, gradient or update is
+        skipped (`make_train_step`); this many skipped in a row raise `NonFiniteStepError`.
     """
 
     micro_batches: int = 1
+    max_consecutive_nonfinite: int = 3
 
     def validate(self) -> None:
         """Raises ValueError naming a bad field."""
         m = self.micro_batches
         if isinstance(m, bool) or not isinstance(m, int) or m < 1:
             raise ValueError(f"micro_batches={m!r} must be an int >= 1.")
+        k = self.max_consecutive_nonfinite
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ValueError(f"max_consecutive_nonfinite={k!r} must be an int >= 1.")
 
 
 class ShardedLearner:
@@ -186,6 +200,11 @@ class GRPOLearner(ShardedLearner):
         self.config.validate()
         self.objective = Objective(LossConfig() if loss is None else loss)
         self.micro_batches = self.config.micro_batches
+        self.max_consecutive_nonfinite = self.config.max_consecutive_nonfinite
+        self.consecutive_nonfinite = 0
+        # Learner versions of the last finite step and of the first of the skipped run.
+        self._last_finite_step: int | None = None
+        self._first_nonfinite_step: int | None = None
         graphdef = nnx.graphdef(model)
         step = make_train_step(graphdef, tx, loss, micro_batches=self.micro_batches)
         super().__init__(model, tx, mesh, step, num_extra=1, rules=rules)
@@ -226,7 +245,29 @@ class GRPOLearner(ShardedLearner):
         return batch
 
     def step(self, batch: TrainBatch, learner_version: int) -> dict[str, float]:
-        """One update on `batch` (host or placed); returns the metrics as Python floats."""
+        """One update on `batch` (host or placed); returns the metrics as Python floats.
+
+        A non-finite step is skipped (metric `nonfinite_step` = 1.0, state untouched);
+        `config.max_consecutive_nonfinite` of them in a row raise `NonFiniteStepError`.
+        """
         if not isinstance(batch.tokens, jax.Array) or batch.tokens.sharding != self.batch_sharding:
             batch = self.place_batch(batch)
-        return self.run_step(batch, np.int32(learner_version))
+        metrics = self.run_step(batch, np.int32(learner_version))
+        if metrics["nonfinite_step"] == 0.0:
+            self.consecutive_nonfinite = 0
+            self._last_finite_step = learner_version
+            return metrics
+        if self.consecutive_nonfinite == 0:
+            self._first_nonfinite_step = learner_version
+        self.consecutive_nonfinite += 1
+        if self.consecutive_nonfinite >= self.max_consecutive_nonfinite:
+            kept = (
+                f"those of step {self._last_finite_step}"
+                if self._last_finite_step is not None
+                else f"those from before step {self._first_nonfinite_step}"
+            )
+            raise NonFiniteStepError(
+                f"step {learner_version}: {self.consecutive_nonfinite} consecutive non-finite "
+                f"steps (loss/gradient/update); params and optimizer state are {kept}"
+            )
+        return metrics

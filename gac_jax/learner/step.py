@@ -114,6 +114,31 @@ def _batch_metrics(batch: TrainBatch, learner_version, adv_n) -> dict[str, jax.A
     }
 
 
+def _guarded_update(tx, grads, opt_state, params, loss, **extra_args):
+    """Applies `tx`'s update unless the loss, gradient norm or update norm is non-finite.
+
+    Returns `(params, opt_state, metrics)`; the metrics hold `nonfinite_step` (1.0 if the
+    step was skipped), the norms and the chain's statistics of this update. A select inside
+    the step, not a Python branch: params and optimizer state are donated, so the old values
+    exist only here. It returns the new values bit for bit when the step is finite, and the
+    old ones bit for bit (Adam moments, GAC's reference and counters, ESS state) when it is
+    not, so one poisoned batch costs one skipped step, not the run.
+    """
+    updates, new_opt_state = tx.update(grads, opt_state, params, **extra_args)
+    grad_norm, update_norm = optax.tree.norm(grads), optax.tree.norm(updates)
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & jnp.isfinite(update_norm)
+    new = (optax.apply_updates(params, updates), new_opt_state)
+    params, opt_state = jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, (params, opt_state))
+    metrics = {
+        "nonfinite_step": jnp.where(finite, 0.0, 1.0).astype(jnp.float32),
+        "grad_norm": grad_norm,
+        "update_norm": update_norm,
+        # The statistics of this step's update, even when it was skipped (they say why).
+        **_chain_statistics(new_opt_state),
+    }
+    return params, opt_state, metrics
+
+
 def make_train_step(
     graphdef: nnx.GraphDef,
     tx: optax.GradientTransformationExtraArgs,
@@ -132,6 +157,10 @@ def make_train_step(
         accumulated, each weighted by its share of the loss's normaliser, so the update
         does not depend on it. Advantages and whole-batch statistics are computed on the
         whole batch first, so groups are never split.
+
+    A step whose loss, gradient norm or update norm is not finite is skipped: it returns
+    params and optimizer state unchanged and the metric `nonfinite_step` is 1.0 (else 0.0);
+    the other metrics describe the bad batch and may be NaN.
     """
     objective = Objective(LossConfig() if loss is None else loss)
     if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
@@ -191,20 +220,23 @@ def make_train_step(
 
         log_w = objectives.sequence_log_ratio(logp, batch.behaviour_logp, batch.loss_mask)
         has_tokens = jnp.any(batch.loss_mask, axis=1)
-        updates, opt_state = tx.update(
-            grads, opt_state, params, log_importance_weights=log_w, sequence_mask=has_tokens
+        params, opt_state, update_metrics = _guarded_update(
+            tx,
+            grads,
+            opt_state,
+            params,
+            total,
+            log_importance_weights=log_w,
+            sequence_mask=has_tokens,
         )
-        params = optax.apply_updates(params, updates)
         metrics = {
             "loss": total,
             **_batch_metrics(batch, learner_version, adv_n),
-            "grad_norm": optax.tree.norm(grads),
-            "update_norm": optax.tree.norm(updates),
             **{f"loss/{k}": v for k, v in aux.items()},
             "loss/entropy": masked_mean(entropy, batch.loss_mask),
             **{f"advantage/{k}": v for k, v in adv_aux.items() if jnp.ndim(v) == 0},
             **objectives.off_policy_diagnostics(logp, batch.behaviour_logp, batch.loss_mask),
-            **_chain_statistics(opt_state),
+            **update_metrics,
         }
         return params, opt_state, metrics
 

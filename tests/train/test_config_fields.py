@@ -118,6 +118,12 @@ FIELDS = {
         "{cup: 3.0}",
     ),
     "learner.micro_batches": ("4", lambda b, _: b["run"].learner.micro_batches, 4, "3"),
+    "learner.max_consecutive_nonfinite": (
+        "5",
+        lambda b, _: b["run"].learner.max_consecutive_nonfinite,
+        5,
+        "0",
+    ),
     "generation.group_size": ("4", lambda b, _: b["run"].generator.group_size, 4, "1"),
     "generation.prompt_length": ("40", lambda b, _: b["run"].generator.prompt_length, 40, "0"),
     "generation.max_new_tokens": ("12", lambda b, _: b["run"].sampler.max_new_tokens, 12, "0"),

@@ -6,6 +6,8 @@ import collections
 import dataclasses
 import threading
 import time
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from gac_jax.rollout.record import Rollout
 from gac_jax.rollout.staleness import (
@@ -98,8 +100,15 @@ class RolloutBuffer:
       version v only if j < (v + max_staleness + 1) * groups_per_batch. Groups finished out
       of order can still end up stale; `take` drops (and counts) those too.
 
+    A reservation is held until its group is put, or given back with `release()` by a
+    producer that will not put it (it failed, or was stopped). One never given back holds
+    its place in the consumption order for good: under the block policy producers then run
+    one group less far ahead, and at max_staleness 0 the pipeline can stall.
+
     `close()` wakes every waiter (they raise `RolloutBufferClosed`); `fail(exc)` does the
     same with `RolloutWorkerError` so a worker's crash reaches the learner at once.
+
+    `state()` and `restore()` carry the counters across a checkpoint (see `state`).
 
     Args:
       capacity: most groups held at once (>= groups_per_batch); `put` blocks when full.
@@ -136,16 +145,23 @@ class RolloutBuffer:
 
     # ----------------------------------------------------------------------------- producers
 
-    def reserve(self, version: int, timeout: float | None = None) -> bool:
+    def reserve(
+        self, version: int | Callable[[], int | None], timeout: float | None = None
+    ) -> bool:
         """Waits for a generation slot for params of `version` (block policy; free otherwise).
 
-        Returns False on timeout; raises `RolloutBufferClosed` once closed.
+        `version` may be a function returning the latest published version (None: nothing
+        yet); it is read again each time a waiter wakes, so a producer that calls `wake()`
+        when a version is published (`ParamStore.subscribe`) is granted its slot at once,
+        instead of after a timeout. The producer must then sample with that version or a
+        newer one. Returns False on timeout; raises `RolloutBufferClosed` once closed.
         """
 
         def granted() -> bool:
-            return reservation_allowed(
+            latest = version() if callable(version) else version
+            return latest is not None and reservation_allowed(
                 self._reserved,
-                version,
+                latest,
                 max_staleness=self.max_staleness,
                 groups_per_batch=self.groups_per_batch,
                 stale_policy=self.stale_policy,
@@ -158,6 +174,19 @@ class RolloutBuffer:
                 return False
             self._reserved += 1
             return True
+
+    def release(self, count: int = 1) -> None:
+        """Gives back `count` reservations whose groups will never be put."""
+        with self._lock:
+            if not 0 <= count <= self._reserved:
+                raise ValueError(f"count={count} must lie in [0, {self._reserved} reserved].")
+            self._reserved -= count
+            self._lock.notify_all()
+
+    def wake(self) -> None:
+        """Makes every waiter check its condition again (a new version was published)."""
+        with self._lock:
+            self._lock.notify_all()
 
     def put(self, rollout: Rollout, timeout: float | None = None) -> bool:
         """Adds a group, waiting while the buffer is full. False on timeout."""
@@ -259,3 +288,56 @@ class RolloutBuffer:
                 reserved=self._reserved,
                 staleness_histogram=dict(sorted(self._histogram.items())),
             )
+
+    def waiting_group_ids(self) -> list[int]:
+        """Group ids of the groups waiting now, oldest first."""
+        with self._lock:
+            return [rollout.group_id for rollout in self._queue]
+
+    # ----------------------------------------------------------------------------- checkpoints
+
+    def state(self) -> dict[str, Any]:
+        """The counters a resumed buffer continues from (plain ints, JSON-serialisable).
+
+        The groups waiting are not carried (a resumed buffer starts empty and its producers
+        generate them again), so the counters read as if they had never been produced:
+        produced = consumed + dropped, and the reservations held are those of the consumed
+        groups (block policy; a dropped group gave its slot back) or of every produced group
+        (drop policy, where the count is a record, not a limit), at most those held now (a
+        buffer filled without reservations carries none). Reservations in flight are not
+        carried either. The reservation order is thus exact on resume: the next group
+        reserved is consumed at step `consumed // groups_per_batch` at the earliest.
+        """
+        with self._lock:
+            produced = self._consumed + self._dropped
+            return {
+                "produced": produced,
+                "consumed": self._consumed,
+                "dropped": self._dropped,
+                "reserved": min(  # Never more than held: a producer may put unreserved.
+                    self._reserved, held_after_drop(produced, self._dropped, self.stale_policy)
+                ),
+                "staleness_histogram": {int(k): int(v) for k, v in sorted(self._histogram.items())},
+            }
+
+    def restore(self, state: Mapping[str, Any]) -> RolloutBuffer:
+        """Continues the counters of `state()` on this fresh buffer; returns the buffer.
+
+        Histogram keys may be strings (as a JSON round trip leaves them).
+        """
+        names = ("produced", "consumed", "dropped", "reserved")
+        missing = sorted({*names, "staleness_histogram"} - set(state))
+        if missing:
+            raise ValueError(f"buffer state lacks {missing}.")
+        counts = {name: int(state[name]) for name in names}
+        if min(counts.values()) < 0 or counts["produced"] != counts["consumed"] + counts["dropped"]:
+            raise ValueError(f"buffer state {counts} must have produced = consumed + dropped >= 0.")
+        with self._lock:
+            if self._produced or self._reserved or self._queue or self._histogram:
+                raise RuntimeError("restore() needs a fresh buffer; this one has been used.")
+            self._produced, self._consumed = counts["produced"], counts["consumed"]
+            self._dropped, self._reserved = counts["dropped"], counts["reserved"]
+            self._histogram = collections.Counter(
+                {int(k): int(v) for k, v in state["staleness_histogram"].items()}
+            )
+        return self

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -17,6 +18,9 @@ class ParamStore:
     Params are held as they are given (device arrays stay on device, and are immutable, so
     readers never see a half-written version); `memory_bytes()` states the cost.
 
+    Waiters that are not blocked on the store itself (a buffer's reservation, which reads
+    the latest version inside its own condition) `subscribe` to be told of each publish.
+
     Args:
       history: how many of the newest versions stay readable (>= 1). Lagged mode with lag k
         needs k + 1.
@@ -28,6 +32,7 @@ class ParamStore:
         self._history = history
         self._versions: collections.OrderedDict[int, Any] = collections.OrderedDict()
         self._changed = threading.Condition()
+        self._subscribers: list[Callable[[int], None]] = []
 
     @property
     def history(self) -> int:
@@ -45,6 +50,27 @@ class ParamStore:
             while len(self._versions) > self._history:
                 self._versions.popitem(last=False)
             self._changed.notify_all()
+            subscribers = list(self._subscribers)
+        # Outside the lock: a subscriber takes its own lock, and may read this store under it.
+        for callback in subscribers:
+            callback(version)
+
+    def subscribe(self, callback: Callable[[int], None]) -> Callable[[], None]:
+        """Calls `callback(version)` after each publish; returns the function that unsubscribes.
+
+        The callback runs in the publishing thread, after the new version is readable, so a
+        waiter woken by it sees the version (`RolloutWorker` wakes the buffer's reservations
+        this way instead of polling).
+        """
+        with self._changed:
+            self._subscribers.append(callback)
+
+        def unsubscribe() -> None:
+            with self._changed:
+                if callback in self._subscribers:
+                    self._subscribers.remove(callback)
+
+        return unsubscribe
 
     def latest(self) -> tuple[Any, int]:
         """(params, version) of the newest version; raises LookupError if nothing is published."""

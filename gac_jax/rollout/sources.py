@@ -11,11 +11,18 @@ All three put the same `Rollout` records through a `RolloutBuffer` and take them
 the learner's version, so staleness is measured (and bounded) the same way in each.
 The learner publishes version `step` to the `ParamStore` before asking for that step's
 batch, and trains the params of version `step`.
+
+Each source's `state()` is a JSON-serialisable dict that its constructor's `resume_from`
+continues (a checkpoint stores it beside the params): the buffer's counters and, in async
+mode, the group numbering. Groups waiting in the buffer or in flight are not carried; a
+resumed async source generates them again (same group ids and prompts, fresh samples).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
+from typing import Any
 
 from gac_jax.rollout.buffer import BufferConfig, BufferStats, RolloutBuffer
 from gac_jax.rollout.param_store import ParamStore
@@ -79,13 +86,17 @@ def make_source(
     prompts: PromptOrder,
     *,
     seed: int = 0,
+    resume_from: Mapping[str, Any] | None = None,
 ):
-    """The rollout source of `config` (the buffer's settings apply to async mode)."""
+    """The rollout source of `config` (the buffer's settings apply to async mode).
+
+    `resume_from` is a previous source's `state()`, to continue a checkpointed run.
+    """
     args = (generate_groups, store, prompts, config.groups_per_batch)
     if config.mode == "sync":
-        return SyncRollouts(*args, seed=seed)
+        return SyncRollouts(*args, seed=seed, resume_from=resume_from)
     if config.mode == "lagged":
-        return LaggedRollouts(*args, lag=config.lag, seed=seed)
+        return LaggedRollouts(*args, lag=config.lag, seed=seed, resume_from=resume_from)
     return AsyncRollouts(
         *args,
         max_staleness=buffer.max_staleness,
@@ -95,6 +106,7 @@ def make_source(
         groups_per_call=config.groups_per_call,
         seed=seed,
         take_timeout=buffer.take_timeout,
+        resume_from=resume_from,
     )
 
 
@@ -110,6 +122,7 @@ class _InlineRollouts:
         *,
         lag: int,
         seed: int = 0,
+        resume_from: Mapping[str, Any] | None = None,
     ):
         if lag < 0:
             raise ValueError(f"lag={lag} must be >= 0.")
@@ -124,6 +137,8 @@ class _InlineRollouts:
         self._prompts = prompts
         self._seed = seed
         self.buffer = RolloutBuffer(groups_per_batch, groups_per_batch, max_staleness=lag)
+        if resume_from is not None:
+            self.buffer.restore(resume_from["buffer"])
 
     def behaviour_version(self, step: int) -> int:
         return max(0, step - self.lag)
@@ -143,6 +158,10 @@ class _InlineRollouts:
     def stats(self) -> BufferStats:
         return self.buffer.stats()
 
+    def state(self) -> dict[str, Any]:
+        """The buffer's counters (prompts and keys are functions of the step)."""
+        return {"buffer": self.buffer.state()}
+
     def close(self) -> None:
         self.buffer.close()
 
@@ -150,8 +169,18 @@ class _InlineRollouts:
 class SyncRollouts(_InlineRollouts):
     """On-policy: every step's groups come from the params being trained."""
 
-    def __init__(self, generate_groups, store, prompts, groups_per_batch, *, seed=0):
-        super().__init__(generate_groups, store, prompts, groups_per_batch, lag=0, seed=seed)
+    def __init__(
+        self, generate_groups, store, prompts, groups_per_batch, *, seed=0, resume_from=None
+    ):
+        super().__init__(
+            generate_groups,
+            store,
+            prompts,
+            groups_per_batch,
+            lag=0,
+            seed=seed,
+            resume_from=resume_from,
+        )
 
 
 class LaggedRollouts(_InlineRollouts):
@@ -171,6 +200,8 @@ class AsyncRollouts:
       groups_per_call: groups each worker generates in one sampler call.
       seed: sampling seed.
       take_timeout: seconds `next_batch` waits before raising TimeoutError (None: forever).
+      resume_from: a previous `state()`: the buffer's counters continue and the workers
+        generate exactly the groups that run had not handed to the learner (see `state`).
     """
 
     def __init__(
@@ -187,10 +218,18 @@ class AsyncRollouts:
         groups_per_call: int = 1,
         seed: int = 0,
         take_timeout: float | None = 600.0,
+        resume_from: Mapping[str, Any] | None = None,
     ):
         self.buffer = RolloutBuffer(
             capacity or 2 * groups_per_batch, groups_per_batch, max_staleness, stale_policy
         )
+        numbering = {}
+        if resume_from is not None:
+            self.buffer.restore(resume_from["buffer"])
+            numbering = {
+                "first_group_id": int(resume_from["next_group_id"]),
+                "skip_group_ids": [int(g) for g in resume_from["skip_group_ids"]],
+            }
         self._take_timeout = take_timeout
         self.worker = RolloutWorker(
             generate_groups,
@@ -200,6 +239,7 @@ class AsyncRollouts:
             num_threads=num_threads,
             groups_per_call=groups_per_call,
             seed=seed,
+            **numbering,
         ).start()
 
     def next_batch(self, step: int) -> list[Rollout]:
@@ -207,6 +247,30 @@ class AsyncRollouts:
 
     def stats(self) -> BufferStats:
         return self.buffer.stats()
+
+    def state(self) -> dict[str, Any]:
+        """What a resumed source continues from; call it between steps (or after `close`).
+
+        Carried: the buffer's counters (`RolloutBuffer.state`) and the group numbering. Not
+        carried: the groups waiting in the buffer and those in flight (claimed by a worker,
+        not yet put); they are generated again after the resume, with the same ids and
+        prompts. `next_group_id` is the oldest such group (or the worker's next id), and
+        `skip_group_ids` lists the ids after it that were already handed out (consumed or
+        dropped), so no group is trained on twice and none is skipped.
+        """
+        # The worker first: a group put meanwhile is then in its pending ids, the buffer's,
+        # or both, never in neither (groups leave the buffer only in this thread's `take`).
+        worker = self.worker.state()
+        pending = set(worker["pending_group_ids"]) | set(self.buffer.waiting_group_ids())
+        buffer = self.buffer.state()
+        claimed = worker["next_group_id"]
+        first = min(pending, default=claimed)
+        handed_out = [g for g in range(first, claimed) if g not in pending]
+        return {
+            "buffer": buffer,
+            "next_group_id": first,
+            "skip_group_ids": handed_out + worker["skip_group_ids"],
+        }
 
     def close(self) -> None:
         """Closes the buffer (waking every producer) and joins the worker threads."""

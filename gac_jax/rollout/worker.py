@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple, Protocol
 
 import jax
@@ -16,7 +16,8 @@ from gac_jax.rollout.record import Rollout
 
 logger = logging.getLogger(__name__)
 
-# How often blocked workers look up to see whether they were asked to stop.
+# How often blocked workers look up to see whether they were asked to stop (a newly
+# published version wakes them at once: see `RolloutWorker._reserve`).
 _POLL_SECONDS = 0.05
 
 
@@ -77,7 +78,12 @@ class RolloutWorker:
     prompts, generate them in one call, put them.
     An exception in `generate_groups` fails the buffer, so the learner's next `take` raises
     it as `RolloutWorkerError` at once; `stop()` ends every thread within a poll interval
-    (plus the group being generated).
+    (plus the group being generated). A reservation blocked on an old version is woken by
+    the store's publish (`ParamStore.subscribe` -> `RolloutBuffer.wake`), not by a poll.
+
+    `state()` is what a resumed worker needs to generate every group exactly once: pass
+    its `next_group_id` as `first_group_id` (and, for an exact resume, see
+    `AsyncRollouts.state`, which also regenerates the groups that were in flight).
 
     Args:
       generate_groups: see `GenerateGroups`.
@@ -88,6 +94,8 @@ class RolloutWorker:
       groups_per_call: groups generated together (one sampler batch) by a thread.
       seed: sampling seed (group keys are `group_key(seed, group_id)`).
       first_group_id: group ids continue from here (for resumed runs).
+      skip_group_ids: ids at or after `first_group_id` that are never generated (groups a
+        run already handed out before it was resumed).
     """
 
     def __init__(
@@ -101,6 +109,7 @@ class RolloutWorker:
         groups_per_call: int = 1,
         seed: int = 0,
         first_group_id: int = 0,
+        skip_group_ids: Iterable[int] = (),
     ):
         if num_threads < 1:
             raise ValueError(f"num_threads={num_threads} must be >= 1.")
@@ -113,7 +122,10 @@ class RolloutWorker:
         self._prompts = prompts
         self._seed = seed
         self._next_group = first_group_id
+        self._skip = {int(g) for g in skip_group_ids if g >= first_group_id}
+        self._pending: set[int] = set()  # Claimed, not yet put.
         self._counter_lock = threading.Lock()
+        self._unsubscribe = None
         self._stop = threading.Event()
         self._threads = [
             threading.Thread(target=self._run, name=f"rollout-worker-{i}", daemon=True)
@@ -121,6 +133,7 @@ class RolloutWorker:
         ]
 
     def start(self) -> RolloutWorker:
+        self._unsubscribe = self._store.subscribe(lambda version: self._buffer.wake())
         for thread in self._threads:
             thread.start()
         return self
@@ -128,31 +141,48 @@ class RolloutWorker:
     def stop(self, timeout: float = 10.0) -> None:
         """Asks every thread to stop and waits for them (up to `timeout` seconds)."""
         self._stop.set()
+        if self._unsubscribe is not None:
+            self._unsubscribe()
         for thread in self._threads:
             thread.join(timeout)
+
+    def state(self) -> dict:
+        """Group numbering: the next id to claim, the ids claimed but not yet put (in flight
+        or lost with a stopped thread), and the skipped ids not yet reached."""
+        with self._counter_lock:
+            return {
+                "next_group_id": self._next_group,
+                "pending_group_ids": sorted(self._pending),
+                "skip_group_ids": sorted(g for g in self._skip if g >= self._next_group),
+            }
 
     @property
     def alive(self) -> bool:
         return any(thread.is_alive() for thread in self._threads)
 
     def _claim_groups(self) -> list[GroupRequest]:
+        ids = []
         with self._counter_lock:
-            first = self._next_group
-            self._next_group += self._groups_per_call
-        return [
-            GroupRequest(self._prompts.prompt_id(g), g)
-            for g in range(first, first + self._groups_per_call)
-        ]
+            while len(ids) < self._groups_per_call:
+                if self._next_group not in self._skip:
+                    ids.append(self._next_group)
+                self._skip.discard(self._next_group)
+                self._next_group += 1
+            self._pending.update(ids)
+        return [GroupRequest(self._prompts.prompt_id(g), g) for g in ids]
 
     def _reserve(self) -> bool:
-        """Reserves one slot per group of the next call; False if asked to stop first."""
+        """Reserves one slot per group of the next call; False if asked to stop first.
+
+        The version is read inside the buffer's wait, which the store's publish wakes, so a
+        slot that opens with a new version is taken at once.
+        """
         reserved = 0
         while reserved < self._groups_per_call:
             if self._stop.is_set():
+                self._buffer.release(reserved)  # Never to be put.
                 return False
-            if not self._store.wait_for_version(0, timeout=_POLL_SECONDS):
-                continue
-            if self._buffer.reserve(self._store.latest_version, timeout=_POLL_SECONDS):
+            if self._buffer.reserve(lambda: self._store.latest_version, timeout=_POLL_SECONDS):
                 reserved += 1
         return True
 
@@ -163,10 +193,14 @@ class RolloutWorker:
                 params, version = self._store.latest()
                 requests = self._claim_groups()
                 key = group_key(self._seed, requests[0].group_id)
-                for rollout in self._generate(params, version, requests, key):
+                rollouts = self._generate(params, version, requests, key)
+                for done, (request, rollout) in enumerate(zip(requests, rollouts, strict=True)):
                     while not self._buffer.put(rollout, timeout=_POLL_SECONDS):
                         if self._stop.is_set():
+                            self._buffer.release(len(requests) - done)
                             return
+                    with self._counter_lock:
+                        self._pending.discard(request.group_id)
         except RolloutBufferClosed:
             return
         except BaseException as error:  # noqa: BLE001 - every failure must reach the learner

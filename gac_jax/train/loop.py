@@ -138,11 +138,20 @@ def build_run(config: TrainConfig) -> Run:
     )
 
 
-def make_source(run: Run):
-    """The run's rollout source (sync, lagged or async, by `config.rollout.mode`)."""
+def make_source(run: Run, resume_from: dict | None = None):
+    """The run's rollout source (sync, lagged or async, by `config.rollout.mode`);
+    `resume_from` is the `state()` a checkpoint recorded."""
     c = run.config
     prompts = PromptOrder(len(run.train_examples), seed=c.seed)
-    return make_rollout_source(c.rollout, c.buffer, run.generator, run.store, prompts, seed=c.seed)
+    return make_rollout_source(
+        c.rollout,
+        c.buffer,
+        run.generator,
+        run.store,
+        prompts,
+        seed=c.seed,
+        resume_from=resume_from,
+    )
 
 
 def _snapshot(params):
@@ -226,14 +235,14 @@ def train(
     out_dir.mkdir(parents=True, exist_ok=True)
     checkpoints = CheckpointManager(out_dir / "checkpoints", max_to_keep=config.keep_checkpoints)
     run = build_run(config)
-    start_step = 0
+    start_step, rollout_state = 0, None
     if resume and checkpoints.latest_step() is not None:
-        start_step = _restore(run, checkpoints, out_dir)
+        start_step, rollout_state = _restore(run, checkpoints, out_dir)
     elif resume:
         logger.info("no checkpoint in %s: starting from step 0", out_dir / "checkpoints")
     # Written once the run is known to be this config's (a refused resume leaves it alone).
     (out_dir / "config.json").write_text(json.dumps(config_io.config_to_dict(run.config), indent=2))
-    source = make_source(run)
+    source = make_source(run, rollout_state)
     progress = ProgressLine(total=config.steps)
     try:
         with StopSignals() as stop, MetricWriter(out_dir, start_step=start_step) as writer:
@@ -244,7 +253,7 @@ def train(
                 last = step + 1 == config.steps
                 due = (step + 1) % config.checkpoint_every == 0 if config.checkpoint_every else 0
                 if (config.checkpoint_every and (due or last)) or stop.signum is not None:
-                    _save(run, checkpoints, step + 1)
+                    _save(run, checkpoints, step + 1, source)
                 if stop.signum is not None and step + 1 < config.steps:
                     raise RunInterrupted(out_dir, step + 1, stop.signum)
     finally:
@@ -285,9 +294,10 @@ def _all_finite(tree) -> bool:
     return bool(jax.device_get(jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))))
 
 
-def _save(run: Run, checkpoints: CheckpointManager, next_step: int) -> None:
-    """Saves what resuming at `next_step` needs: params, optimizer, the store's history.
-    Never from non-finite state: that would poison every resume."""
+def _save(run: Run, checkpoints: CheckpointManager, next_step: int, source) -> None:
+    """Saves what resuming at `next_step` needs: params, optimizer, the store's history,
+    the rollout source's state (group numbering, buffer accounting). Never from
+    non-finite state: that would poison every resume."""
     state = _checkpoint_state(run)
     if not _all_finite(state):
         raise FloatingPointError(
@@ -300,6 +310,7 @@ def _save(run: Run, checkpoints: CheckpointManager, next_step: int) -> None:
         "config_hash": resume_hash(run.config),
         "store_versions": run.store.versions(),
         "data_position": next_step * run.config.rollout.groups_per_batch,
+        "rollout_state": source.state(),
     }
     checkpoints.save(next_step, state, metadata)
 
@@ -320,7 +331,9 @@ def _check_resumable(run: Run, metadata: dict, out_dir: Path) -> None:
     )
 
 
-def _restore(run: Run, checkpoints: CheckpointManager, out_dir: Path) -> int:
+def _restore(run: Run, checkpoints: CheckpointManager, out_dir: Path) -> tuple[int, dict]:
+    """Restores params, optimizer and the store's history; returns the next step and the
+    rollout source's recorded state (None for checkpoints that predate it)."""
     metadata = checkpoints.read_metadata()
     _check_resumable(run, metadata, out_dir)
     versions = metadata["store_versions"]
@@ -334,7 +347,7 @@ def _restore(run: Run, checkpoints: CheckpointManager, out_dir: Path) -> int:
     run.learner.opt_state = restored["opt_state"]
     for v in versions:
         run.store.publish(restored["history"][str(v)], v)
-    return int(metadata["next_step"])
+    return int(metadata["next_step"]), metadata.get("rollout_state")
 
 
 def _step_directory(path: Path, step: int | None) -> tuple[Path, int | None]:

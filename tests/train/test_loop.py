@@ -9,11 +9,12 @@ import pytest
 from gac_jax import models
 from gac_jax.learner import LossConfig
 from gac_jax.models import MeshConfig
-from gac_jax.rollout import GenerationConfig, RolloutConfig
+from gac_jax.rollout import GenerationConfig, PromptOrder, RolloutConfig
 from gac_jax.tasks import get_task
 from gac_jax.train import loop
 from gac_jax.train.checkpoint import restore_checkpoint
 from gac_jax.train.config import TrainConfig
+from gac_jax.train.config_io import apply_overrides
 from gac_jax.train.metrics import read_metrics
 from gac_jax.transforms import GACConfig
 
@@ -144,3 +145,37 @@ def test_warm_start_init_asks_for_the_warm_start_of_the_task_and_model(monkeypat
     # The default task and model are served by the shipped checkpoint, untrained.
     shipped = warm_start.WarmStartConfig(task=TrainConfig().task, model=TrainConfig().model)
     assert warm_start.config_hash(shipped) == warm_start.config_hash(warm_start.WarmStartConfig())
+
+
+def _async_config(tmp_path, steps, workers):
+    config = dataclasses.replace(_config(tmp_path, steps), eval_every=0, checkpoint_every=3)
+    return apply_overrides(
+        config, ["rollout.mode=async", f"rollout.num_workers={workers}", "buffer.max_staleness=1"]
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stop", [2, 3])
+def test_async_resume_reuses_no_group_and_keeps_the_bound(tmp_path, digit_task, monkeypatch, stop):
+    consumed = []
+    real_collate = loop.collate
+
+    def recording_collate(rollouts, prompt_length):
+        consumed.extend((r.group_id, r.prompt_id) for r in rollouts)
+        return real_collate(rollouts, prompt_length)
+
+    monkeypatch.setattr(loop, "collate", recording_collate)
+    first = dataclasses.replace(_async_config(tmp_path, stop, workers=2), checkpoint_every=stop)
+    loop.train(first, tmp_path / "run")
+    loop.train(_async_config(tmp_path, 6, workers=2), tmp_path / "run", resume=True)
+    records = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert [r["step"] for r in records] == list(range(6))
+    ids = [g for g, _ in consumed]
+    assert len(ids) == len(set(ids)) == 6 * 2  # No group trained twice.
+    order = PromptOrder(
+        len(digit_task.data_source("train", data_dir=str(tmp_path / "tfds"))), seed=0
+    )
+    assert all(p == order.prompt_id(g) for g, p in consumed)  # Each id keeps its prompt.
+    assert max(r["version_gap_max"] for r in records) <= 1
+    assert all(r["buffer_dropped"] == 0 for r in records)  # Block policy: nothing dropped.
+

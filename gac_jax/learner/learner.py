@@ -268,6 +268,6 @@ class GRPOLearner(ShardedLearner):
             )
             raise NonFiniteStepError(
                 f"step {learner_version}: {self.consecutive_nonfinite} consecutive non-finite "
-                f"steps (loss/gradient/update); params and optimizer state are {kept}"
+                f"steps (loss, gradient, update or reward); params and optimizer state are {kept}"
             )
         return metrics

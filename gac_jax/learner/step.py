@@ -114,8 +114,9 @@ def _batch_metrics(batch: TrainBatch, learner_version, adv_n) -> dict[str, jax.A
     }
 
 
-def _guarded_update(tx, grads, opt_state, params, loss, **extra_args):
-    """Applies `tx`'s update unless the loss, gradient norm or update norm is non-finite.
+def _guarded_update(tx, grads, opt_state, params, loss, rewards, **extra_args):
+    """Applies `tx`'s update unless the loss, gradient norm or update norm is non-finite,
+    or a reward is (GRPO would zero that group's advantages and train on silently).
 
     Returns `(params, opt_state, metrics)`; the metrics hold `nonfinite_step` (1.0 if the
     step was skipped), the norms and the chain's statistics of this update. A select inside
@@ -127,6 +128,7 @@ def _guarded_update(tx, grads, opt_state, params, loss, **extra_args):
     updates, new_opt_state = tx.update(grads, opt_state, params, **extra_args)
     grad_norm, update_norm = optax.tree.norm(grads), optax.tree.norm(updates)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & jnp.isfinite(update_norm)
+    finite &= jnp.all(jnp.isfinite(rewards))
     new = (optax.apply_updates(params, updates), new_opt_state)
     params, opt_state = jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, (params, opt_state))
     metrics = {
@@ -226,6 +228,7 @@ def make_train_step(
             opt_state,
             params,
             total,
+            batch.rewards,
             log_importance_weights=log_w,
             sequence_mask=has_tokens,
         )

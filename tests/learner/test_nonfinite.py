@@ -171,6 +171,19 @@ def test_a_nan_log_prob_skips_the_step_and_the_next_batch_trains():
     assert learner.consecutive_nonfinite == 0
 
 
+def test_a_nan_reward_skips_the_step():
+    # GRPO would zero the group's advantages and train on with finite numbers: a broken
+    # reward function must be seen, not averaged away.
+    learner = _learner()
+    learner.step(_batch(seed=0), 0)
+    before = _host_state(learner)
+    rewards = np.asarray([0.0, np.nan, 0.0, 1.0], np.float32)
+    metrics = learner.step(_batch(seed=1, rewards=rewards), 1)
+    assert metrics["nonfinite_step"] == 1.0 and np.isfinite(metrics["grad_norm"])
+    _assert_bitwise_equal(_host_state(learner), before)
+    assert learner.step(_batch(seed=1), 2)["nonfinite_step"] == 0.0
+
+
 def test_a_minus_inf_behaviour_logp_never_poisons_the_state():
     learner = _learner()
     learner.step(_batch(seed=0), 0)
@@ -209,7 +222,7 @@ def test_consecutive_nonfinite_steps_raise_and_a_finite_one_resets_the_count():
     learner.step(_batch(seed=2), 13)
     learner.step(_batch(seed=2), 14)
     message = (
-        "step 15: 3 consecutive non-finite steps (loss/gradient/update); "
+        "step 15: 3 consecutive non-finite steps (loss, gradient, update or reward); "
         "params and optimizer state are those of step 12"
     )
     with pytest.raises(NonFiniteStepError) as raised:

@@ -114,7 +114,7 @@ def _batch_metrics(batch: TrainBatch, learner_version, adv_n) -> dict[str, jax.A
     }
 
 
-def _guarded_update(tx, grads, opt_state, params, loss, rewards, **extra_args):
+def guarded_update(tx, grads, opt_state, params, loss, rewards=None, **extra_args):
     """Applies `tx`'s update unless the loss, gradient norm or update norm is non-finite,
     or a reward is (GRPO would zero that group's advantages and train on silently).
 
@@ -128,7 +128,8 @@ def _guarded_update(tx, grads, opt_state, params, loss, rewards, **extra_args):
     updates, new_opt_state = tx.update(grads, opt_state, params, **extra_args)
     grad_norm, update_norm = optax.tree.norm(grads), optax.tree.norm(updates)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & jnp.isfinite(update_norm)
-    finite &= jnp.all(jnp.isfinite(rewards))
+    if rewards is not None:
+        finite &= jnp.all(jnp.isfinite(rewards))
     new = (optax.apply_updates(params, updates), new_opt_state)
     params, opt_state = jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, (params, opt_state))
     metrics = {
@@ -222,7 +223,7 @@ def make_train_step(
 
         log_w = objectives.sequence_log_ratio(logp, batch.behaviour_logp, batch.loss_mask)
         has_tokens = jnp.any(batch.loss_mask, axis=1)
-        params, opt_state, update_metrics = _guarded_update(
+        params, opt_state, update_metrics = guarded_update(
             tx,
             grads,
             opt_state,

@@ -15,6 +15,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from gac_jax.learner.learner import ShardedLearner
+from gac_jax.learner.step import guarded_update
 from gac_jax.models import ShardingRules, per_token_logps
 from gac_jax.numerics import masked_mean
 
@@ -49,9 +50,9 @@ def make_supervised_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformatio
             return sft_loss(model, batch["tokens"], batch["mask"], batch["loss_mask"])
 
         loss, grads = jax.value_and_grad(loss_fn)(params)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads)}
-        return optax.apply_updates(params, updates), opt_state, metrics
+        # The RL step's guard: a non-finite loss, gradient or update leaves the state as is.
+        params, opt_state, metrics = guarded_update(tx, grads, opt_state, params, loss)
+        return params, opt_state, {"loss": loss, **metrics}
 
     return step
 

@@ -19,10 +19,12 @@ from gac_jax.learner import (
     LearnerConfig,
     NonFiniteStepError,
     OptimizerConfig,
+    SupervisedLearner,
     TrainBatch,
     make_optimizer,
 )
 from gac_jax.rollout import Rollout, collate
+from gac_jax.train.supervised import encode_sft_batch
 from gac_jax.transforms import ESSConfig, GACConfig
 
 CONFIG = models.get_config("tiny")
@@ -243,3 +245,16 @@ def test_nonfinite_steps_before_any_finite_one_name_the_first_bad_step():
 def test_max_consecutive_nonfinite_is_validated(bad):
     with pytest.raises(ValueError, match=f"max_consecutive_nonfinite={bad!r}"):
         LearnerConfig(max_consecutive_nonfinite=bad).validate()
+
+
+def test_the_supervised_step_skips_a_poisoned_update_too():
+    tokenizer = models.CharTokenizer()
+    data = encode_sft_batch(tokenizer, ["Use 3 4: ", "ab"], ["3*4", "c"], length=16)
+    tx = optax.chain(_poison_from_host(), optax.adamw(1e-3))
+    learner = SupervisedLearner(models.create_model(CONFIG, seed=0), tx, models.make_mesh(1, 1, 1))
+    assert learner.step(data)["nonfinite_step"] == 0.0
+    before = _host_state(learner)
+    _POISON["value"] = np.nan
+    metrics = learner.step(data)
+    assert metrics["nonfinite_step"] == 1.0 and np.isfinite(metrics["loss"])
+    _assert_bitwise_equal(_host_state(learner), before)

@@ -40,6 +40,12 @@ __all__ = [
 #: |a - b| <= tol * max(1, |b|).
 DEFAULT_REL_TOL = 1e-6
 
+# Markers of one kind (and, for the last-number rule, number segments) tried from the end
+# of a text before that rule gives up: a text whose last 64 "####" (or boxes, or "answer
+# is", or segments) hold no valid number states no answer that way. Only hostile text
+# (thousands of `\boxed{1/0}`) gets there; the bound keeps it within the time budget.
+_MAX_MARKERS = 64
+
 # Longest digit run read as a number: bounds the work on adversarial output (Python also
 # refuses int() of more than 4300 digits) and no real answer comes close.
 _MAX_DIGITS = 60
@@ -133,10 +139,13 @@ def _iter_numbers(text: str):
 
 def _last_number(text: str) -> Fraction | None:
     """``find_numbers(text)[-1]`` (None if empty), in time proportional to the segments read
-    from the end (see `_REV_RUN_RE`) rather than to the whole text."""
+    from the end (see `_REV_RUN_RE`) rather than to the whole text; None if the last
+    `_MAX_MARKERS` segments hold no valid number."""
     rev, n = text[::-1], len(text)
     end = n
-    while end > 0:
+    for _ in range(_MAX_MARKERS):
+        if end <= 0:
+            break
         end = n - _REV_NON_DIGITS_RE.match(rev, n - end).end()  # just after the last digit
         if end == 0:
             return None
@@ -188,6 +197,11 @@ def _number_at(text: str, start: int) -> Fraction | None:
     return None if match is None else _number_from_match(text, match)
 
 
+def _last_matches(pattern: re.Pattern, text: str) -> list[re.Match]:
+    """The last `_MAX_MARKERS` matches of `pattern` in `text`, the last first."""
+    return list(pattern.finditer(text))[-_MAX_MARKERS:][::-1]
+
+
 def extract_numeric_answer(text) -> Fraction | None:
     """The final numeric answer stated in `text`, by the precedence rules of this module.
 
@@ -199,15 +213,15 @@ def extract_numeric_answer(text) -> Fraction | None:
     """
     try:
         text = _to_text(text)
-        for match in reversed(list(_HASHES_RE.finditer(text))):
+        for match in _last_matches(_HASHES_RE, text):
             value = _number_at(text, match.end())
             if value is not None:
                 return value
-        for match in reversed(list(_BOXED_RE.finditer(text))):
+        for match in _last_matches(_BOXED_RE, text):
             value = next(_iter_numbers(match.group(1)), None)
             if value is not None:
                 return value
-        for match in reversed(list(_ANSWER_IS_RE.finditer(text))):
+        for match in _last_matches(_ANSWER_IS_RE, text):
             value = _number_at(text, match.end())
             if value is not None:
                 return value

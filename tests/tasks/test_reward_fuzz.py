@@ -189,14 +189,13 @@ def test_one_megabyte(completion):
 
 
 @pytest.mark.parametrize("unit", ["\\boxed{1/0}", "#### 0/0 ", "answer is 1/0 "])
-def test_markers_without_valid_numbers_are_linear(unit):
-    """Every marker followed by an invalid number (a zero denominator) is read and
-    rejected in turn: about 4 us each, linear but past the 10 ms bound at 100 kB."""
-    small, large = unit * (10_000 // len(unit)), unit * (100_000 // len(unit))
+def test_markers_without_valid_numbers_stay_within_the_bound(unit):
+    """Markers each followed by an invalid number (a zero denominator): only the last
+    `_MAX_MARKERS` of a kind are tried, so 100 kB of them stays within 10 ms a call."""
     gsm8k = _FAMILIES["gsm8k"][0]
-    times = []
-    for text in (small, large):
+    for size in (10_000, 100_000):
+        text = unit * (size // len(unit))
         value, _ = _call_time(gsm8k.reward, text, _EXAMPLES["gsm8k"])
         assert value == 0.0
-        times.append(min(_call_time(gsm8k.reward, text, _EXAMPLES["gsm8k"])[1] for _ in "abc"))
-    assert times[1] < 30 * max(times[0], 1e-4), times
+        best = min(_call_time(gsm8k.reward, text, _EXAMPLES["gsm8k"])[1] for _ in "abc")
+        assert best < 0.010, (unit, size, best)

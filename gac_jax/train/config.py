@@ -207,8 +207,3 @@ def get_preset(name: str) -> TrainConfig:
     config.validate()
     return config
 
-
-def validate(config: TrainConfig) -> TrainConfig:
-    """`config.validate()`, returning the config."""
-    config.validate()
-    return config

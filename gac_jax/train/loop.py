@@ -243,11 +243,12 @@ def train(
     # Written once the run is known to be this config's (a refused resume leaves it alone).
     (out_dir / "config.json").write_text(json.dumps(config_io.config_to_dict(run.config), indent=2))
     source = make_source(run, rollout_state)
+    eval_key = jax.random.key(config.seed + 1)
     progress = ProgressLine(total=config.steps)
     try:
         with StopSignals() as stop, MetricWriter(out_dir, start_step=start_step) as writer:
             for step in range(start_step, config.steps):
-                metrics = _train_step(run, source, step, jax.random.key(config.seed + 1))
+                metrics = _train_step(run, source, step, eval_key)
                 writer.write(step, metrics)
                 progress.update(step + 1, metrics)
                 last = step + 1 == config.steps

@@ -31,6 +31,7 @@ from gac_jax.rollout.sources import (
     RolloutConfig,
     SyncRollouts,
     make_source,
+    store_history,
 )
 from gac_jax.rollout.worker import (
     GenerateGroups,
@@ -52,6 +53,7 @@ __all__ = [
     "TaskGroupGenerator",
     "make_sampler",
     "make_source",
+    "store_history",
     "GenerateGroups",
     "GroupRequest",
     "LaggedRollouts",

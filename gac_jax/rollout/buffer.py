@@ -156,6 +156,18 @@ class RolloutBuffer:
         instead of after a timeout. The producer must then sample with that version or a
         newer one. Returns False on timeout; raises `RolloutBufferClosed` once closed.
         """
+        return self.reserve_slot(version, timeout) is not None
+
+    def reserve_slot(
+        self, version: int | Callable[[], int | None], timeout: float | None = None
+    ) -> int | None:
+        """`reserve`, returning the slot's place in the consumption order (0-based: the
+        reservations held before it), or None on timeout.
+
+        Under the block policy the group of slot j may be sampled by any version from
+        `staleness.oldest_allowed_version(j, ...)` on; a producer that wants reproducible
+        versions samples with exactly that one.
+        """
 
         def granted() -> bool:
             latest = version() if callable(version) else version
@@ -171,9 +183,9 @@ class RolloutBuffer:
             ok = self._lock.wait_for(lambda: self._closed or granted(), timeout)
             self._check_open()
             if not ok:
-                return False
+                return None
             self._reserved += 1
-            return True
+            return self._reserved - 1
 
     def release(self, count: int = 1) -> None:
         """Gives back `count` reservations whose groups will never be put."""

@@ -5,7 +5,9 @@
   the calling thread with keys and prompts fixed by (seed, step), so runs are
   bit-reproducible. The laboratory for experiments and tests.
 - `AsyncRollouts`: `RolloutWorker` threads generate with whatever version was published
-  last; the buffer enforces `max_staleness`.
+  last; the buffer enforces `max_staleness`. With `version_choice="oldest_allowed"`, one
+  worker and the block policy, each group's version is fixed by its place in the
+  consumption order, so the run is reproducible and resumes exactly.
 
 All three put the same `Rollout` records through a `RolloutBuffer` and take them out with
 the learner's version, so staleness is measured (and bounded) the same way in each.
@@ -28,6 +30,7 @@ from gac_jax.rollout.buffer import BufferConfig, BufferStats, RolloutBuffer
 from gac_jax.rollout.param_store import ParamStore
 from gac_jax.rollout.record import Rollout
 from gac_jax.rollout.worker import (
+    VERSION_CHOICES,
     GenerateGroups,
     GroupRequest,
     PromptOrder,
@@ -48,6 +51,10 @@ class RolloutConfig:
       groups_per_batch: prompts per learner step.
       num_workers: async mode: worker threads.
       groups_per_call: async mode: groups each worker generates in one sampler call.
+      version_choice: async mode: "latest" (each call samples with the newest version) or
+        "oldest_allowed" (with the oldest version the staleness bound allows: reproducible
+        with one worker, and resumable exactly when groups_per_call divides
+        groups_per_batch; needs the buffer's block policy). See `RolloutWorker`.
     """
 
     mode: str = "lagged"
@@ -55,6 +62,7 @@ class RolloutConfig:
     groups_per_batch: int = 8
     num_workers: int = 1
     groups_per_call: int = 1
+    version_choice: str = "latest"
 
     def validate(self) -> None:
         """Raises ValueError naming a bad field."""
@@ -71,11 +79,21 @@ class RolloutConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"{name}={value!r} must be an int >= {low}.")
+        if self.version_choice not in VERSION_CHOICES:
+            raise ValueError(
+                f"version_choice={self.version_choice!r} is unknown; expected one of "
+                f"{list(VERSION_CHOICES)}."
+            )
 
-    @property
-    def history(self) -> int:
-        """Versions the `ParamStore` must keep for this mode."""
-        return self.lag + 1 if self.mode == "lagged" else 1
+
+def store_history(config: RolloutConfig, buffer: BufferConfig) -> int:
+    """Versions the `ParamStore` must keep for `config`'s mode: lag + 1 in lagged mode,
+    max_staleness + 1 for async workers that sample the oldest allowed version, else 1."""
+    if config.mode == "lagged":
+        return config.lag + 1
+    if config.mode == "async" and config.version_choice == "oldest_allowed":
+        return (buffer.max_staleness or 0) + 1
+    return 1
 
 
 def make_source(
@@ -106,6 +124,7 @@ def make_source(
         groups_per_call=config.groups_per_call,
         seed=seed,
         take_timeout=buffer.take_timeout,
+        version_choice=config.version_choice,
         resume_from=resume_from,
     )
 
@@ -200,6 +219,7 @@ class AsyncRollouts:
       groups_per_call: groups each worker generates in one sampler call.
       seed: sampling seed.
       take_timeout: seconds `next_batch` waits before raising TimeoutError (None: forever).
+      version_choice: which version workers sample with (`RolloutWorker`).
       resume_from: a previous `state()`: the buffer's counters continue and the workers
         generate exactly the groups that run had not handed to the learner (see `state`).
     """
@@ -218,6 +238,7 @@ class AsyncRollouts:
         groups_per_call: int = 1,
         seed: int = 0,
         take_timeout: float | None = 600.0,
+        version_choice: str = "latest",
         resume_from: Mapping[str, Any] | None = None,
     ):
         self.buffer = RolloutBuffer(
@@ -239,6 +260,7 @@ class AsyncRollouts:
             num_threads=num_threads,
             groups_per_call=groups_per_call,
             seed=seed,
+            version_choice=version_choice,
             **numbering,
         ).start()
 

@@ -67,6 +67,16 @@ def reservation_limit(latest_version: int, max_staleness: int, groups_per_batch:
     return (latest_version + max_staleness + 1) * groups_per_batch
 
 
+def oldest_allowed_version(reservation: int, max_staleness: int, groups_per_batch: int) -> int:
+    """The oldest version the group reserved `reservation`-th (0-based) may be sampled by.
+
+    max(0, reservation // groups_per_batch - max_staleness): the inverse of
+    `reservation_limit`, so a reservation granted while `latest_version` is the newest
+    version always has an oldest allowed version <= `latest_version`.
+    """
+    return max(0, int(reservation) // groups_per_batch - max_staleness)
+
+
 def reservation_allowed(
     held: int,
     latest_version: int,

@@ -13,8 +13,11 @@ import numpy as np
 from gac_jax.rollout.buffer import RolloutBuffer, RolloutBufferClosed
 from gac_jax.rollout.param_store import ParamStore
 from gac_jax.rollout.record import Rollout
+from gac_jax.rollout.staleness import oldest_allowed_version
 
 logger = logging.getLogger(__name__)
+
+VERSION_CHOICES = ("latest", "oldest_allowed")
 
 # How often blocked workers look up to see whether they were asked to stop (a newly
 # published version wakes them at once: see `RolloutWorker._reserve`).
@@ -74,8 +77,8 @@ class RolloutWorker:
     """Threads that keep the buffer full with groups sampled from the latest params.
 
     Each thread: reserve `groups_per_call` slots (the buffer's block policy may make it
-    wait), read the newest params, take the next group ids (a shared counter) and their
-    prompts, generate them in one call, put them.
+    wait), read the params (`version_choice`), take the next group ids (a shared counter)
+    and their prompts, generate them in one call, put them.
     An exception in `generate_groups` fails the buffer, so the learner's next `take` raises
     it as `RolloutWorkerError` at once; `stop()` ends every thread within a poll interval
     (plus the group being generated). A reservation blocked on an old version is woken by
@@ -96,6 +99,13 @@ class RolloutWorker:
       first_group_id: group ids continue from here (for resumed runs).
       skip_group_ids: ids at or after `first_group_id` that are never generated (groups a
         run already handed out before it was resumed).
+      version_choice: "latest" samples with the newest published version (as fresh as
+        possible; which version a group gets depends on thread timing); "oldest_allowed"
+        with the oldest version the buffer's block policy allows for the call's last slot
+        (`staleness.oldest_allowed_version`): with one thread every group's version, and so
+        the whole run, is a function of the seed, which makes async runs reproducible and
+        resumable exactly. It needs the block policy and a store history of
+        max_staleness + 1 versions.
     """
 
     def __init__(
@@ -110,7 +120,18 @@ class RolloutWorker:
         seed: int = 0,
         first_group_id: int = 0,
         skip_group_ids: Iterable[int] = (),
+        version_choice: str = "latest",
     ):
+        if version_choice not in VERSION_CHOICES:
+            raise ValueError(
+                f"version_choice={version_choice!r} is unknown; expected one of "
+                f"{list(VERSION_CHOICES)}."
+            )
+        if version_choice == "oldest_allowed" and buffer.stale_policy != "block":
+            raise ValueError(
+                "version_choice='oldest_allowed' needs the buffer's block policy, got "
+                f"stale_policy={buffer.stale_policy!r}."
+            )
         if num_threads < 1:
             raise ValueError(f"num_threads={num_threads} must be >= 1.")
         if groups_per_call < 1:
@@ -121,6 +142,7 @@ class RolloutWorker:
         self._buffer = buffer
         self._prompts = prompts
         self._seed = seed
+        self._version_choice = version_choice
         self._next_group = first_group_id
         self._skip = {int(g) for g in skip_group_ids if g >= first_group_id}
         self._pending: set[int] = set()  # Claimed, not yet put.
@@ -171,26 +193,39 @@ class RolloutWorker:
             self._pending.update(ids)
         return [GroupRequest(self._prompts.prompt_id(g), g) for g in ids]
 
-    def _reserve(self) -> bool:
-        """Reserves one slot per group of the next call; False if asked to stop first.
+    def _reserve(self) -> list[int] | None:
+        """Reserves one slot per group of the next call; their places in the consumption
+        order, or None if asked to stop first.
 
         The version is read inside the buffer's wait, which the store's publish wakes, so a
         slot that opens with a new version is taken at once.
         """
-        reserved = 0
-        while reserved < self._groups_per_call:
+        slots: list[int] = []
+        while len(slots) < self._groups_per_call:
             if self._stop.is_set():
-                self._buffer.release(reserved)  # Never to be put.
-                return False
-            if self._buffer.reserve(lambda: self._store.latest_version, timeout=_POLL_SECONDS):
-                reserved += 1
-        return True
+                self._buffer.release(len(slots))  # Never to be put.
+                return None
+            slot = self._buffer.reserve_slot(
+                lambda: self._store.latest_version, timeout=_POLL_SECONDS
+            )
+            if slot is not None:
+                slots.append(slot)
+        return slots
+
+    def _params(self, slots: list[int]) -> tuple[Any, int]:
+        """The params to sample the call with, and their version (see `version_choice`)."""
+        if self._version_choice == "latest":
+            # Read after the reservation: a newer version is only fresher.
+            return self._store.latest()
+        version = oldest_allowed_version(
+            max(slots), self._buffer.max_staleness, self._buffer.groups_per_batch
+        )
+        return self._store.get(version), version
 
     def _run(self) -> None:
         try:
-            while self._reserve():
-                # Read after the reservation: a newer version is only fresher.
-                params, version = self._store.latest()
+            while (slots := self._reserve()) is not None:
+                params, version = self._params(slots)
                 requests = self._claim_groups()
                 key = group_key(self._seed, requests[0].group_id)
                 rollouts = self._generate(params, version, requests, key)

@@ -134,6 +134,12 @@ def _validate_across_sections(config: TrainConfig) -> None:
             f"learner.micro_batches={micro} must divide the batch of {config.batch_size} "
             "sequences (rollout.groups_per_batch x generation.group_size)."
         )
+    rollout, buffer = config.rollout, config.buffer
+    if rollout.version_choice == "oldest_allowed" and buffer.stale_policy != "block":
+        raise ValueError(
+            "rollout.version_choice='oldest_allowed' needs buffer.stale_policy='block', got "
+            f"{buffer.stale_policy!r}."
+        )
     capacity = config.buffer.capacity
     if capacity is not None and capacity < config.rollout.groups_per_batch:
         raise ValueError(

@@ -31,6 +31,7 @@ from gac_jax.rollout import (
     TaskGroupGenerator,
     collate,
     make_sampler,
+    store_history,
 )
 from gac_jax.rollout import make_source as make_rollout_source
 from gac_jax.tasks import get_task
@@ -132,7 +133,7 @@ def build_run(config: TrainConfig) -> Run:
     generator = TaskGroupGenerator(
         learner.graphdef, sampler, task, train_examples, tokenizer, config.generation
     )
-    store = ParamStore(history=config.rollout.history)
+    store = ParamStore(history=store_history(config.rollout, config.buffer))
     return Run(
         config, task, train_examples, test_examples, tokenizer, learner, sampler, generator, store
     )

@@ -15,6 +15,7 @@ Typical use::
     logps = models.per_token_logps(model, full_tokens, full_mask)  # for the learner
 """
 
+from gac_jax.models.compute import ComputeConfig, with_compute
 from gac_jax.models.config import (
     PRESETS,
     ModelConfig,
@@ -64,6 +65,8 @@ from gac_jax.models.tokenizers import (
 )
 
 __all__ = [
+    "with_compute",
+    "ComputeConfig",
     "PRESETS",
     "CharTokenizer",
     "Decoder",

@@ -4,7 +4,8 @@ Each section is the config of one component, defined next to its code and passed
 whole: `OptimizerConfig` (the optax chain), `GACConfig` and `ESSConfig` (the
 transformations, one field per argument), `LossConfig` (the objective), `LearnerConfig`,
 `GenerationConfig` (the sampler and rollout generator), `RolloutConfig` (the source of
-batches), `BufferConfig` (the asynchronous buffer) and `MeshConfig`. `TrainConfig` adds
+batches), `BufferConfig` (the asynchronous buffer), `MeshConfig` and `ComputeConfig` (the
+model's dtypes and remat). `TrainConfig` adds
 what the loop itself uses (task, model, steps, evaluation, checkpoints) and the checks that
 span sections. `gac_jax.train.config_io` reads and writes configs (YAML, JSON, ``--set``).
 """
@@ -16,7 +17,7 @@ import os
 from typing import Any
 
 from gac_jax.learner import LearnerConfig, LossConfig, OptimizerConfig
-from gac_jax.models import MeshConfig
+from gac_jax.models import ComputeConfig, MeshConfig
 from gac_jax.rollout import BufferConfig, GenerationConfig, RolloutConfig
 from gac_jax.transforms import ESSConfig, GACConfig
 
@@ -62,6 +63,7 @@ class TrainConfig:
     rollout: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)
     buffer: BufferConfig = dataclasses.field(default_factory=BufferConfig)
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
+    compute: ComputeConfig = dataclasses.field(default_factory=ComputeConfig)
 
     @property
     def batch_size(self) -> int:

@@ -89,7 +89,8 @@ def resolve_mesh(config: TrainConfig) -> jax.sharding.Mesh:
 
 def build_model(config: TrainConfig, mesh):
     """(model, tokenizer) for `config.init`: a warm start of the task and model (the
-    shipped one for countdown on `tiny`), random weights, or an HF checkpoint dir."""
+    shipped one for countdown on `tiny`), random weights, or an HF checkpoint dir (these
+    two built with `config.compute`'s settings at once, so no copy is cast)."""
     if config.init == "warm_start":
         from gac_jax.train.warm_start import WarmStartConfig, ensure_warm_start, load_warm_start
 
@@ -100,9 +101,11 @@ def build_model(config: TrainConfig, mesh):
         )
         model, tokenizer, _ = load_warm_start(directory, mesh=mesh)
         return model, tokenizer
+    overrides = config.compute.overrides()
     if config.init == "random":
+        model_config = models.get_config(config.model, **overrides)
         model = models.create_sharded(
-            lambda: models.create_model(models.get_config(config.model), seed=config.seed), mesh
+            lambda: models.create_model(model_config, seed=config.seed), mesh
         )
         return model, models.CharTokenizer()
     path = Path(config.init)
@@ -111,7 +114,8 @@ def build_model(config: TrainConfig, mesh):
             f"init={config.init!r} is neither 'warm_start', 'random' nor a Hugging Face "
             "checkpoint directory (with config.json)."
         )
-    return models.load_hf_checkpoint(path, mesh=mesh), models.HFTokenizer.from_directory(path)
+    model = models.load_hf_checkpoint(path, mesh=mesh, **overrides)
+    return model, models.HFTokenizer.from_directory(path)
 
 
 def build_learner(config: TrainConfig, model, mesh) -> GRPOLearner:
@@ -128,6 +132,7 @@ def build_run(config: TrainConfig) -> Run:
     test_examples = task.data_source("test", data_dir=config.data_dir)
     mesh = resolve_mesh(config)
     model, tokenizer = build_model(config, mesh)
+    model = models.with_compute(model, config.compute)  # The warm start's dtypes, too.
     learner = build_learner(config, model, mesh)
     sampler = make_sampler(model.config, tokenizer, config.generation)
     generator = TaskGroupGenerator(

@@ -13,6 +13,7 @@ import inspect
 import typing
 
 import optax
+from flax import nnx
 import pytest
 
 from gac_jax import models
@@ -32,7 +33,13 @@ SECTIONS = (
     "rollout",
     "buffer",
     "mesh",
+    "compute",
 )
+
+
+def _model(built):
+    learner = built["run"].learner
+    return nnx.merge(learner.graphdef, learner.params)
 
 
 def _NoFunction():  # The observed "function" of a run without a correction.
@@ -159,6 +166,14 @@ FIELDS = {
     "mesh.data": ("2", lambda b, _: b["run"].learner.mesh.shape["data"], 2, "0"),
     "mesh.fsdp": ("2", lambda b, _: b["run"].learner.mesh.shape["fsdp"], 2, "-2"),
     "mesh.tensor": ("2", lambda b, _: b["run"].learner.mesh.shape["tensor"], 2, "0"),
+    "compute.dtype": ("float16", lambda b, _: _model(b).config.dtype, "float16", "int8"),
+    "compute.param_dtype": (
+        "bfloat16",
+        lambda b, _: str(b["run"].learner.params["embedding_vd"][...].dtype),
+        "bfloat16",
+        "float64",
+    ),
+    "compute.remat": ("dots", lambda b, _: _model(b).config.remat, "dots", "some"),
 }
 
 # Settings a field needs from another section to take effect or to be valid.

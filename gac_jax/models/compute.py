@@ -1,0 +1,67 @@
+"""`ComputeConfig`: a model's compute dtype, parameter dtype and remat, set on any model.
+
+A run's model comes from a preset, a Hugging Face checkpoint or a warm start, each with
+its own dtypes; `with_compute` gives any of them the run's settings, so one config field
+reaches every source the same way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+from flax import nnx
+
+from gac_jax.models.config import DTYPES, REMAT_POLICIES
+from gac_jax.models.decoder import Decoder, create_model
+
+
+@dataclasses.dataclass(frozen=True)
+class ComputeConfig:
+    """How a model computes and stores its weights, whatever its architecture or source.
+
+    Each field left None keeps the model's own value (its preset's, its Hugging Face
+    checkpoint's, or its warm start's); see `ModelConfig` for their meaning.
+
+    Attributes:
+      dtype: compute dtype of activations and matmuls (logits and softmaxes stay float32).
+      param_dtype: storage dtype of the parameters (and so of the optimizer's moments).
+      remat: rematerialisation of each decoder layer in the backward pass: "none", "full"
+        (save nothing, recompute the layer) or "dots" (save matmul outputs only).
+    """
+
+    dtype: str | None = None
+    param_dtype: str | None = None
+    remat: str | None = None
+
+    def validate(self) -> None:
+        """Raises ValueError naming a bad field."""
+        for name, allowed in (
+            ("dtype", DTYPES),
+            ("param_dtype", DTYPES),
+            ("remat", REMAT_POLICIES),
+        ):
+            value = getattr(self, name)
+            if value is not None and value not in allowed:
+                raise ValueError(f"{name}={value!r} is not one of {list(allowed)} (or null).")
+
+    def overrides(self) -> dict[str, str]:
+        """The `ModelConfig` fields this config sets (for `get_config`, `load_hf_checkpoint`)."""
+        fields = (f.name for f in dataclasses.fields(self))
+        return {name: getattr(self, name) for name in fields if getattr(self, name) is not None}
+
+
+def with_compute(model: Decoder, compute: ComputeConfig) -> Decoder:
+    """`model` with `compute`'s settings: itself when they change nothing, else a new
+    decoder with the same parameters (cast to the new `param_dtype`, each on its sharding).
+    """
+    changes = {k: v for k, v in compute.overrides().items() if getattr(model.config, k) != v}
+    if not changes:
+        return model
+    config = model.config.replace(**changes)
+    new = nnx.eval_shape(lambda: create_model(config, rules=model.rules))
+    dtype = config.parameter_dtype
+    state = nnx.state(model, nnx.Param)
+    cast = jax.tree.map(lambda x: x.astype(dtype) if x.dtype != dtype else x, state)
+    nnx.update(new, cast)
+    return new

@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 PYTEST_ARGS ?= --durations=20
 
-.PHONY: install demo test lint bench bench-tunix clean
+.PHONY: install demo test lint bench bench-sampler bench-tunix clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -32,6 +32,10 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/transforms.py
 	$(BIN)/python benchmarks/learner.py --quick
 	$(BIN)/python benchmarks/pipeline.py --quick
+
+# Slot refill against the fixed sampler on heavy-tailed lengths (about 5 minutes).
+bench-sampler: $(STAMP)
+	$(BIN)/python benchmarks/sampler.py
 
 # Tunix goes into its own environment (.venv-bench), created by the script itself.
 bench-tunix:

@@ -36,6 +36,7 @@ from gac_jax.models.hf_checkpoint import (
     save_hf_checkpoint,
 )
 from gac_jax.models.layers import rope_inverse_frequencies
+from gac_jax.models.refill_sampler import RefillSampler
 from gac_jax.models.sampler import (
     SampleOutput,
     Sampler,
@@ -72,6 +73,7 @@ __all__ = [
     "Decoder",
     "HFTokenizer",
     "ModelConfig",
+    "RefillSampler",
     "RopeScaling",
     "SampleOutput",
     "Sampler",

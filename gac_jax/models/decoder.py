@@ -6,7 +6,7 @@ left-padded prompt is encoded exactly as the unpadded one.
 
 The KV cache is a plain dict of arrays (`init_cache`)::
 
-    {"index": int32 [],                  # next slot to write
+    {"index": int32 [] or [B],           # next slot to write (one for all rows, or per row)
      "key_mask": bool [B, S],            # slots holding real tokens
      "layers": ({"k": [B, K, H, S], "v": [B, K, S, H]}, ...)}  # one dict per layer
 
@@ -14,7 +14,10 @@ Keys are stored with the slot axis last and values with it second to last, so bo
 attention products of a decode step are batched matmuls that read the cache in place.
 
 Every call with a cache writes its T tokens at `index` with `jax.lax.dynamic_update_slice`
-and advances `index` by T. The caller keeps `index + T <= S`.
+and advances `index` by T. The caller keeps `index + T <= S`. A per-row `index` [B] (set
+by the caller, e.g. `cache | {"index": index_b}`) writes each row at its own slot with a
+scatter instead: rows of one batch then hold sequences of different lengths, as the
+refilling sampler's decode slots do.
 """
 
 from __future__ import annotations
@@ -116,16 +119,23 @@ def _causal_mask(input_mask_bt: jax.Array) -> jax.Array:
 
 def _cached_mask(cache: Cache, input_mask_bt: jax.Array) -> tuple[jax.Array, jax.Array]:
     """`(mask_bts, key_mask)`: the attention mask [B, T, S] of T new tokens written at
-    `cache["index"]`, and the cache's key mask [B, S] with them marked."""
-    t = input_mask_bt.shape[1]
+    `cache["index"]` (int32 [] or per row [B]), and the cache's key mask [B, S] with them
+    marked."""
+    b, t = input_mask_bt.shape
     cache_index = cache["index"]
-    key_mask = jax.lax.dynamic_update_slice(
-        cache["key_mask"], input_mask_bt, (jnp.zeros((), jnp.int32), cache_index)
-    )
+    offsets_t = jnp.arange(t, dtype=jnp.int32)
+    if cache_index.ndim == 0:
+        key_mask = jax.lax.dynamic_update_slice(
+            cache["key_mask"], input_mask_bt, (jnp.zeros((), jnp.int32), cache_index)
+        )
+        query_slot_bt = (cache_index + offsets_t)[None, :]
+    else:
+        query_slot_bt = cache_index[:, None] + offsets_t[None, :]
+        rows_b1 = jnp.arange(b, dtype=jnp.int32)[:, None]
+        key_mask = cache["key_mask"].at[rows_b1, query_slot_bt].set(input_mask_bt)
     s = key_mask.shape[1]
-    query_slot_t = cache_index + jnp.arange(t, dtype=jnp.int32)
-    causal_ts = jnp.arange(s, dtype=jnp.int32)[None, :] <= query_slot_t[:, None]
-    return causal_ts[None, :, :] & key_mask[:, None, :], key_mask
+    causal_bts = jnp.arange(s, dtype=jnp.int32)[None, None, :] <= query_slot_bt[:, :, None]
+    return causal_bts & key_mask[:, None, :], key_mask
 
 
 class Decoder(nnx.Module):

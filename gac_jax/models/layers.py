@@ -204,7 +204,8 @@ class Attention(nnx.Module):
           mask_bts: bool [B, T, S], True where query t may attend to key s. Without a
             cache S = T; with one S is the cache length.
           cache: this layer's cache `{"k": [B, K, H, S], "v": [B, K, S, H]}`, or None.
-          cache_index: int32 [] slot where the new keys are written (with `cache`).
+          cache_index: int32 [] slot where the new keys are written (with `cache`), or
+            [B], one slot per row.
           rope: `rope_tables(positions_bt, ...)` if already computed, else None.
 
         Returns:
@@ -263,24 +264,33 @@ def _write_kv_cache(
     v_btkh: jax.Array,
     rules: ShardingRules,
 ) -> dict[str, jax.Array]:
-    """The layer's cache with the T new keys and values written at slot `cache_index`.
+    """The layer's cache with the T new keys and values written at slot `cache_index`
+    (int32 [], or [B]: each row at its own slot).
 
     The cache keeps keys as [B, K, H, S] and values as [B, K, S, H]: the layouts in which
     both attention products are plain batched matmuls over (B, K), so a decode step reads
     the cache once instead of first copying it transposed.
     """
-    zero = jnp.zeros((), jnp.int32)
     index = cache_index.astype(jnp.int32)
-    k_bkhs = jax.lax.dynamic_update_slice(
-        cache["k"],
-        jnp.transpose(k_btkh, (0, 2, 3, 1)).astype(cache["k"].dtype),
-        (zero, zero, zero, index),
-    )
-    v_bksh = jax.lax.dynamic_update_slice(
-        cache["v"],
-        jnp.transpose(v_btkh, (0, 2, 1, 3)).astype(cache["v"].dtype),
-        (zero, zero, index, zero),
-    )
+    if index.ndim == 1:
+        b, t = k_btkh.shape[:2]
+        rows_b1 = jnp.arange(b, dtype=jnp.int32)[:, None]
+        slots_bt = index[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+        # Advanced indices split by slices put their [B, T] shape first: [B, T, K, H].
+        k_bkhs = cache["k"].at[rows_b1, :, :, slots_bt].set(k_btkh.astype(cache["k"].dtype))
+        v_bksh = cache["v"].at[rows_b1, :, slots_bt, :].set(v_btkh.astype(cache["v"].dtype))
+    else:
+        zero = jnp.zeros((), jnp.int32)
+        k_bkhs = jax.lax.dynamic_update_slice(
+            cache["k"],
+            jnp.transpose(k_btkh, (0, 2, 3, 1)).astype(cache["k"].dtype),
+            (zero, zero, zero, index),
+        )
+        v_bksh = jax.lax.dynamic_update_slice(
+            cache["v"],
+            jnp.transpose(v_btkh, (0, 2, 1, 3)).astype(cache["v"].dtype),
+            (zero, zero, index, zero),
+        )
     k_bkhs = constrain(k_bkhs, rules.spec("batch", "kv_heads", "head_dim", "sequence"))
     v_bksh = constrain(v_bksh, rules.spec("batch", "kv_heads", "sequence", "head_dim"))
     return {"k": k_bkhs, "v": v_bksh}

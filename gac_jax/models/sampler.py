@@ -108,6 +108,14 @@ def sample_step(
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Samples one token per row.
 
+    Args:
+      logits_bv: float logits [B, V].
+      key: one `jax.random` key for the batch, or one per row ([B] typed keys or [B, 2]
+        raw ones): with a key per row a row's sample does not depend on its batch.
+      temperature_b: float32 [B], >= 0 (0 is greedy).
+      top_k_b: int32 [B], see `filter_logits`.
+      top_p_b: float32 [B], see `filter_logits`.
+
     Returns:
       `(tokens_b, logps_b, policy_logps_b)`: int32 ids, their log-probabilities under the
       filtered sampling distribution (0 for greedy rows) and under `log_softmax(logits)`.
@@ -126,7 +134,7 @@ def sample_step(
     # sampling head). u is in (0, 1], so the chosen token always has nonzero probability.
     unnormalised = jnp.exp(filtered - jnp.max(filtered, axis=-1, keepdims=True))
     cdf = jnp.cumsum(unnormalised, axis=-1)
-    u = 1.0 - jax.random.uniform(key, (filtered.shape[0], 1), jnp.float32)
+    u = 1.0 - _uniform_b1(key, filtered.shape[0])
     sampled = jnp.sum(cdf < u * cdf[:, -1:], axis=-1, dtype=jnp.int32)
     greedy = jax.lax.cond(
         jnp.any(greedy_row),
@@ -137,6 +145,14 @@ def sample_step(
     tokens = jnp.where(greedy_row, greedy, sampled)
     logps = jnp.where(greedy_row, 0.0, logps_of_tokens(filtered, tokens))
     return tokens, logps, logps_of_tokens(logits, tokens)
+
+
+def _uniform_b1(key: jax.Array, batch: int) -> jax.Array:
+    """float32 [B, 1] uniforms in [0, 1): from one key, or one per row from B keys."""
+    typed = jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key)
+    if key.ndim == (1 if typed else 2):
+        return jax.vmap(lambda k: jax.random.uniform(k, (1,), jnp.float32))(key)
+    return jax.random.uniform(key, (batch, 1), jnp.float32)
 
 
 def left_pad(
@@ -242,6 +258,7 @@ class Sampler:
         temperature=1.0,
         top_k=0,
         top_p=1.0,
+        max_new_tokens=None,
     ) -> SampleOutput:
         """Samples completions.
 
@@ -255,6 +272,8 @@ class Sampler:
           temperature: scalar or [B], >= 0 (0 is greedy).
           top_k: scalar or [B] int, >= 0 (0 disables).
           top_p: scalar or [B], in (0, 1] (1 disables).
+          max_new_tokens: scalar or [B] int in [1, `self.max_new_tokens`], each row's own
+            limit (the output keeps `self.max_new_tokens` columns); all of them by default.
 
         Returns:
           A `SampleOutput`.
@@ -266,16 +285,16 @@ class Sampler:
         temperature = _per_row("temperature", temperature, batch, jnp.float32)
         top_k = _per_row("top_k", top_k, batch, jnp.int32)
         top_p = _per_row("top_p", top_p, batch, jnp.float32)
-        self._check_sampling(temperature, top_k, top_p)
+        limit = self.max_new_tokens if max_new_tokens is None else max_new_tokens
+        limit = _per_row("max_new_tokens", limit, batch, jnp.int32)
+        self._check_sampling(temperature, top_k, top_p, limit, self.max_new_tokens)
         return self._jitted(
             graphdef,
             state,
             prompt_tokens.astype(jnp.int32),
             prompt_mask.astype(bool),
             key,
-            temperature,
-            top_k,
-            top_p,
+            (temperature, top_k, top_p, limit),
         )
 
     def generate(self, model: nnx.Module, prompt_tokens, prompt_mask, key, **sampling):
@@ -312,11 +331,12 @@ class Sampler:
             )
 
     @staticmethod
-    def _check_sampling(temperature, top_k, top_p):
+    def _check_sampling(temperature, top_k, top_p, limit, most):
         checks = (
             ("temperature", temperature, lambda v: v >= 0, ">= 0"),
             ("top_k", top_k, lambda v: v >= 0, ">= 0"),
             ("top_p", top_p, lambda v: (v > 0) & (v <= 1), "in (0, 1]"),
+            ("max_new_tokens", limit, lambda v: (v >= 1) & (v <= most), f"in [1, {most}]"),
         )
         for name, value, ok, expected in checks:
             if _is_concrete(value):
@@ -324,8 +344,9 @@ class Sampler:
                 if not np.all(ok(value)):
                     raise ValueError(f"{name}={value.tolist()} must be {expected}.")
 
-    def _sample(self, graphdef, state, prompt_tokens, prompt_mask, key, temp, top_k, top_p):
+    def _sample(self, graphdef, state, prompt_tokens, prompt_mask, key, per_row):
         self.num_traces += 1  # Runs only while tracing.
+        temp, top_k, top_p, limit_b = per_row
         cfg, n = self.config, self.max_new_tokens
         batch, prompt_len = prompt_tokens.shape
         eos = jnp.asarray(self.eos_ids, jnp.int32)
@@ -368,7 +389,8 @@ class Sampler:
             def put(buffer, column):
                 return jax.lax.dynamic_update_slice(buffer, column[:, None], (zero, s.step))
 
-            done = s.done_b | (active & jnp.any(tokens[:, None] == eos[None, :], axis=1))
+            ends = jnp.any(tokens[:, None] == eos[None, :], axis=1) | (s.step + 1 >= limit_b)
+            done = s.done_b | (active & ends)
             decoder = nnx.merge(graphdef, state)
             step_rope = tuple(
                 jax.lax.dynamic_slice_in_dim(table, s.step, 1, axis=1)

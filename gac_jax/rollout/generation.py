@@ -11,11 +11,14 @@ import jax
 import numpy as np
 from flax import nnx
 
-from gac_jax.models import Sampler, left_pad
+from gac_jax.models import RefillSampler, Sampler, left_pad
 from gac_jax.models.tokenizers import Tokenizer, decode_completion
 from gac_jax.rollout.record import Rollout
 from gac_jax.rollout.worker import GroupRequest
 from gac_jax.tasks import Task
+
+# The samplers `make_sampler` builds, by `GenerationConfig.sampler`.
+SAMPLERS = ("fixed", "refill")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,6 +33,11 @@ class GenerationConfig:
       top_k: keep the k most likely tokens; 0 keeps all.
       top_p: nucleus mass in (0, 1]; 1 keeps all.
       greedy: decode greedily (temperature 0). RL needs samples, so this must be asked for.
+      sampler: "fixed" (`Sampler`: all rows of a call decode together until the longest
+        ends) or "refill" (`RefillSampler`: `slots` rows decode together and a row that
+        ends hands its slot to the next; faster when completion lengths vary a lot).
+      slots: the refill sampler's decode slots (its KV cache holds `slots` rows); None
+        decodes all rows of a call together. Only with ``sampler="refill"``.
     """
 
     group_size: int = 8
@@ -39,6 +47,8 @@ class GenerationConfig:
     top_k: int = 0
     top_p: float = 1.0
     greedy: bool = False
+    sampler: str = "fixed"
+    slots: int | None = None
 
     def validate(self) -> None:
         """Raises ValueError naming a bad field."""
@@ -63,6 +73,16 @@ class GenerationConfig:
             raise ValueError(f"top_k={self.top_k!r} must be an int >= 0.")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p={self.top_p!r} must be in (0, 1].")
+        if self.sampler not in SAMPLERS:
+            raise ValueError(f"sampler={self.sampler!r} must be one of {list(SAMPLERS)}.")
+        if self.slots is not None:
+            if isinstance(self.slots, bool) or not isinstance(self.slots, int) or self.slots < 1:
+                raise ValueError(f"slots={self.slots!r} must be an int >= 1 or None.")
+            if self.sampler != "refill":
+                raise ValueError(
+                    f"slots={self.slots} is only used with sampler='refill'; got "
+                    f"sampler={self.sampler!r}."
+                )
 
 
 class TaskGroupGenerator:
@@ -76,7 +96,7 @@ class TaskGroupGenerator:
 
     Args:
       graphdef: the model's `nnx.GraphDef` (params arrive per call, as an `nnx.State`).
-      sampler: a `gac_jax.models.Sampler` for the model.
+      sampler: a `gac_jax.models.Sampler` (or `RefillSampler`) for the model.
       task: a `gac_jax.tasks.Task` (prompt, reward).
       examples: the task split's data source (indexable by prompt id).
       tokenizer: encodes prompts and decodes completions.
@@ -162,9 +182,11 @@ class TaskGroupGenerator:
 
 
 def make_sampler(model_config, tokenizer: Tokenizer, config: GenerationConfig) -> Sampler:
-    """The `Sampler` of `config` for a model: its EOS ids (the tokenizer's if the model
-    names none) end a row, the tokenizer's pad id fills the rest."""
+    """The sampler of `config` for a model (`Sampler`, or `RefillSampler` with
+    `config.slots`): its EOS ids (the tokenizer's if the model names none) end a row, the
+    tokenizer's pad id fills the rest."""
     eos = model_config.eos_token_ids or (tokenizer.eos_id,)
-    return Sampler(
-        model_config, max_new_tokens=config.max_new_tokens, eos_ids=eos, pad_id=tokenizer.pad_id
-    )
+    common = dict(max_new_tokens=config.max_new_tokens, eos_ids=eos, pad_id=tokenizer.pad_id)
+    if config.sampler == "refill":
+        return RefillSampler(model_config, slots=config.slots, **common)
+    return Sampler(model_config, **common)

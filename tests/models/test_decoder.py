@@ -137,6 +137,30 @@ def test_cached_decoding_equals_full_forward(model):
     np.testing.assert_allclose(stepped, full, rtol=1e-5, atol=1e-5)
 
 
+def test_per_row_cache_index_writes_each_row_at_its_own_slot(model):
+    """A cache index [B]: row 1 starts 3 slots later than row 0 (its first slots stay
+    masked), then both go on in chunks and single tokens; logits equal the full forward."""
+    cfg = model.config
+    tokens = jax.random.randint(jax.random.key(2), (2, 7), 0, cfg.vocab_size)
+    full = _forward(model, tokens)
+
+    @jax.jit
+    def incremental(graphdef, state, tokens):
+        decoder = nnx.merge(graphdef, state)
+        cache = init_cache(cfg, 2, 12) | {"index": jnp.array([0, 3], jnp.int32)}
+        positions = jnp.broadcast_to(jnp.arange(7, dtype=jnp.int32)[None, :], (2, 7))
+        outs = []
+        for start, stop in ((0, 4), (4, 5), (5, 7)):
+            logits, cache = decoder(tokens[:, start:stop], positions[:, start:stop], None, cache)
+            outs.append(logits)
+        return jnp.concatenate(outs, axis=1), cache
+
+    stepped, cache = incremental(*nnx.split(model), tokens)
+    np.testing.assert_array_equal(cache["index"], [7, 10])
+    np.testing.assert_array_equal(cache["key_mask"][1], [0, 0, 0] + [1] * 7 + [0, 0])
+    np.testing.assert_allclose(stepped, full, rtol=1e-5, atol=1e-5)
+
+
 def test_left_padding_does_not_change_real_logits(model):
     cfg = model.config
     tokens = np.asarray(jax.random.randint(jax.random.key(1), (1, 6), 3, cfg.vocab_size))

@@ -149,6 +149,32 @@ def test_eos_stops_and_masks(model, sampler, batch):
     np.testing.assert_array_equal(free.lengths, [N_NEW] * 3)
 
 
+def test_per_row_max_new_tokens(model, sampler, batch):
+    free = sampler.generate(model, *batch, jax.random.key(8), temperature=0.0)
+    limits = np.array([3, 1, N_NEW], np.int32)
+    out = sampler.generate(model, *batch, jax.random.key(8), temperature=0.0, max_new_tokens=limits)
+    np.testing.assert_array_equal(out.lengths, np.minimum(free.lengths, limits))
+    for row, limit in enumerate(limits):
+        np.testing.assert_array_equal(out.tokens[row, :limit], free.tokens[row, :limit])
+        assert (np.asarray(out.tokens[row, limit:]) == PAD).all()
+        assert not np.asarray(out.completion_mask[row, limit:]).any()
+    with pytest.raises(ValueError, match=rf"max_new_tokens=\[0, 1, {N_NEW}\] must be in"):
+        sampler.generate(model, *batch, jax.random.key(8), max_new_tokens=[0, 1, N_NEW])
+
+
+def test_sample_step_with_a_key_per_row_ignores_the_batch():
+    logits = jax.random.normal(jax.random.key(0), (5, 32))
+    keys = jax.random.split(jax.random.key(1), 5)
+    ones = (jnp.ones(5), jnp.zeros(5, jnp.int32), jnp.ones(5))
+    step = jax.jit(sample_step)
+    tokens = step(logits, keys, *ones)[0]
+    alone = [
+        int(step(logits[r : r + 1], keys[r : r + 1], *(x[:1] for x in ones))[0][0])
+        for r in range(5)
+    ]
+    np.testing.assert_array_equal(tokens, alone)
+
+
 def _reference_kept(logits, temperature, top_k, top_p):
     """NumPy float64: which tokens the top-k / top-p sampling distribution keeps."""
     scaled = logits.astype(np.float64) / temperature

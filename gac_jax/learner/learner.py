@@ -64,10 +64,16 @@ class LearnerConfig:
         gradients are summed exactly (`make_train_step`); it must divide the batch.
       max_consecutive_nonfinite: a step with a non-finite loss, gradient or update is
         skipped (`make_train_step`); this many skipped in a row raise `NonFiniteStepError`.
+      logits_chunk_size: the step never materialises the logits [B, T, V]: log-probs and
+        entropies are computed this many positions at a time, in the forward and the
+        backward pass (`gac_jax.models.chunked_logprobs`), so the logits take
+        B x logits_chunk_size x V float32s at a time. Any value gives the same result;
+        smaller saves memory, larger means fewer, bigger matmuls.
     """
 
     micro_batches: int = 1
     max_consecutive_nonfinite: int = 3
+    logits_chunk_size: int = 512
 
     def validate(self) -> None:
         """Raises ValueError naming a bad field."""
@@ -77,6 +83,9 @@ class LearnerConfig:
         k = self.max_consecutive_nonfinite
         if isinstance(k, bool) or not isinstance(k, int) or k < 1:
             raise ValueError(f"max_consecutive_nonfinite={k!r} must be an int >= 1.")
+        c = self.logits_chunk_size
+        if isinstance(c, bool) or not isinstance(c, int) or c < 1:
+            raise ValueError(f"logits_chunk_size={c!r} must be an int >= 1.")
 
 
 class ShardedLearner:
@@ -201,12 +210,19 @@ class GRPOLearner(ShardedLearner):
         self.objective = Objective(LossConfig() if loss is None else loss)
         self.micro_batches = self.config.micro_batches
         self.max_consecutive_nonfinite = self.config.max_consecutive_nonfinite
+        self.logits_chunk_size = self.config.logits_chunk_size
         self.consecutive_nonfinite = 0
         # Learner versions of the last finite step and of the first of the skipped run.
         self._last_finite_step: int | None = None
         self._first_nonfinite_step: int | None = None
         graphdef = nnx.graphdef(model)
-        step = make_train_step(graphdef, tx, loss, micro_batches=self.micro_batches)
+        step = make_train_step(
+            graphdef,
+            tx,
+            loss,
+            micro_batches=self.micro_batches,
+            logits_chunk_size=self.logits_chunk_size,
+        )
         super().__init__(model, tx, mesh, step, num_extra=1, rules=rules)
 
     def place_batch(self, local_batch: TrainBatch) -> TrainBatch:

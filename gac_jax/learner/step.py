@@ -14,6 +14,8 @@ whole batch.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -22,43 +24,63 @@ from flax import nnx
 from gac_jax import objectives
 from gac_jax.learner.batch import TrainBatch
 from gac_jax.learner.objective import LossConfig, Objective
-from gac_jax.models import token_logps_from_logits
+from gac_jax.models.scoring import DEFAULT_CHUNK_SIZE, token_logps_and_entropy
 from gac_jax.numerics import masked_mean
 
 _sg = jax.lax.stop_gradient
 
 
-def _forward(graphdef, params, batch: TrainBatch):
-    """Teacher-forced log-probs [N, T] and the entropy of each predicted token [N, T]."""
+def _forward(graphdef, params, batch: TrainBatch, logits_chunk_size: int):
+    """Teacher-forced log-probs [N, T] and the entropy of each predicted token [N, T].
+
+    The logits are never materialised for the whole sequence: `logits_chunk_size`
+    positions at a time, forward and backward (`gac_jax.models.chunked_logprobs`).
+    """
     model = nnx.merge(graphdef, params)
     # Positions default to `positions_from_mask`, which lets the model look its rotary
     # tables up instead of evaluating sin and cos.
-    logits_btv, _ = model(batch.tokens, None, batch.attention_mask)
-    logp_bt = token_logps_from_logits(logits_btv, batch.tokens, batch.attention_mask)
-    log_probs = jax.nn.log_softmax(logits_btv[:, :-1].astype(jnp.float32), axis=-1)
-    entropy = -jnp.sum(jnp.exp(log_probs) * log_probs, axis=-1)
-    entropy_bt = jnp.concatenate([jnp.zeros_like(entropy[:, :1]), entropy], axis=1)
-    return logp_bt, entropy_bt
+    return token_logps_and_entropy(
+        model, batch.tokens, batch.attention_mask, chunk_size=logits_chunk_size
+    )
 
 
-def per_example_grad_sq_norms(graphdef, params, batch: TrainBatch) -> jax.Array:
-    """Exact `|grad_theta sum_t log pi(y_it)|^2` for every sequence i, [N] (vmapped grads).
+def per_example_grad_sq_norms(
+    graphdef,
+    params,
+    batch: TrainBatch,
+    *,
+    sequences_per_chunk: int | None = None,
+    logits_chunk_size: int = DEFAULT_CHUNK_SIZE,
+) -> jax.Array:
+    """Exact `|grad_theta sum_t log pi(y_it)|^2` for every sequence i, [N].
 
-    Costs one backward pass per sequence and N gradient-sized buffers: for small models.
+    One backward pass per sequence. The gradients of `sequences_per_chunk` sequences (all
+    N by default) are computed at once with `jax.vmap` and reduced to their squared norms
+    before the next chunk's (`jax.lax.map`), so memory holds that many gradient-sized
+    buffers, not N: for small models, or chunks of a few sequences.
+
+    Args:
+      graphdef, params: the model.
+      batch: the sequences (tokens, attention and loss masks are read).
+      sequences_per_chunk: sequences whose gradients exist at once; N by default.
+      logits_chunk_size: positions whose logits exist at once (`_forward`).
     """
+    n = batch.tokens.shape[0]
+    k = n if sequences_per_chunk is None else sequences_per_chunk
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ValueError(f"sequences_per_chunk={k!r} must be an int >= 1.")
 
     def sequence_logp(p, tokens, attention, loss_mask):
         one = TrainBatch(tokens[None], attention[None], loss_mask[None], *([None] * 4))
-        logp, _ = _forward(graphdef, p, one)
+        logp, _ = _forward(graphdef, p, one, logits_chunk_size)
         return jnp.sum(jnp.where(loss_mask[None], logp, 0.0))
 
-    grads = jax.vmap(jax.grad(sequence_logp), in_axes=(None, 0, 0, 0))(
-        params, batch.tokens, batch.attention_mask, batch.loss_mask
-    )
-    return sum(
-        jnp.sum(jnp.square(g.astype(jnp.float32)), axis=tuple(range(1, g.ndim)))
-        for g in jax.tree.leaves(grads)
-    )
+    def sq_norm(row):
+        grads = jax.grad(sequence_logp)(params, *row)
+        return sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for g in jax.tree.leaves(grads))
+
+    rows = (batch.tokens, batch.attention_mask, batch.loss_mask)
+    return jax.lax.map(sq_norm, rows, batch_size=min(k, n))
 
 
 def _split(x, micro_batches: int):
@@ -72,20 +94,22 @@ def _merge(x):
     return x.reshape((-1,) + x.shape[2:])
 
 
-def _whole_batch_logp(graphdef, params, chunks: TrainBatch) -> jax.Array:
+def _whole_batch_logp(forward, params, chunks: TrainBatch) -> jax.Array:
     """[N, T] log-probs under `params`, one micro-batch at a time (no gradient)."""
-    logp = jax.lax.map(lambda chunk: _forward(graphdef, params, chunk)[0], chunks)
+    logp = jax.lax.map(lambda chunk: forward(params, chunk)[0], chunks)
     return jax.lax.stop_gradient(_merge(logp))
 
 
-def _advantages(objective: Objective, graphdef, params, batch: TrainBatch, logp, grad_norm):
+def _advantages(objective: Objective, params, batch: TrainBatch, logp, exact_sq_norms):
+    """Advantages of the whole batch; `exact_sq_norms(params, batch)` gives VCPO's exact
+    gradient norms [N]."""
     if not objective.needs_log_weights:
         return objective.advantages(batch.rewards, batch.group_ids)
     log_w = objectives.sequence_log_ratio(logp, batch.behaviour_logp, batch.loss_mask)
-    if grad_norm == "exact":
-        sq_norms = per_example_grad_sq_norms(graphdef, params, batch)
+    if objective.grad_norm == "exact":
+        sq_norms = exact_sq_norms(params, batch)
     else:
-        sq_norms = objectives.grad_sq_norm_proxy(batch.loss_mask, proxy=grad_norm)
+        sq_norms = objectives.grad_sq_norm_proxy(batch.loss_mask, proxy=objective.grad_norm)
     return objective.advantages(
         batch.rewards, batch.group_ids, log_weights=log_w, grad_sq_norms=sq_norms
     )
@@ -148,6 +172,7 @@ def make_train_step(
     loss: LossConfig | None = None,
     *,
     micro_batches: int = 1,
+    logits_chunk_size: int = DEFAULT_CHUNK_SIZE,
 ):
     """The step function (not jitted: the learner adds shardings and donation).
 
@@ -159,7 +184,11 @@ def make_train_step(
       micro_batches: the batch is split into this many chunks whose gradients are
         accumulated, each weighted by its share of the loss's normaliser, so the update
         does not depend on it. Advantages and whole-batch statistics are computed on the
-        whole batch first, so groups are never split.
+        whole batch first, so groups are never split. VCPO's exact gradient norms are
+        computed one micro-batch of sequences at a time (`per_example_grad_sq_norms`).
+      logits_chunk_size: the logits [B, T, V] are never materialised: log-probs and
+        entropies are computed this many positions at a time, forward and backward
+        (`gac_jax.models.chunked_logprobs`); any value gives the same result.
 
     A step whose loss, gradient norm or update norm is not finite is skipped: it returns
     params and optimizer state unchanged and the metric `nonfinite_step` is 1.0 (else 0.0);
@@ -168,10 +197,14 @@ def make_train_step(
     objective = Objective(LossConfig() if loss is None else loss)
     if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
         raise ValueError(f"micro_batches={micro_batches!r} must be an int >= 1.")
+    c = logits_chunk_size
+    if isinstance(c, bool) or not isinstance(c, int) or c < 1:
+        raise ValueError(f"logits_chunk_size={c!r} must be an int >= 1.")
     m = micro_batches
+    forward = functools.partial(_forward, graphdef, logits_chunk_size=c)
 
     def chunk_loss(params, chunk: TrainBatch, adv_n, statistics):
-        logp, entropy = _forward(graphdef, params, chunk)
+        logp, entropy = forward(params, chunk)
         loss, _, size = objective.loss(
             logp, chunk.behaviour_logp, adv_n, chunk.loss_mask, statistics
         )
@@ -182,6 +215,13 @@ def make_train_step(
 
     grad_fn = jax.value_and_grad(chunk_loss, has_aux=True)
 
+    def exact_sq_norms(params, batch: TrainBatch):
+        # One micro-batch of sequences' gradients at a time, as the update's.
+        rows = batch.tokens.shape[0] // m
+        return per_example_grad_sq_norms(
+            graphdef, params, batch, sequences_per_chunk=rows, logits_chunk_size=c
+        )
+
     def step(params, opt_state, batch: TrainBatch, learner_version):
         n = batch.tokens.shape[0]
         if n % m:
@@ -189,10 +229,8 @@ def make_train_step(
         chunks = jax.tree.map(lambda x: _split(x, m), batch)
         whole_logp = None
         if objective.needs_log_weights or (m > 1 and objective.spec.batch_statistics):
-            whole_logp = _whole_batch_logp(graphdef, params, chunks)
-        adv_n, adv_aux = _advantages(
-            objective, graphdef, params, batch, whole_logp, objective.grad_norm
-        )
+            whole_logp = _whole_batch_logp(forward, params, chunks)
+        adv_n, adv_aux = _advantages(objective, params, batch, whole_logp, exact_sq_norms)
         statistics = None
         if m > 1:
             statistics = objective.batch_statistics(

@@ -15,6 +15,7 @@ Typical use::
     logps = models.per_token_logps(model, full_tokens, full_mask)  # for the learner
 """
 
+from gac_jax.models.chunked_logprobs import chunked_token_logps_and_entropy
 from gac_jax.models.compute import ComputeConfig, with_compute
 from gac_jax.models.config import (
     PRESETS,
@@ -47,6 +48,7 @@ from gac_jax.models.sampler import (
 from gac_jax.models.scoring import (
     logps_of_tokens,
     per_token_logps,
+    token_logps_and_entropy,
     token_logps_from_logits,
 )
 from gac_jax.models.sharding import (
@@ -81,6 +83,7 @@ __all__ = [
     "ShardingRules",
     "Tokenizer",
     "decode_completion",
+    "chunked_token_logps_and_entropy",
     "config_from_hf",
     "config_to_hf",
     "create_model",
@@ -101,5 +104,6 @@ __all__ = [
     "save_hf_checkpoint",
     "shard_model",
     "state_shardings",
+    "token_logps_and_entropy",
     "token_logps_from_logits",
 ]

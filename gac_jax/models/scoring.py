@@ -10,12 +10,20 @@ entry `t` of the result is
 where `z_{t-1}` are the logits after the real tokens up to position `t-1`, divided by the
 temperature. Entry 0 has no context and is 0; so is every entry whose token or whose
 predecessor is masked (padding, or the first real token of a left-padded row).
+
+`token_logps_from_logits` applies it to logits [B, T, V] (the dense reference);
+`per_token_logps` and `token_logps_and_entropy` score a model without materialising them
+(`gac_jax.models.chunked_logprobs`).
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+
+from gac_jax.models.chunked_logprobs import chunked_token_logps_and_entropy
+
+DEFAULT_CHUNK_SIZE = 512
 
 
 def logps_of_tokens(logits_bv: jax.Array, tokens_b: jax.Array) -> jax.Array:
@@ -59,7 +67,54 @@ def token_logps_from_logits(
     return jnp.concatenate([jnp.zeros((b, 1), jnp.float32), logps], axis=1)
 
 
-def per_token_logps(model, tokens_bt: jax.Array, mask_bt: jax.Array, *, temperature=1.0):
+def token_logps_and_entropy(
+    model, tokens_bt: jax.Array, mask_bt: jax.Array, *, chunk_size: int, temperature=1.0
+) -> tuple[jax.Array, jax.Array]:
+    """Teacher-forced log-probs [B, T] and the entropy of each predicted token [B, T].
+
+    The logits are computed, reduced and dropped `chunk_size` positions at a time, in the
+    forward and the backward pass (`chunked_token_logps_and_entropy`), so no [B, T, V]
+    array exists. Differentiable in the model's parameters (both outputs).
+
+    Args:
+      model: a `gac_jax.models.Decoder` (call inside `jax.jit`, e.g. after `nnx.merge`).
+      tokens_bt: int ids [B, T].
+      mask_bt: bool [B, T], True for real tokens; positions come from it.
+      chunk_size: at most this many positions' logits at a time.
+      temperature: logits are divided by it before the softmax.
+
+    Returns:
+      `(logp_bt, entropy_bt)`, float32; entry 0 of both is 0, and so is every log-prob
+      whose token or predecessor is masked (entropies are not masked).
+    """
+    mask_bt = jnp.asarray(mask_bt).astype(bool)
+    hidden_btd, _ = model.hidden_states(tokens_bt, None, mask_bt)
+    # Tied embeddings are used as stored, [V, D]: transposing them would copy them.
+    if model.lm_head_dv is None:
+        weights, layout = model.embedding_vd[...], "vd"
+    else:
+        weights, layout = model.lm_head_dv[...], "dv"
+    return chunked_token_logps_and_entropy(
+        hidden_btd,
+        weights,
+        tokens_bt,
+        mask_bt,
+        chunk_size=chunk_size,
+        head_layout=layout,
+        temperature=temperature,
+        compute_dtype=model.config.compute_dtype,
+        logits_spec=model.rules.act_btv,
+    )
+
+
+def per_token_logps(
+    model,
+    tokens_bt: jax.Array,
+    mask_bt: jax.Array,
+    *,
+    temperature=1.0,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+):
     """Teacher-forced `log p(tokens[t] | tokens[<t])` [B, T] under `model`.
 
     Positions count from each row's first real token, so prompt + completion rows laid
@@ -71,10 +126,12 @@ def per_token_logps(model, tokens_bt: jax.Array, mask_bt: jax.Array, *, temperat
       tokens_bt: int ids [B, T].
       mask_bt: bool [B, T], True for real tokens.
       temperature: logits are divided by it before the softmax.
+      chunk_size: at most this many positions' logits [B, chunk, V] exist at a time.
 
     Returns:
       float32 [B, T]; entry 0 and masked entries are 0.
     """
-    mask_bt = jnp.asarray(mask_bt).astype(bool)
-    logits_btv, _ = model(tokens_bt, None, mask_bt)  # Positions from the mask.
-    return token_logps_from_logits(logits_btv, tokens_bt, mask_bt, temperature)
+    logp_bt, _ = token_logps_and_entropy(
+        model, tokens_bt, mask_bt, chunk_size=chunk_size, temperature=temperature
+    )
+    return logp_bt

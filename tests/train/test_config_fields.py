@@ -131,6 +131,12 @@ FIELDS = {
         5,
         "0",
     ),
+    "learner.logits_chunk_size": (
+        "64",
+        lambda b, _: b["run"].learner.logits_chunk_size,
+        64,
+        "0",
+    ),
     "generation.group_size": ("4", lambda b, _: b["run"].generator.group_size, 4, "1"),
     "generation.prompt_length": ("40", lambda b, _: b["run"].generator.prompt_length, 40, "0"),
     "generation.max_new_tokens": ("12", lambda b, _: b["run"].sampler.max_new_tokens, 12, "0"),

@@ -4,18 +4,24 @@ config."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import numpy as np
 import optax
 from flax import nnx
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from gac_jax.learner.batch import TrainBatch
 from gac_jax.learner.objective import LossConfig, Objective
 from gac_jax.learner.step import make_train_step
+from gac_jax.learner.token_budget import budget_micro_batches, trim_padding, used_columns
 from gac_jax.models.sharding import ShardingRules, state_shardings
+
+# Trimmed batches are this many columns wide, times some integer (few widths, few compiles).
+WIDTH_MULTIPLE = 64
 
 # The batch dimension is split over every axis that does not shard the weights' width.
 BATCH_AXES = ("data", "fsdp")
@@ -69,11 +75,18 @@ class LearnerConfig:
         backward pass (`gac_jax.models.chunked_logprobs`), so the logits take
         B x logits_chunk_size x V float32s at a time. Any value gives the same result;
         smaller saves memory, larger means fewer, bigger matmuls.
+      max_tokens_per_micro_batch: None, or a token budget per device: each batch is first
+        trimmed to the columns its rows use (rounded up to a multiple of 64), then split
+        into the fewest micro-batches (at least `micro_batches`) whose rows on one device
+        hold at most this many padded tokens (`gac_jax.learner.token_budget`). A batch of
+        short completions then runs in few micro-batches and one long completion does not
+        set the memory of every batch; the step compiles once per width and count met.
     """
 
     micro_batches: int = 1
     max_consecutive_nonfinite: int = 3
     logits_chunk_size: int = 512
+    max_tokens_per_micro_batch: int | None = None
 
     def validate(self) -> None:
         """Raises ValueError naming a bad field."""
@@ -86,6 +99,9 @@ class LearnerConfig:
         c = self.logits_chunk_size
         if isinstance(c, bool) or not isinstance(c, int) or c < 1:
             raise ValueError(f"logits_chunk_size={c!r} must be an int >= 1.")
+        b = self.max_tokens_per_micro_batch
+        if b is not None and (isinstance(b, bool) or not isinstance(b, int) or b < 1):
+            raise ValueError(f"max_tokens_per_micro_batch={b!r} must be an int >= 1 or null.")
 
 
 class ShardedLearner:
@@ -138,6 +154,11 @@ class ShardedLearner:
         kept = _replaced_leaves(self.opt_state)
         self._kept = tuple(i for i in range(len(leaves)) if i in kept)
         self._donated = tuple(i for i in range(len(leaves)) if i not in kept)
+        self._num_extra = num_extra
+        self._step = self.compile_step(step)
+
+    def compile_step(self, step):
+        """`step` jitted with this learner's shardings and donation (see the class doc)."""
         opt_sharding_leaves = self._opt_treedef.flatten_up_to(self.opt_shardings)
 
         def split_step(params, donated, kept, batch, *extra):
@@ -145,17 +166,18 @@ class ShardedLearner:
             return (params, *self._split(opt_state), metrics)
 
         shardings = self._split_leaves(opt_sharding_leaves)
-        self._step = jax.jit(
+        return jax.jit(
             split_step,
             in_shardings=(self.param_shardings, *shardings, self.batch_sharding)
-            + (None,) * num_extra,
+            + (None,) * self._num_extra,
             out_shardings=(self.param_shardings, *shardings, self.replicated),
             donate_argnums=(0, 1),
         )
 
-    def run_step(self, batch, *extra) -> dict[str, float]:
-        """One update on a placed batch; returns the metrics as Python floats."""
-        self.params, donated, kept, metrics = self._step(
+    def run_step(self, batch, *extra, step=None) -> dict[str, float]:
+        """One update on a placed batch (with `step`, a `compile_step` result, instead of
+        the learner's own); returns the metrics as Python floats."""
+        self.params, donated, kept, metrics = (step or self._step)(
             self.params, *self._split(self.opt_state), batch, *extra
         )
         self.opt_state = self._merge(donated, kept)
@@ -211,19 +233,39 @@ class GRPOLearner(ShardedLearner):
         self.micro_batches = self.config.micro_batches
         self.max_consecutive_nonfinite = self.config.max_consecutive_nonfinite
         self.logits_chunk_size = self.config.logits_chunk_size
+        self.max_tokens_per_micro_batch = self.config.max_tokens_per_micro_batch
         self.consecutive_nonfinite = 0
         # Learner versions of the last finite step and of the first of the skipped run.
         self._last_finite_step: int | None = None
         self._first_nonfinite_step: int | None = None
-        graphdef = nnx.graphdef(model)
-        step = make_train_step(
-            graphdef,
+        self._make_step = functools.partial(
+            make_train_step,
+            nnx.graphdef(model),
             tx,
             loss,
-            micro_batches=self.micro_batches,
             logits_chunk_size=self.logits_chunk_size,
         )
+        step = self._make_step(micro_batches=self.micro_batches)
         super().__init__(model, tx, mesh, step, num_extra=1, rules=rules)
+        self._steps = {self.micro_batches: self._step}  # By micro-batch count.
+
+    def _fit_budget(self, local_batch: TrainBatch) -> tuple[TrainBatch, int]:
+        """The host batch trimmed to its used columns (the same ones in every process) and
+        the micro-batch count its token budget needs (`token_budget`)."""
+        columns = used_columns(local_batch.attention_mask)
+        if jax.process_count() > 1:
+            bounds = multihost_utils.process_allgather(np.asarray(columns))
+            columns = (int(bounds[:, 0].min()), int(bounds[:, 1].max()))
+        batch = trim_padding(local_batch, WIDTH_MULTIPLE, columns)
+        rows, width = batch.num_sequences * jax.process_count(), batch.tokens.shape[1]
+        micro_batches = budget_micro_batches(
+            rows,
+            width,
+            self.max_tokens_per_micro_batch,
+            minimum=self.micro_batches,
+            devices=self.batch_divisor,
+        )
+        return batch, micro_batches
 
     def place_batch(self, local_batch: TrainBatch) -> TrainBatch:
         """Host rows -> one global batch sharded over ("data", "fsdp").
@@ -266,9 +308,20 @@ class GRPOLearner(ShardedLearner):
         A non-finite step is skipped (metric `nonfinite_step` = 1.0, state untouched);
         `config.max_consecutive_nonfinite` of them in a row raise `NonFiniteStepError`.
         """
-        if not isinstance(batch.tokens, jax.Array) or batch.tokens.sharding != self.batch_sharding:
+        micro_batches = self.micro_batches
+        placed = (
+            isinstance(batch.tokens, jax.Array) and batch.tokens.sharding == self.batch_sharding
+        )
+        if self.max_tokens_per_micro_batch and not placed:
+            batch, micro_batches = self._fit_budget(batch)
+        if not placed:
             batch = self.place_batch(batch)
-        metrics = self.run_step(batch, np.int32(learner_version))
+        if micro_batches not in self._steps:
+            self._steps[micro_batches] = self.compile_step(
+                self._make_step(micro_batches=micro_batches)
+            )
+        metrics = self.run_step(batch, np.int32(learner_version), step=self._steps[micro_batches])
+        metrics["micro_batches"] = float(micro_batches)
         if metrics["nonfinite_step"] == 0.0:
             self.consecutive_nonfinite = 0
             self._last_finite_step = learner_version

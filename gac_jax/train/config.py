@@ -181,25 +181,34 @@ def _preset_countdown_sweep() -> TrainConfig:
 
 SWEEP_LEARNING_RATE = 6e-4
 
+
+def _preset_qwen3_gsm8k(model: str) -> TrainConfig:
+    return TrainConfig(
+        task="gsm8k",
+        model=model,
+        init="random",
+        steps=500,
+        optimizer=OptimizerConfig(learning_rate=1e-6, weight_decay=0.1),
+        gac=GACConfig(),
+        learner=LearnerConfig(micro_batches=8),
+        generation=GenerationConfig(group_size=8, prompt_length=256, max_new_tokens=512),
+        rollout=RolloutConfig(mode="async", groups_per_batch=64, num_workers=2, groups_per_call=8),
+        buffer=BufferConfig(max_staleness=4),
+        mesh=MeshConfig(data=1, fsdp=-1),
+        compute=ComputeConfig(remat="full"),
+    )
+
+
 PRESETS: dict[str, Any] = {
     # The embedded default: countdown from the shipped warm start, async GRPO with GAC.
     "demo": _preset_demo,
     "countdown_sync": lambda: TrainConfig(rollout=RolloutConfig(mode="sync")),
     "countdown_lagged8": lambda: TrainConfig(rollout=RolloutConfig(mode="lagged", lag=8)),
     "countdown_sweep": _preset_countdown_sweep,
-    # Real hardware: Qwen3 on GSM8K from a Hugging Face checkpoint (see README).
-    "qwen3_0_6b_gsm8k": lambda: TrainConfig(
-        task="gsm8k",
-        model="qwen3_0_6b",
-        init="random",
-        steps=500,
-        optimizer=OptimizerConfig(learning_rate=1e-6, weight_decay=0.1),
-        gac=GACConfig(),
-        generation=GenerationConfig(group_size=8, prompt_length=256, max_new_tokens=512),
-        rollout=RolloutConfig(mode="async", groups_per_batch=64, num_workers=2, groups_per_call=8),
-        buffer=BufferConfig(max_staleness=4),
-        mesh=MeshConfig(data=1, fsdp=-1),
-    ),
+    # Real hardware: Qwen3 on GSM8K from a Hugging Face checkpoint (see README). Sized with
+    # `gac-jax plan` to fit 8 devices of 80 GB (README, "Scaling out").
+    "qwen3_0_6b_gsm8k": lambda: _preset_qwen3_gsm8k("qwen3_0_6b"),
+    "qwen3_1_7b_gsm8k": lambda: _preset_qwen3_gsm8k("qwen3_1_7b"),
 }
 
 
@@ -214,4 +223,3 @@ def get_preset(name: str) -> TrainConfig:
     config = PRESETS[name]()
     config.validate()
     return config
-

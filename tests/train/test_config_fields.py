@@ -137,6 +137,12 @@ FIELDS = {
         64,
         "0",
     ),
+    "learner.max_tokens_per_micro_batch": (
+        "4096",
+        lambda b, _: b["run"].learner.max_tokens_per_micro_batch,
+        4096,
+        "0",
+    ),
     "generation.group_size": ("4", lambda b, _: b["run"].generator.group_size, 4, "1"),
     "generation.prompt_length": ("40", lambda b, _: b["run"].generator.prompt_length, 40, "0"),
     "generation.max_new_tokens": ("12", lambda b, _: b["run"].sampler.max_new_tokens, 12, "0"),

@@ -1,0 +1,58 @@
+"""Micro-batches by token budget: trim a batch's padding, then split it so that no
+micro-batch holds more than a budget of (padded) tokens on one device.
+
+A rollout batch is as wide as its longest possible completion (prompt_length +
+max_new_tokens); with heavy-tailed response lengths most columns are padding in most
+batches. `trim_padding` cuts the columns no row uses (rounded up to a multiple, so a run
+compiles the step for a handful of widths, not one per batch), and `budget_micro_batches`
+picks the fewest micro-batches whose rows fit the budget: a batch of short completions
+runs in one or two, the batch with one very long completion in more, and the memory of a
+micro-batch stays bounded either way. Trimming changes no result: the model is causal, the
+cut columns are masked everywhere, and positions come from the attention mask.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from gac_jax.learner.batch import TrainBatch
+
+# Fields of a `TrainBatch` laid out [N, T].
+TOKEN_FIELDS = ("tokens", "attention_mask", "loss_mask", "behaviour_logp")
+
+
+def used_columns(attention_mask: np.ndarray) -> tuple[int, int]:
+    """[first, end) of the columns some row attends to ((0, 0) when none does)."""
+    used = np.flatnonzero(np.asarray(attention_mask).any(axis=0))
+    return (int(used[0]), int(used[-1]) + 1) if used.size else (0, 0)
+
+
+def trim_padding(batch: TrainBatch, multiple: int, columns: tuple[int, int] | None = None):
+    """`batch` (host arrays) without the padding columns outside `columns` (default
+    `used_columns`), its width rounded up to a multiple of `multiple` by keeping padding
+    columns on the right (or on the left where the right has too few)."""
+    width = batch.tokens.shape[1]
+    first, end = used_columns(batch.attention_mask) if columns is None else columns
+    keep = min(width, max(multiple, -(-(end - first) // multiple) * multiple))
+    end = min(width, first + keep)
+    first = end - keep
+    return dataclasses.replace(
+        batch, **{name: np.asarray(getattr(batch, name))[:, first:end] for name in TOKEN_FIELDS}
+    )
+
+
+def budget_micro_batches(
+    rows: int, width: int, max_tokens: int, *, minimum: int = 1, devices: int = 1
+) -> int:
+    """The fewest micro-batches m (a divisor of `rows`, at least `minimum`, leaving each
+    device whole rows) with rows / (m * devices) * width <= `max_tokens`; the most there
+    are (one row per device) when even that exceeds the budget."""
+    candidates = [m for m in range(1, rows + 1) if rows % m == 0 and (rows // m) % devices == 0]
+    if not candidates:
+        raise ValueError(f"{rows} rows cannot be split evenly over {devices} devices.")
+    for m in candidates:
+        if m >= minimum and rows // (m * devices) * width <= max_tokens:
+            return m
+    return candidates[-1]

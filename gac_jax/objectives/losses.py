@@ -19,6 +19,7 @@ The loss is minimised (it is the negative of the paper's objective). Where a rat
 is needed the log-ratio is clamped to +-20 first (see `MAX_LOG_RATIO`), so log-probs of any
 magnitude give finite values and gradients; beyond the clamp the ratio is held constant.
 """
+
 from __future__ import annotations
 
 import jax

@@ -13,8 +13,8 @@ import inspect
 import typing
 
 import optax
-from flax import nnx
 import pytest
+from flax import nnx
 
 from gac_jax import models
 from gac_jax.train import loop

@@ -219,4 +219,3 @@ def test_async_resume_reuses_no_group_and_keeps_the_bound(tmp_path, digit_task, 
     # resume that forgot the buffer's reservation count let the workers run ahead with old
     # versions: 4 drops in the 3 steps after the resume.
     assert records[-1]["buffer_dropped"] <= 2
-

@@ -53,6 +53,19 @@ def _replaced_leaves(opt_state) -> set[int]:
     }
 
 
+def _is_abstract(tree) -> bool:
+    return any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(tree))
+
+
+def _with_shardings(tree, shardings):
+    """Abstract leaves carrying their shardings, as `jax.jit(...).lower` reads them."""
+    return jax.tree.map(
+        lambda x, sharding: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
+        tree,
+        shardings,
+    )
+
+
 class NonFiniteStepError(RuntimeError):
     """Too many consecutive train steps had a non-finite loss, gradient or update.
 
@@ -139,9 +152,13 @@ class ShardedLearner:
         rules = ShardingRules() if rules is None else rules
         self.graphdef, params = nnx.split(model)
         self.param_shardings = state_shardings(params, mesh, rules)
-        self.params = jax.device_put(params, self.param_shardings)
-        self.opt_shardings = optimizer_shardings(tx, self.params, self.param_shardings, mesh)
-        self.opt_state = jax.jit(tx.init, out_shardings=self.opt_shardings)(self.params)
+        self.opt_shardings = optimizer_shardings(tx, params, self.param_shardings, mesh)
+        if _is_abstract(params):  # From `nnx.eval_shape`: a learner to `lower`, not to run.
+            self.params = _with_shardings(params, self.param_shardings)
+            self.opt_state = _with_shardings(jax.eval_shape(tx.init, params), self.opt_shardings)
+        else:
+            self.params = jax.device_put(params, self.param_shardings)
+            self.opt_state = jax.jit(tx.init, out_shardings=self.opt_shardings)(self.params)
         self.batch_sharding = NamedSharding(mesh, P(BATCH_AXES))
         self.replicated = NamedSharding(mesh, P())
         self.batch_divisor = int(np.prod([mesh.shape[a] for a in BATCH_AXES]))
@@ -182,6 +199,12 @@ class ShardedLearner:
         )
         self.opt_state = self._merge(donated, kept)
         return {k: float(v) for k, v in jax.device_get(metrics).items()}
+
+    def lower(self, batch, *extra) -> jax.stages.Lowered:
+        """The step lowered for `batch` (arrays or `jax.ShapeDtypeStruct`s, laid out as a
+        placed batch) without running it: `.compile()` then gives XLA's memory and cost
+        analyses. Works on a learner built from an abstract model (`nnx.eval_shape`)."""
+        return self._step.lower(self.params, *self._split(self.opt_state), batch, *extra)
 
     def model(self) -> nnx.Module:
         """The current params merged into a model (shares the arrays)."""

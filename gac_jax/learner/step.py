@@ -84,14 +84,23 @@ def per_example_grad_sq_norms(
 
 
 def _split(x, micro_batches: int):
-    """[N, ...] -> [micro_batches, N / micro_batches, ...]; per-batch scalars are repeated."""
+    """[N, ...] -> [micro_batches, N / micro_batches, ...], micro-batch j holding rows j,
+    j + micro_batches, ...; per-batch scalars are repeated.
+
+    Strided, not contiguous: the batch is sharded over devices in contiguous blocks of
+    rows, so a contiguous micro-batch would sit on one device (or a few) and GSPMD would
+    replicate its computation on all of them; a strided one spreads every micro-batch over
+    every device. Which rows go together does not change the update (exact micro-batching).
+    """
     if jnp.ndim(x) == 0:
         return jnp.broadcast_to(x, (micro_batches,))
-    return x.reshape((micro_batches, x.shape[0] // micro_batches) + x.shape[1:])
+    n = x.shape[0]
+    return x.reshape((n // micro_batches, micro_batches) + x.shape[1:]).swapaxes(0, 1)
 
 
 def _merge(x):
-    return x.reshape((-1,) + x.shape[2:])
+    """Inverse of `_split`: [micro_batches, N / micro_batches, ...] -> [N, ...]."""
+    return x.swapaxes(0, 1).reshape((-1,) + x.shape[2:])
 
 
 def _whole_batch_logp(forward, params, chunks: TrainBatch) -> jax.Array:

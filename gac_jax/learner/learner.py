@@ -200,11 +200,12 @@ class ShardedLearner:
         self.opt_state = self._merge(donated, kept)
         return {k: float(v) for k, v in jax.device_get(metrics).items()}
 
-    def lower(self, batch, *extra) -> jax.stages.Lowered:
-        """The step lowered for `batch` (arrays or `jax.ShapeDtypeStruct`s, laid out as a
-        placed batch) without running it: `.compile()` then gives XLA's memory and cost
-        analyses. Works on a learner built from an abstract model (`nnx.eval_shape`)."""
-        return self._step.lower(self.params, *self._split(self.opt_state), batch, *extra)
+    def lower(self, batch, *extra, step=None) -> jax.stages.Lowered:
+        """The step (or `step`, a `compile_step` result) lowered for `batch` (arrays or
+        `jax.ShapeDtypeStruct`s, laid out as a placed batch) without running it:
+        `.compile()` then gives XLA's memory and cost analyses. Works on a learner built
+        from an abstract model (`nnx.eval_shape`)."""
+        return (step or self._step).lower(self.params, *self._split(self.opt_state), batch, *extra)
 
     def model(self) -> nnx.Module:
         """The current params merged into a model (shares the arrays)."""
@@ -272,6 +273,26 @@ class GRPOLearner(ShardedLearner):
         super().__init__(model, tx, mesh, step, num_extra=1, rules=rules)
         self._steps = {self.micro_batches: self._step}  # By micro-batch count.
 
+    def step_for(self, micro_batches: int):
+        """The jitted step that splits a batch into `micro_batches` (compiled once)."""
+        if micro_batches not in self._steps:
+            step = self._make_step(micro_batches=micro_batches)
+            self._steps[micro_batches] = self.compile_step(step)
+        return self._steps[micro_batches]
+
+    def budget_micro_batches(self, rows: int, width: int) -> int:
+        """Micro-batches for a batch of `rows` x `width` (the token budget's, or the
+        configured count without a budget)."""
+        if not self.max_tokens_per_micro_batch:
+            return self.micro_batches
+        return budget_micro_batches(
+            rows,
+            width,
+            self.max_tokens_per_micro_batch,
+            minimum=self.micro_batches,
+            devices=self.batch_divisor,
+        )
+
     def _fit_budget(self, local_batch: TrainBatch) -> tuple[TrainBatch, int]:
         """The host batch trimmed to its used columns (the same ones in every process) and
         the micro-batch count its token budget needs (`token_budget`)."""
@@ -281,14 +302,7 @@ class GRPOLearner(ShardedLearner):
             columns = (int(bounds[:, 0].min()), int(bounds[:, 1].max()))
         batch = trim_padding(local_batch, WIDTH_MULTIPLE, columns)
         rows, width = batch.num_sequences * jax.process_count(), batch.tokens.shape[1]
-        micro_batches = budget_micro_batches(
-            rows,
-            width,
-            self.max_tokens_per_micro_batch,
-            minimum=self.micro_batches,
-            devices=self.batch_divisor,
-        )
-        return batch, micro_batches
+        return batch, self.budget_micro_batches(rows, width)
 
     def place_batch(self, local_batch: TrainBatch) -> TrainBatch:
         """Host rows -> one global batch sharded over ("data", "fsdp").
@@ -339,11 +353,7 @@ class GRPOLearner(ShardedLearner):
             batch, micro_batches = self._fit_budget(batch)
         if not placed:
             batch = self.place_batch(batch)
-        if micro_batches not in self._steps:
-            self._steps[micro_batches] = self.compile_step(
-                self._make_step(micro_batches=micro_batches)
-            )
-        metrics = self.run_step(batch, np.int32(learner_version), step=self._steps[micro_batches])
+        metrics = self.run_step(batch, np.int32(learner_version), step=self.step_for(micro_batches))
         metrics["micro_batches"] = float(micro_batches)
         if metrics["nonfinite_step"] == 0.0:
             self.consecutive_nonfinite = 0

@@ -223,7 +223,7 @@ class Decoder(nnx.Module):
         x_btd = constrain(jnp.take(embedding, tokens_bt, axis=0), rules.act_btd)
 
         run = _run_layer
-        if cfg.remat != "none":
+        if cfg.remat != "none" and cache is None:  # Decoding has no backward pass.
             run = nnx.remat(_run_layer, policy=_remat_policy(cfg.remat))
         if rope is None:
             rope = self.rope_tables(positions_bt, max_position)  # Shared by every layer.

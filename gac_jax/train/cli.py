@@ -6,6 +6,7 @@
     gac-jax show-config --config countdown_sync --set steps=10
     gac-jax show-config --config my_run.yaml
     gac-jax plot runs/lag8 --out runs/lag8/metrics.png
+    gac-jax plan --config qwen3_0_6b_gsm8k --fake-devices 8
 
 The command is thin: configs come from `gac_jax.train.config_io`, runs from
 `gac_jax.train.loop`. A bad config (unknown key, ill-typed value, failed validation) prints
@@ -138,6 +139,27 @@ def _cmd_show_config(args, parser) -> int:
     return 0
 
 
+def _cmd_plan(args, parser) -> int:
+    if args.fake_devices:
+        import jax
+
+        try:
+            jax.config.update("jax_num_cpu_devices", args.fake_devices)
+            jax.config.update("jax_platforms", "cpu")
+        except RuntimeError as error:  # The backend is already up.
+            parser.error(f"--fake-devices {args.fake_devices}: {error}")
+    config = _resolve(parser, args.config, args.set)
+    from gac_jax.train.plan import plan
+
+    try:
+        report = plan(config, device_memory_gib=args.device_memory_gib)
+    except ValueError as error:
+        parser.error(str(error))
+    print(json.dumps(report, indent=2))
+    print(report["verdict"], file=sys.stderr)
+    return 0 if report["fits"] else 1
+
+
 def _cmd_plot(args, parser) -> int:
     from gac_jax.train import plots
 
@@ -212,6 +234,24 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("show-config", help="print the resolved config as YAML")
     _add_config_args(p, default="demo")
     p.set_defaults(func=_cmd_show_config, parser=p)
+
+    p = sub.add_parser(
+        "plan", help="compile the learner step and sampler from abstract arrays: will it fit?"
+    )
+    _add_config_args(p, default="demo")
+    p.add_argument(
+        "--device-memory-gib",
+        type=float,
+        default=80.0,
+        help="memory of one device to check against (default 80)",
+    )
+    p.add_argument(
+        "--fake-devices",
+        type=int,
+        metavar="N",
+        help="plan on N fake CPU devices (the mesh a pod would have), not the local ones",
+    )
+    p.set_defaults(func=_cmd_plan, parser=p)
 
     p = sub.add_parser("plot", help="plot a run's metrics, or compare runs on one metric")
     p.add_argument("runs", nargs="+", metavar="RUN", help="run directory or metrics.jsonl")

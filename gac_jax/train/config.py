@@ -190,7 +190,7 @@ def _preset_qwen3_gsm8k(model: str) -> TrainConfig:
         steps=500,
         optimizer=OptimizerConfig(learning_rate=1e-6, weight_decay=0.1),
         gac=GACConfig(),
-        learner=LearnerConfig(micro_batches=8),
+        learner=LearnerConfig(micro_batches=16, logits_chunk_size=128),
         generation=GenerationConfig(group_size=8, prompt_length=256, max_new_tokens=512),
         rollout=RolloutConfig(mode="async", groups_per_batch=64, num_workers=2, groups_per_call=8),
         buffer=BufferConfig(max_staleness=4),

@@ -44,3 +44,16 @@ def test_bad_values_name_the_field():
         models.ComputeConfig(remat="some").validate()
     with pytest.raises(ValueError, match=r"param_dtype='float64'"):
         models.ComputeConfig(param_dtype="float64").validate()
+
+
+def test_a_remat_model_samples_like_the_plain_one():
+    # Remat applies to the training forward only: decoding with a cache has no backward.
+    model = models.create_model(models.get_config("tiny"), seed=0)
+    remat = models.with_compute(model, models.ComputeConfig(remat="full"))
+    sampler = models.Sampler(model.config, max_new_tokens=4, eos_ids=2, pad_id=0)
+    prompts = jnp.full((2, 3), 5, jnp.int32)
+    mask = jnp.ones((2, 3), bool)
+    key = jax.random.key(0)
+    plain = sampler.generate(model, prompts, mask, key, temperature=0.0)
+    rematted = sampler.generate(remat, prompts, mask, key, temperature=0.0)
+    np.testing.assert_array_equal(rematted.tokens, plain.tokens)

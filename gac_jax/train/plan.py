@@ -1,0 +1,165 @@
+"""`gac-jax plan`: will a run fit? Compile its learner step and sampler ahead of time.
+
+Both programs are lowered on the run's mesh from abstract arrays (`nnx.eval_shape`: no
+weight is created or loaded, so a 1.7B-parameter layout is checked on a laptop, on fake
+CPU devices) and compiled; XLA's memory and cost analyses then give, per device, the
+bytes of the arguments (params, optimizer state, batch), the outputs, the temporaries and
+what donation aliases, and the FLOPs. Peak = arguments + outputs - aliased + temporaries.
+
+The figures are those of the backend that compiled them: on fake CPU devices, XLA's CPU
+buffer assignment, which schedules for speed rather than memory and so over-states what
+a GPU or TPU compile needs (it is an upper bound to check a layout against, not a
+measurement of the accelerator).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from gac_jax import models
+from gac_jax.learner import GRPOLearner, TrainBatch, make_optimizer
+from gac_jax.models.hf_config import config_from_hf, read_hf_config
+from gac_jax.rollout import make_sampler
+from gac_jax.train.config import TrainConfig
+
+GIB = 2**30
+
+
+def model_config(config: TrainConfig) -> models.ModelConfig:
+    """The run's architecture and dtypes, read without loading a weight."""
+    overrides = config.compute.overrides()
+    if config.init in ("random", "warm_start"):
+        return models.get_config(config.model, **overrides)
+    return config_from_hf(read_hf_config(Path(config.init)), **overrides)
+
+
+def _tokenizer(config: TrainConfig):
+    if config.init in ("random", "warm_start"):
+        return models.CharTokenizer()
+    return models.HFTokenizer.from_directory(config.init)
+
+
+def _memory(compiled) -> dict[str, Any]:
+    m = compiled.memory_analysis()
+    sizes = {
+        "argument_gib": m.argument_size_in_bytes / GIB,
+        "output_gib": m.output_size_in_bytes / GIB,
+        "alias_gib": m.alias_size_in_bytes / GIB,
+        "temp_gib": m.temp_size_in_bytes / GIB,
+    }
+    peak = sizes["argument_gib"] + sizes["output_gib"] - sizes["alias_gib"] + sizes["temp_gib"]
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    return {"peak_gib": peak, **sizes, "tflops": float(cost.get("flops", float("nan"))) / 1e12}
+
+
+def _bytes_per_device(tree) -> float:
+    total = 0
+    for leaf in jax.tree.leaves(tree):
+        shape = leaf.sharding.shard_shape(leaf.shape) if leaf.sharding is not None else leaf.shape
+        total += int(np.prod(shape)) * jnp.dtype(leaf.dtype).itemsize
+    return total / GIB
+
+
+def _abstract_batch(learner: GRPOLearner, rows: int, width: int) -> TrainBatch:
+    def spec(shape, dtype):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=learner.batch_sharding)
+
+    tokens = (rows, width)
+    return TrainBatch(
+        spec(tokens, jnp.int32),
+        spec(tokens, bool),
+        spec(tokens, bool),
+        spec(tokens, jnp.float32),
+        spec((rows,), jnp.float32),
+        spec((rows,), jnp.int32),
+        spec((rows,), jnp.int32),
+    )
+
+
+def plan_learner(config: TrainConfig, learner: GRPOLearner) -> dict[str, Any]:
+    """The learner step at the run's batch and full width (the widest batch it can get)."""
+    rows, width = (
+        config.batch_size,
+        config.generation.prompt_length + config.generation.max_new_tokens,
+    )
+    micro_batches = learner.budget_micro_batches(rows, width)
+    batch = _abstract_batch(learner, rows, width)
+    lowered = learner.lower(batch, np.int32(0), step=learner.step_for(micro_batches))
+    return {
+        "batch": [rows, width],
+        "micro_batches": micro_batches,
+        **_memory(lowered.compile()),
+        "params_gib": _bytes_per_device(learner.params),
+        "optimizer_gib": _bytes_per_device(learner.opt_state),
+    }
+
+
+def plan_sampler(
+    config: TrainConfig, cfg: models.ModelConfig, learner: GRPOLearner
+) -> dict[str, Any]:
+    """One rollout call: `groups_per_call` groups of `group_size` rows (async mode), or a
+    step's groups (sync and lagged), on the learner's params."""
+    g = config.generation
+    groups = (
+        config.rollout.groups_per_call
+        if config.rollout.mode == "async"
+        else config.rollout.groups_per_batch
+    )
+    rows = groups * g.group_size
+    sampler = make_sampler(cfg, _tokenizer(config), g)
+    replicated = learner.replicated
+
+    def spec(shape, dtype):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=replicated)
+
+    per_row = (
+        spec((rows,), jnp.float32),
+        spec((rows,), jnp.int32),
+        spec((rows,), jnp.float32),
+        spec((rows,), jnp.int32),
+    )
+    key = jax.eval_shape(lambda: jax.random.key(0))
+    lowered = sampler._jitted.lower(
+        learner.graphdef,
+        learner.params,
+        spec((rows, g.prompt_length), jnp.int32),
+        spec((rows, g.prompt_length), bool),
+        key,
+        per_row,
+    )
+    return {"rows": rows, "sampler": g.sampler, **_memory(lowered.compile())}
+
+
+def plan(config: TrainConfig, device_memory_gib: float = 80.0) -> dict[str, Any]:
+    """Compiles the run's learner step and sampler from abstract arrays; returns their
+    per-device memory and FLOPs and whether both fit in `device_memory_gib`."""
+    config.validate()
+    mesh = config.mesh.make()
+    cfg = model_config(config)
+    abstract = nnx.eval_shape(lambda: models.create_model(cfg, seed=0))
+    tx = make_optimizer(config.optimizer, config.gac, config.ess)
+    learner = GRPOLearner(abstract, tx, mesh, loss=config.loss, config=config.learner)
+    report = {
+        "devices": int(mesh.devices.size),
+        "mesh": dict(mesh.shape),
+        "platform": mesh.devices.flat[0].platform,
+        "parameters": int(sum(int(np.prod(x.shape)) for x in jax.tree.leaves(learner.params))),
+        "learner": plan_learner(config, learner),
+        "sampler": plan_sampler(config, cfg, learner),
+        "device_memory_gib": device_memory_gib,
+    }
+    peaks = {name: report[name]["peak_gib"] for name in ("learner", "sampler")}
+    report["fits"] = all(p <= device_memory_gib for p in peaks.values())
+    report["verdict"] = (
+        f"{'fits' if report['fits'] else 'does NOT fit'}: peak per device learner "
+        f"{peaks['learner']:.1f} GiB, sampler {peaks['sampler']:.1f} GiB, of "
+        f"{device_memory_gib:g} GiB ({report['devices']} {report['platform']} devices)"
+    )
+    return report

@@ -1,0 +1,53 @@
+"""`gac-jax plan` compiles a run's learner step and sampler from abstract arrays and says
+whether they fit, without creating a weight."""
+
+import json
+
+import pytest
+
+from gac_jax.train.cli import main
+from gac_jax.train.config import get_preset
+from gac_jax.train.config_io import apply_overrides
+from gac_jax.train.plan import plan
+
+SMALL = [
+    "mesh.data=1",
+    "mesh.fsdp=-1",
+    "rollout.groups_per_batch=4",
+    "rollout.groups_per_call=2",
+    "generation.max_new_tokens=8",
+]
+
+
+def test_the_report_has_both_programs_on_the_mesh():
+    config = apply_overrides(get_preset("demo"), SMALL)
+    report = plan(config, device_memory_gib=80)
+    assert report["devices"] == 8 and report["mesh"]["fsdp"] == 8
+    learner, sampler = report["learner"], report["sampler"]
+    width = config.generation.prompt_length + 8
+    assert learner["batch"] == [4 * 8, width] and sampler["rows"] == 2 * 8
+    for program in (learner, sampler):
+        assert program["peak_gib"] > program["temp_gib"] > 0 and program["tflops"] > 0
+    # Params are sharded over fsdp=8: each device holds about an eighth (82,304 floats).
+    assert learner["params_gib"] * 2**30 < 82_304 * 4 / 8 * 1.5
+    assert learner["optimizer_gib"] > learner["params_gib"]  # Adam's two moments.
+    assert report["fits"] and report["verdict"].startswith("fits: peak per device learner")
+
+
+@pytest.mark.parametrize(
+    ("memory", "code", "word"), [("80", 0, "fits"), ("0.001", 1, "does NOT fit")]
+)
+def test_the_command_prints_json_and_a_verdict(capsys, memory, code, word):
+    argv = ["plan", "--config", "demo", "--device-memory-gib", memory, "--set", *SMALL]
+    assert main(argv) == code
+    out, err = capsys.readouterr()
+    assert json.loads(out)["device_memory_gib"] == float(memory)
+    assert word in err.strip().splitlines()[-1].split(":")[0]
+
+
+def test_micro_batches_follow_the_token_budget():
+    width = get_preset("demo").generation.prompt_length + 8
+    budget = f"learner.max_tokens_per_micro_batch={width}"
+    config = apply_overrides(get_preset("demo"), [*SMALL, budget])
+    # 32 rows of `width` tokens on 8 devices: one row a device per micro-batch, so 4 of them.
+    assert plan(config)["learner"]["micro_batches"] == 4

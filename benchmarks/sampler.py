@@ -30,30 +30,17 @@ import time
 
 import jax
 import numpy as np
+from bench_models import EOS, PAD, SIZES, gac_config
 from flax import nnx
 
 from gac_jax import models
 
 PROMPT, MAX_NEW, MEDIAN = 16, 1024, 64
-PAD, EOS = 0, 2  # Prompt tokens are drawn from [3, vocab).
-SIZE_9_6M = dict(num_layers=6, embed_dim=384, mlp_dim=1024, num_heads=6, num_kv_heads=2)
 
 
 def model_config() -> models.ModelConfig:
     """The 9.6M-parameter configuration of `benchmarks/vs_tunix.py`."""
-    return models.get_config(
-        "tiny",
-        vocab_size=512,
-        head_dim=64,
-        rope_theta=1_000_000.0,
-        dtype="float32",
-        param_dtype="float32",
-        tie_word_embeddings=True,
-        bos_token_id=None,
-        eos_token_ids=(EOS,),
-        pad_token_id=PAD,
-        **SIZE_9_6M,
-    )
+    return gac_config(SIZES["10M"])
 
 
 def heavy_tailed_limits(rng: np.random.Generator, rows: int, sigma: float) -> np.ndarray:

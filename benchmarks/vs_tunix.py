@@ -103,6 +103,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from bench_models import EOS, PAD, SIZES, gac_config
 from flax import nnx
 
 from gac_jax import models
@@ -117,32 +118,9 @@ from gac_jax.rollout import Rollout, collate
 
 BATCH, PROMPT, NEW = 64, 16, 48
 GROUPS, GROUP_SIZE = 8, 8
-PAD, EOS = 0, 2  # Random prompt / completion tokens are drawn from [3, vocab).
 LEARNING_RATE = 1e-4
 CLIP_EPS = 0.2
 GRAD_CLIP = 1.0
-
-SIZES = {
-    "small": dict(num_layers=4, embed_dim=256, mlp_dim=768, num_heads=4, num_kv_heads=2),
-    "10M": dict(num_layers=6, embed_dim=384, mlp_dim=1024, num_heads=6, num_kv_heads=2),
-}
-
-
-def gac_config(size: dict) -> models.ModelConfig:
-    return models.get_config(
-        "tiny",
-        vocab_size=512,
-        head_dim=64,
-        rope_theta=1_000_000.0,
-        dtype="float32",
-        param_dtype="float32",
-        tie_word_embeddings=True,
-        bos_token_id=None,
-        eos_token_ids=(EOS,),
-        pad_token_id=PAD,
-        **size,
-    )
-
 
 def tunix_config(cfg: models.ModelConfig):
     from tunix.models.qwen3 import model as tunix_qwen3

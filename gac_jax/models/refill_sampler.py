@@ -102,9 +102,9 @@ class RefillSampler(Sampler):
             call with fewer rows uses one slot per row.
           cache_dtype: KV cache dtype; `config.dtype` by default.
         """
-        if slots is not None and (isinstance(slots, bool) or not isinstance(slots, int)):
-            raise ValueError(f"slots={slots!r} must be a positive int or None.")
-        if slots is not None and slots < 1:
+        if slots is not None and (
+            isinstance(slots, bool) or not isinstance(slots, int) or slots < 1
+        ):
             raise ValueError(f"slots={slots!r} must be a positive int or None.")
         super().__init__(
             config,

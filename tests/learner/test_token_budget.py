@@ -29,14 +29,18 @@ def test_the_fewest_micro_batches_that_fit(rows, width, max_tokens, minimum, dev
             budget_micro_batches(rows, width, max_tokens, minimum=minimum, devices=devices)
         return
     m = budget_micro_batches(rows, width, max_tokens, minimum=minimum, devices=devices)
-    assert rows % m == 0 and (rows // m) % devices == 0
+    assert rows % m == 0 and (rows // m) % devices == 0  # Whole rows on every device.
+
+    def splits(k):
+        return rows % k == 0 and (rows // k) % devices == 0
 
     def fits(k):
         return rows // (k * devices) * width <= max_tokens
 
-    valid = [k for k in range(1, rows + 1) if rows % k == 0 and (rows // k) % devices == 0]
-    fitting = [k for k in valid if k >= minimum and fits(k)]
-    assert m == (fitting[0] if fitting else valid[-1])
+    # Within the budget (or, when nothing fits, one row a device: the most there are)...
+    assert fits(m) and m >= minimum or m == rows // devices
+    # ...and no valid count from the minimum up to it would have fitted.
+    assert not any(splits(k) and fits(k) for k in range(minimum, m))
 
 
 @given(

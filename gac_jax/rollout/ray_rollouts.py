@@ -1,0 +1,329 @@
+"""Rollout workers as Ray actors: separate processes, each with its own devices and JAX runtime.
+
+`RayRolloutPool` is a `GenerateGroups`, so it plugs into the existing `RolloutWorker`
+(and `AsyncRollouts`): the worker threads keep doing the reservations, the version choice,
+the group numbering and the puts into the learner's host-side `RolloutBuffer`; each thread
+hands its call to one actor process and waits for the rollouts. With `num_threads ==
+num_actors` every actor has one thread feeding it.
+
+Weights travel by version through Ray's object store: the first call that asks for a
+version copies the params to host memory and `ray.put`s them once; every actor that samples
+with that version fetches the same object (zero-copy on the learner's node) and places it on
+its own devices, once per version. Actor deaths arrive as Ray's `RayActorError` at the
+waiting thread: the pool replaces the actor and retries the same groups, or raises
+`RolloutActorDied`, which the worker turns into a failed buffer so the learner's next
+`take` raises `RolloutWorkerError` at once.
+
+Ray's engine does the process management, the transport and the failure detection; there is
+no hand-written RPC and no polling of files for weights.
+
+Example::
+
+    def factory():  # Runs inside each actor process; must be picklable (module-level).
+        model = create_model(get_config("tiny"), seed=0)
+        graphdef, _ = nnx.split(model)
+        generator = TaskGroupGenerator(graphdef, sampler, task, examples, tokenizer, config)
+        return generator, jax.device_put
+
+    ray.init()
+    with RayRolloutPool(factory, num_actors=4, env={"JAX_PLATFORMS": "cpu"}) as pool:
+        source = AsyncRollouts(pool, store, prompts, groups_per_batch=8, num_threads=4)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import threading
+import time
+import weakref
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+import ray
+
+from gac_jax.rollout.buffer import RolloutBufferClosed
+from gac_jax.rollout.record import Rollout
+from gac_jax.rollout.worker import GenerateGroups, GroupRequest
+
+logger = logging.getLogger(__name__)
+
+ON_ACTOR_FAILURE = ("replace", "stop")
+
+#: Runs inside an actor process and returns `(generate_groups, place)`: a `GenerateGroups`
+#: for the actor's own devices, and `place(host_params) -> params`, which puts a host
+#: (NumPy) param tree on those devices (`jax.device_put`, or onto the actor's mesh).
+ActorFactory = Callable[[], tuple[GenerateGroups, Callable[[Any], Any]]]
+
+
+class RolloutActorDied(RuntimeError):
+    """A rollout actor's process died and the pool was not allowed to replace it."""
+
+
+class RolloutPoolClosed(RolloutBufferClosed):
+    """The pool was closed while a thread was calling it (the worker thread ends quietly)."""
+
+
+class _RolloutActor:
+    """One rollout process: builds its generator on its own devices, keeps the newest params.
+
+    Created by `RayRolloutPool` as a Ray actor; not meant to be used directly.
+    """
+
+    def __init__(self, factory: ActorFactory):
+        self._generate, self._place = factory()
+        self._version: int | None = None
+        self._params: Any = None
+        self._versions_seen: list[int] = []
+
+    def generate(
+        self,
+        params_ref: list[ray.ObjectRef],
+        version: int,
+        requests: Sequence[GroupRequest],
+        key_data: np.ndarray,
+        key_impl: str,
+    ) -> list[Rollout]:
+        # The ref comes wrapped in a list so that Ray does not fetch it for every call; it is
+        # fetched and placed only when the version changes.
+        if version != self._version:
+            self._params = None  # Let the old version's device buffers go first.
+            self._params = self._place(ray.get(params_ref[0]))
+            self._version = version
+        self._versions_seen.append(version)
+        key = jax.random.wrap_key_data(key_data, impl=key_impl)
+        return self._generate(self._params, version, requests, key)
+
+    def versions_seen(self) -> list[int]:
+        """The version of every call, in the order the calls came."""
+        return list(self._versions_seen)
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+class RayRolloutPool:
+    """Rollout generation in `num_actors` Ray actor processes; a `GenerateGroups`.
+
+    Each calling thread is bound to one actor: its first call claims the actor with the
+    fewest live threads (ties: the lowest index), and the claim ends with the thread. So
+    `RolloutWorker(num_threads=num_actors)` gives one thread per actor, and more threads
+    share actors (an actor runs its calls one at a time).
+
+    Ray must be initialised (`ray.init`) before the pool is built, or Ray starts a local
+    cluster as it does by default. Actors start in the background; the first call to each
+    waits for its `factory` to finish (`pids()` waits for all of them).
+
+    Args:
+      factory: a picklable zero-argument callable, run inside each actor process, that
+        returns `(generate_groups, place)` (see `ActorFactory`). It builds everything that
+        touches devices (model, sampler, compiled functions) on the actor's side.
+      num_actors: actor processes.
+      on_actor_failure: what a call does when its actor's process dies: "replace" logs a
+        warning, starts a new actor in its place and retries the same groups on it (at most
+        `max_replacements` times over the pool's life); "stop" raises `RolloutActorDied`.
+        An actor whose `factory` raises is never replaced (a new one would fail the same
+        way): the call raises `RolloutActorDied` with the cause.
+      max_replacements: replacements allowed in total under "replace"; one more death
+        raises `RolloutActorDied`.
+      actor_options: extra `ray.remote` options for the actors (`num_gpus`, `resources`,
+        `scheduling_strategy`, ...). `num_cpus` defaults to 1.
+      env: environment variables of the actor processes (`runtime_env["env_vars"]`), e.g.
+        ``{"JAX_PLATFORMS": "cpu"}`` or the `XLA_FLAGS` of the actor's devices.
+      keep_versions: how many versions' params the pool keeps in the object store (the
+        newest ones). A call for an evicted version puts it again, so this bounds memory,
+        not correctness.
+    """
+
+    def __init__(
+        self,
+        factory: ActorFactory,
+        num_actors: int,
+        *,
+        on_actor_failure: str = "replace",
+        max_replacements: int = 3,
+        actor_options: Mapping[str, Any] | None = None,
+        env: Mapping[str, str] | None = None,
+        keep_versions: int = 2,
+    ):
+        if not callable(factory):
+            raise TypeError(f"factory must be a zero-argument callable, got {factory!r}.")
+        if isinstance(num_actors, bool) or not isinstance(num_actors, int) or num_actors < 1:
+            raise ValueError(f"num_actors={num_actors!r} must be an int >= 1.")
+        if on_actor_failure not in ON_ACTOR_FAILURE:
+            raise ValueError(
+                f"on_actor_failure={on_actor_failure!r} is unknown; expected one of "
+                f"{list(ON_ACTOR_FAILURE)}."
+            )
+        if max_replacements < 0:
+            raise ValueError(f"max_replacements={max_replacements} must be >= 0.")
+        if keep_versions < 1:
+            raise ValueError(f"keep_versions={keep_versions} must be >= 1.")
+        self.num_actors = num_actors
+        self.on_actor_failure = on_actor_failure
+        self.max_replacements = max_replacements
+        self.keep_versions = keep_versions
+        self.replacements = 0
+        self._factory = factory
+        options = {"num_cpus": 1, **(actor_options or {})}
+        if env:
+            runtime_env = dict(options.get("runtime_env") or {})
+            env_vars = {**runtime_env.get("env_vars", {}), **{k: str(v) for k, v in env.items()}}
+            options["runtime_env"] = {**runtime_env, "env_vars": env_vars}
+        self._actor_class = ray.remote(_RolloutActor).options(**options)
+        self._lock = threading.Lock()  # Actors, their pids, claims, closed.
+        self._put_lock = threading.Lock()  # Serialises puts: each version is put once.
+        self._refs: dict[int, ray.ObjectRef] = {}
+        self._claims = [0] * num_actors  # Live threads bound to each actor.
+        self._local = threading.local()
+        self._closed = False
+        self._actors: list[ray.actor.ActorHandle] = []
+        self._pid_refs: list[ray.ObjectRef] = []
+        for _ in range(num_actors):
+            actor = self._actor_class.remote(factory)
+            self._actors.append(actor)
+            self._pid_refs.append(actor.pid.remote())
+
+    # ------------------------------------------------------------------------------ calling
+
+    def __call__(
+        self, params: Any, version: int, requests: Sequence[GroupRequest], key: jax.Array
+    ) -> list[Rollout]:
+        """Generates `requests` with params of `version` on this thread's actor."""
+        if self._closed:
+            raise RolloutPoolClosed("the RayRolloutPool is closed.")
+        params_ref = self._params_ref(params, int(version))
+        key_data = np.asarray(jax.random.key_data(key))
+        key_impl = str(jax.random.key_impl(key))
+        index = self._index()
+        while True:
+            with self._lock:
+                actor = self._actors[index]
+            call = actor.generate.remote(
+                [params_ref], int(version), list(requests), key_data, key_impl
+            )
+            try:
+                rollouts = ray.get(call)
+            except ray.exceptions.RayActorError as error:
+                self._handle_death(index, actor, error)  # Raises, or replaces the actor.
+                continue
+            # `created_at` is another process's (possibly another host's) monotonic clock:
+            # stamp the arrival on this one, where the buffer and the learner read it.
+            arrived = time.monotonic()
+            return [dataclasses.replace(r, created_at=arrived) for r in rollouts]
+
+    def _params_ref(self, params: Any, version: int) -> ray.ObjectRef:
+        """The object holding `version`'s params on the host, put on its first request."""
+        with self._put_lock:
+            ref = self._refs.get(version)
+            if ref is None:
+                ref = self._refs[version] = ray.put(jax.device_get(params))
+                while len(self._refs) > self.keep_versions:
+                    # Actors still fetching an evicted version keep it alive (Ray counts
+                    # the refs that calls in flight hold).
+                    del self._refs[min(self._refs)]
+            return ref
+
+    def _index(self) -> int:
+        """This thread's actor: claimed on its first call, released when the thread ends."""
+        claim = getattr(self._local, "claim", None)
+        if claim is None:
+            with self._lock:
+                index = min(range(self.num_actors), key=lambda i: (self._claims[i], i))
+                self._claims[index] += 1
+            claim = self._local.claim = _Claim(index)
+            weakref.finalize(claim, self._release, index)
+        return claim.index
+
+    def _release(self, index: int) -> None:
+        with self._lock:
+            self._claims[index] -= 1
+
+    def _handle_death(
+        self, index: int, actor: ray.actor.ActorHandle, error: ray.exceptions.RayActorError
+    ) -> None:
+        with self._lock:
+            if self._closed:
+                raise RolloutPoolClosed("the RayRolloutPool was closed.") from error
+            if self._actors[index] is not actor:
+                return  # A thread sharing this actor has replaced it already.
+            name = f"rollout actor {index}{self._pid_text(index)}"
+            # Ray's message: what happened on its first line, the remote exception (of a
+            # failed start) on its last; the whole of it stays in the chained traceback.
+            lines = str(error).strip().splitlines() or [type(error).__name__]
+            cause = lines[0]
+            if getattr(error, "actor_init_failed", False):
+                raise RolloutActorDied(
+                    f"{name} failed to start: its factory raised {lines[-1]}"
+                ) from error
+            if self.on_actor_failure == "stop":
+                raise RolloutActorDied(
+                    f"{name} died ({cause}); pass on_actor_failure='replace' to RayRolloutPool "
+                    "to start a new actor in its place."
+                ) from error
+            if self.replacements >= self.max_replacements:
+                raise RolloutActorDied(
+                    f"{name} died ({cause}) after {self.replacements} replacements, the "
+                    f"most allowed (max_replacements={self.max_replacements}); raise "
+                    "max_replacements if deaths are expected."
+                ) from error
+            logger.warning("%s died (%s); starting a replacement.", name, cause)
+            ray.kill(actor)  # It may be unreachable rather than dead: make sure.
+            replacement = self._actor_class.remote(self._factory)
+            self._actors[index] = replacement
+            self._pid_refs[index] = replacement.pid.remote()
+            self.replacements += 1
+
+    def _pid_text(self, index: int) -> str:
+        try:
+            return f" (pid {ray.get(self._pid_refs[index], timeout=0)})"
+        except Exception:  # noqa: BLE001 - the actor died before it answered: no pid to name
+            return ""
+
+    # ------------------------------------------------------------------------------ control
+
+    @property
+    def actors(self) -> list[ray.actor.ActorHandle]:
+        """The current actor handles, by index (a replaced actor's handle is the new one)."""
+        with self._lock:
+            return list(self._actors)
+
+    def pids(self, timeout: float | None = None) -> list[int]:
+        """The actors' process ids, waiting until every actor has started."""
+        return ray.get([actor.pid.remote() for actor in self.actors], timeout=timeout)
+
+    def versions_seen(self) -> list[list[int]]:
+        """For each actor, the version of each of its calls in order (a replacement starts
+        afresh)."""
+        return ray.get([actor.versions_seen.remote() for actor in self.actors])
+
+    def close(self) -> None:
+        """Kills the actors and drops the params in the object store. A thread waiting on
+        a call ends with `RolloutPoolClosed`, which the worker treats as a closed buffer."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            actors = list(self._actors)
+        with self._put_lock:
+            self._refs.clear()
+        if ray.is_initialized():
+            for actor in actors:
+                ray.kill(actor)
+
+    def __enter__(self) -> RayRolloutPool:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+
+@dataclasses.dataclass(frozen=True)
+class _Claim:
+    """A thread's binding to an actor; when the thread ends its local storage, and with it
+    this object, is freed, and the finalizer gives the claim back."""
+
+    index: int

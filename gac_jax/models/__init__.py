@@ -37,7 +37,7 @@ from gac_jax.models.hf_checkpoint import (
     save_hf_checkpoint,
 )
 from gac_jax.models.layers import rope_inverse_frequencies
-from gac_jax.models.refill_sampler import RefillSampler
+from gac_jax.models.refill_sampler import InflightSampleOutput, RefillSampler
 from gac_jax.models.sampler import (
     SampleOutput,
     Sampler,
@@ -74,6 +74,7 @@ __all__ = [
     "CharTokenizer",
     "Decoder",
     "HFTokenizer",
+    "InflightSampleOutput",
     "ModelConfig",
     "RefillSampler",
     "RopeScaling",

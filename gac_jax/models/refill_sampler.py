@@ -32,21 +32,29 @@ its draws: `Sampler` draws one key per step for the whole batch).
 Outputs are `Sampler`'s: a `SampleOutput` with one row per prompt, in prompt order, the
 same per-row temperature / top-k / top-p / length limit, and the same two log-probabilities
 per token (`sample_step` and `filter_logits` are shared).
+
+In-flight weight updates (`RefillSampler.sample_inflight`, PipelineRL's idea): the same
+decode, refill and compaction, cut into chunks of at most `chunk_steps` decode steps, one
+jitted call each, the slot state (KV cache included) staying on the device between calls.
+Before each chunk the sampler asks for the newest published params and decodes the chunk
+with them, so a long row is finished by newer weights instead of holding its batch on the
+old ones; each token records the version that sampled it (`InflightSampleOutput`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from gac_jax.models.config import ModelConfig
 from gac_jax.models.decoder import init_cache
-from gac_jax.models.sampler import SampleOutput, Sampler, sample_step
+from gac_jax.models.sampler import SampleOutput, Sampler, _per_row, sample_step
 
 # Tail compaction stops halving the decode width here: narrower steps cost about the same
 # (the weights, not the rows, dominate) and each width is one more compiled loop.
@@ -66,6 +74,23 @@ class _SlotState:
     mask_rn: jax.Array  # bool [R, N]
     logps_rn: jax.Array  # f32 [R, N]
     policy_logps_rn: jax.Array  # f32 [R, N]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class _InflightState:
+    slots: _SlotState
+    versions_rn: jax.Array  # int32 [R, N]: the params version that sampled each token; -1.
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class InflightSampleOutput(SampleOutput):
+    """`SampleOutput` of `RefillSampler.sample_inflight`, with each token's version."""
+
+    # int32 [R, N]: version of the params that sampled each token, -1 past a row's end;
+    # non-decreasing along a row when the published versions are.
+    token_versions: jax.Array
 
 
 class RefillSampler(Sampler):
@@ -114,6 +139,216 @@ class RefillSampler(Sampler):
             cache_dtype=cache_dtype,
         )
         self.slots = slots
+        self._inflight_start = jax.jit(self._start_program)
+        self._inflight_chunk = jax.jit(self._chunk_program, donate_argnames="st")
+        self._inflight_compact = jax.jit(_compacted_inflight, static_argnames="width")
+
+    def sample_inflight(
+        self,
+        graphdef: nnx.GraphDef,
+        params_fn: Callable[[], tuple[nnx.State, int]],
+        prompt_tokens: jax.Array,
+        prompt_mask: jax.Array,
+        key: jax.Array,
+        *,
+        chunk_steps: int,
+        temperature=1.0,
+        top_k=0,
+        top_p=1.0,
+        max_new_tokens=None,
+    ) -> InflightSampleOutput:
+        """Samples completions, picking up newly published params between decode chunks.
+
+        The decode of `__call__` (same slots, refill order, tail compaction and per-row
+        keys) runs in chunks of `chunk_steps` decode steps, one jitted call each; the
+        slot state, KV cache included, stays on the device between calls and the host
+        reads back three scalars per call (steps run, busy slots, next waiting row).
+
+        Schedule: `params_fn()` is called once before the prefill of the first B prompts
+        (chunk 0 uses those params) and once before each later chunk, never after the
+        last: with D decode steps in all (`__call__`'s loop count), it is called exactly
+        `ceil(D / chunk_steps)` times. Chunk c runs global decode steps
+        `[c * chunk_steps, (c + 1) * chunk_steps)`; tail compaction may split a chunk into
+        several calls, with no `params_fn` call between them. A row refilled during chunk
+        c is prefilled with chunk c's params. Every version's params share `graphdef`'s
+        structure, shapes and dtypes (a new version does not recompile), and a version
+        number names one set of params: a repeated version is taken as unchanged. The
+        host waits for each chunk's three scalars before it dispatches the next chunk.
+
+        Versions: the token sampled at global step t is drawn from logits of chunk
+        `t // chunk_steps`'s params, and `token_versions` records that version (its
+        `logps` and `policy_logps` are under those params). To make that true at the
+        first step of a chunk whose version is new, the last token fed to each busy slot
+        (the previous sample, or a fresh row's last prompt token) is fed again with the
+        new params, overwriting its KV entry, before the chunk decodes: one extra
+        one-token forward per version change. That is where vLLM-based PipelineRL stands
+        too (its forward of a sampled token runs in the next engine step, after the
+        update).
+
+        Stale KV cache: the keys and values of the tokens already in a slot stay those of
+        the params that computed them (prompt by the prefill's version, each later
+        position by the version of the token its logits sampled). A token sampled after
+        a swap therefore is not the new params' teacher-forced prediction of its prefix,
+        but the new params' decode over that mixed cache; PipelineRL keeps the stale
+        cache the same way rather than re-prefilling every row. A row prefilled and
+        completed within one version is exactly that version's sample.
+
+        With a `params_fn` that always returns the same params and version, the output
+        equals `__call__`'s (tokens and both log-probs).
+
+        Args:
+          graphdef: from `nnx.split(model)`; the structure of every version's params.
+          params_fn: `() -> (state, version)`: the newest published params and their int
+            version, e.g. `lambda: param_store.latest()`.
+          prompt_tokens, prompt_mask, key, temperature, top_k, top_p, max_new_tokens: as
+            for `__call__`.
+          chunk_steps: decode steps per chunk, >= 1 (static for the host loop only: a new
+            value does not recompile).
+
+        Returns:
+          An `InflightSampleOutput`: `__call__`'s fields and `token_versions`.
+        """
+        if isinstance(chunk_steps, bool) or not isinstance(chunk_steps, int) or chunk_steps < 1:
+            raise ValueError(f"chunk_steps={chunk_steps!r} must be a positive int.")
+        prompt_tokens, prompt_mask, per_row = self._prepared(
+            prompt_tokens, prompt_mask, temperature, top_k, top_p, max_new_tokens
+        )
+        rows = prompt_tokens.shape[0]
+        state, version = _published(params_fn)
+        st, progress = self._inflight_start(graphdef, state, prompt_tokens, prompt_mask)
+        steps, busy, next_row = (int(x) for x in jax.device_get(progress))
+        remaining, refresh = chunk_steps, False
+        while busy:
+            remaining -= steps
+            if remaining == 0:
+                new_state, new_version = _published(params_fn)
+                refresh = new_version != version
+                state, version, remaining = new_state, new_version, chunk_steps
+            width = st.slots.row_b.shape[0]
+            narrower = _narrower(width)
+            if next_row >= rows and busy <= narrower:
+                st, steps = self._inflight_compact(st, width=narrower), 0
+                continue
+            st, progress = self._inflight_chunk(
+                graphdef,
+                state,
+                st,
+                prompt_tokens,
+                prompt_mask,
+                key,
+                per_row,
+                jnp.asarray(version, jnp.int32),
+                jnp.asarray(remaining, jnp.int32),
+                jnp.asarray(refresh),
+            )
+            refresh = False
+            steps, busy, next_row = (int(x) for x in jax.device_get(progress))
+        s = st.slots
+        return InflightSampleOutput(
+            tokens=s.tokens_rn,
+            completion_mask=s.mask_rn,
+            logps=s.logps_rn,
+            policy_logps=s.policy_logps_rn,
+            lengths=jnp.sum(s.mask_rn, axis=1, dtype=jnp.int32),
+            token_versions=st.versions_rn,
+        )
+
+    def _prepared(self, prompt_tokens, prompt_mask, temperature, top_k, top_p, max_new_tokens):
+        """`__call__`'s checks and conversions: `(tokens, mask, per_row)`."""
+        prompt_tokens = jnp.asarray(prompt_tokens)
+        prompt_mask = jnp.asarray(prompt_mask)
+        self._check_prompts(prompt_tokens, prompt_mask)
+        rows = prompt_tokens.shape[0]
+        temperature = _per_row("temperature", temperature, rows, jnp.float32)
+        top_k = _per_row("top_k", top_k, rows, jnp.int32)
+        top_p = _per_row("top_p", top_p, rows, jnp.float32)
+        limit = self.max_new_tokens if max_new_tokens is None else max_new_tokens
+        limit = _per_row("max_new_tokens", limit, rows, jnp.int32)
+        self._check_sampling(temperature, top_k, top_p, limit, self.max_new_tokens)
+        per_row = (temperature, top_k, top_p, limit)
+        return prompt_tokens.astype(jnp.int32), prompt_mask.astype(bool), per_row
+
+    def _start_program(self, graphdef, state, prompt_tokens, prompt_mask):
+        """The first B rows prefilled (`_first_slots`), no version recorded yet."""
+        rows = prompt_tokens.shape[0]
+        slots = rows if self.slots is None else min(self.slots, rows)
+        s = self._first_slots(nnx.merge(graphdef, state), prompt_tokens, prompt_mask, slots)
+        versions_rn = jnp.full((rows, self.max_new_tokens), -1, jnp.int32)
+        return _InflightState(slots=s, versions_rn=versions_rn), _progress(s, 0)
+
+    def _chunk_program(
+        self,
+        graphdef,
+        state,
+        st,
+        prompt_tokens,
+        prompt_mask,
+        key,
+        per_row,
+        version,
+        budget,
+        refresh,
+    ):
+        """At most `budget` decode steps of `__call__`'s loop at the state's width, with
+        `state` (version `version`); stops early where `__call__` would compact. Returns
+        the new state and `_progress`."""
+        rows = prompt_tokens.shape[0]
+        width = st.slots.row_b.shape[0]
+        refill = width == (rows if self.slots is None else min(self.slots, rows))
+        narrower = _narrower(width)
+        row_keys = jax.vmap(jax.random.fold_in, (None, 0))(key, jnp.arange(rows, dtype=jnp.int32))
+
+        def refreshed(s: _SlotState) -> _SlotState:
+            return self._fed_again(nnx.merge(graphdef, state), s, prompt_tokens)
+
+        s = jax.lax.cond(refresh, refreshed, lambda s: s, st.slots)
+
+        def cond(carry) -> jax.Array:
+            s, _, step = carry
+            busy = jnp.sum(s.row_b < rows, dtype=jnp.int32)
+            return (step < budget) & (busy > 0) & ((busy > narrower) | (s.next_row < rows))
+
+        def body(carry):
+            s, versions_rn, step = carry
+            # Recorded at the pre-step (row, step), as `_decode_step` records its token.
+            versions_rn = versions_rn.at[s.row_b, s.step_b].set(version, mode="drop")
+            decoder = nnx.merge(graphdef, state)
+            s, ended_b = self._decode_step(decoder, s, row_keys, per_row)
+            if refill:
+                s = self._refill(decoder, s, ended_b, prompt_tokens, prompt_mask)
+            else:
+                s = dataclasses.replace(s, row_b=jnp.where(ended_b, rows, s.row_b))
+            return s, versions_rn, step + 1
+
+        s, versions_rn, steps = jax.lax.while_loop(
+            cond, body, (s, st.versions_rn, jnp.zeros((), jnp.int32))
+        )
+        return _InflightState(slots=s, versions_rn=versions_rn), _progress(s, steps)
+
+    def _fed_again(self, model, s: _SlotState, prompt_tokens) -> _SlotState:
+        """Each busy slot's last fed token (its row's latest sample, or the last prompt
+        token of a row with none yet) fed again through `model` at its own position:
+        its KV entry and the slot's next-token logits become `model`'s."""
+        rows, prompt_len = prompt_tokens.shape
+        busy_b = s.row_b < rows
+        row_b = jnp.minimum(s.row_b, rows - 1)
+        sampled_b = s.tokens_rn[row_b, jnp.maximum(s.step_b - 1, 0)]
+        last_b = jnp.where(s.step_b > 0, sampled_b, prompt_tokens[row_b, prompt_len - 1])
+        seq_len = s.cache["key_mask"].shape[1]
+        positions_b1 = (s.positions_b - 1)[:, None]
+        # Idle slots write nothing real (masked), at a position their next prefill clears.
+        hidden, cache = model.hidden_states(
+            last_b[:, None],
+            positions_b1,
+            busy_b[:, None],
+            s.cache | {"index": s.cache["index"] - 1},
+            model.rope_tables(positions_b1, seq_len),
+        )
+        return dataclasses.replace(
+            s,
+            cache=cache | {"index": s.cache["index"]},
+            logits_bv=jnp.where(busy_b[:, None], model.logits(hidden)[:, 0], s.logits_bv),
+        )
 
     def _sample(self, graphdef, state, prompt_tokens, prompt_mask, key, per_row):
         self.num_traces += 1  # Runs only while tracing.
@@ -280,3 +515,26 @@ def _compacted(s: _SlotState, width: int) -> _SlotState:
         step_b=take(s.step_b),
         positions_b=take(s.positions_b),
     )
+
+
+def _compacted_inflight(st: _InflightState, width: int) -> _InflightState:
+    return dataclasses.replace(st, slots=_compacted(st.slots, width))
+
+
+def _narrower(width: int) -> int:
+    """The width tail compaction moves to from `width` (0: none, `width` is the last)."""
+    return (width + 1) // 2 if width > _MIN_WIDTH else 0
+
+
+def _progress(s: _SlotState, steps) -> jax.Array:
+    """int32 [3]: decode steps just run, busy slots, first row no slot has taken."""
+    rows = s.tokens_rn.shape[0]
+    busy = jnp.sum(s.row_b < rows, dtype=jnp.int32)
+    return jnp.stack([jnp.asarray(steps, jnp.int32), busy, s.next_row])
+
+
+def _published(params_fn) -> tuple[nnx.State, int]:
+    state, version = params_fn()
+    if isinstance(version, bool) or not isinstance(version, int | np.integer):
+        raise ValueError(f"params_fn() returned version {version!r}; it must be an int.")
+    return state, int(version)

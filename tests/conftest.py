@@ -5,6 +5,15 @@ here at import time, before any test module imports jax.
 """
 
 import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
 
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
@@ -25,3 +34,71 @@ settings.register_profile(
     suppress_health_check=[HealthCheck.too_slow],
 )
 settings.load_profile("gac_jax")
+
+
+@pytest.fixture
+def free_port() -> int:
+    """A TCP port nobody listens on (for a `jax.distributed` coordinator)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def process_env(local_devices: int | None) -> dict[str, str]:
+    """This environment for a child process without conftest's 8 fake devices (with
+    `local_devices` of its own, or none set: the process sets them) and LLVM's
+    optimisations off (compile time dominates short runs)."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO))
+    flags = [
+        f
+        for f in env.get("XLA_FLAGS", "").split()
+        if not f.startswith("--xla_force_host_platform_device_count")
+    ]
+    if local_devices is not None:
+        flags.append(f"--xla_force_host_platform_device_count={local_devices}")
+    flags.append("--xla_backend_optimization_level=0")
+    env["XLA_FLAGS"] = " ".join(flags)
+    return env
+
+
+@pytest.fixture
+def run_processes(tmp_path):
+    """`run(commands, timeout, local_devices)`: runs `{name: argv}` concurrently as Python
+    processes in `tmp_path`; kills them all when one fails or time runs out, and fails the
+    test with each failed process's log tail."""
+
+    def run(
+        commands: dict[str, list[str]], timeout: float, local_devices: int | None = None
+    ) -> None:
+        procs, logs = {}, {}
+        try:
+            for name, args in commands.items():
+                logs[name] = open(tmp_path / f"{name}.log", "w+")  # noqa: SIM115
+                procs[name] = subprocess.Popen(
+                    [sys.executable, *args],
+                    stdout=logs[name],
+                    stderr=subprocess.STDOUT,
+                    env=process_env(local_devices),
+                    cwd=tmp_path,
+                )
+            deadline = time.monotonic() + timeout
+            while any(p.poll() is None for p in procs.values()):
+                failed = [n for n, p in procs.items() if p.poll() not in (None, 0)]
+                if failed or time.monotonic() > deadline:
+                    break
+                time.sleep(0.2)
+        finally:
+            for p in procs.values():
+                if p.poll() is None:
+                    p.kill()
+                p.wait()
+            problems = []
+            for name, p in procs.items():
+                logs[name].seek(0)
+                if p.returncode != 0:
+                    tail = "".join(line for line in logs[name] if "[Gloo]" not in line)[-3000:]
+                    problems.append(f"{name} exited with {p.returncode}:\n{tail}")
+                logs[name].close()
+        assert not problems, "\n".join(problems)
+
+    return run

@@ -39,6 +39,10 @@ jitted call each, the slot state (KV cache included) staying on the device betwe
 Before each chunk the sampler asks for the newest published params and decodes the chunk
 with them, so a long row is finished by newer weights instead of holding its batch on the
 old ones; each token records the version that sampled it (`InflightSampleOutput`).
+
+Over 450 lines because the one-program call and its chunked in-flight variant share the
+slot state, the refill step and the compaction, which would otherwise be split across
+modules that only make sense together.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -13,6 +13,7 @@ from flax import nnx
 
 from gac_jax.models import RefillSampler, Sampler, left_pad
 from gac_jax.models.tokenizers import Tokenizer, decode_completion
+from gac_jax.rollout.placement import RolloutPlacement
 from gac_jax.rollout.record import Rollout
 from gac_jax.rollout.worker import GroupRequest
 from gac_jax.tasks import Task
@@ -101,6 +102,15 @@ class TaskGroupGenerator:
       examples: the task split's data source (indexable by prompt id).
       tokenizer: encodes prompts and decodes completions.
       config: the generation settings; `config.max_new_tokens` must be the sampler's.
+      placement: where the sampler runs (`RolloutPlacement`): each call's prompts are put
+        on its mesh, split over its `data` axis. None leaves them to the jit (they follow
+        the params).
+      latest_params: in-flight weight updates: a function returning the newest published
+        `(params, version)` (`ParamStore.latest`). With it, a call starts with the params it
+        was given and swaps to the newest version every `chunk_steps` decode steps
+        (`RefillSampler.sample_inflight`); each token's version is recorded in
+        `Rollout.token_versions` and the group's `policy_version` is its oldest token's.
+      chunk_steps: decode steps between two looks at `latest_params`.
     """
 
     def __init__(
@@ -111,8 +121,16 @@ class TaskGroupGenerator:
         examples: Sequence[Any],
         tokenizer: Tokenizer,
         config: GenerationConfig | None = None,
+        placement: RolloutPlacement | None = None,
+        latest_params: Callable[[], tuple[Any, int]] | None = None,
+        chunk_steps: int = 16,
     ):
         config = GenerationConfig() if config is None else config
+        if latest_params is not None and not isinstance(sampler, RefillSampler):
+            raise ValueError(
+                "in-flight weight updates need the refill sampler (generation.sampler="
+                f"'refill'), got {type(sampler).__name__}."
+            )
         config.validate()
         if sampler.max_new_tokens != config.max_new_tokens:
             raise ValueError(
@@ -124,6 +142,9 @@ class TaskGroupGenerator:
         self.task = task
         self.examples = examples
         self.tokenizer = tokenizer
+        self.placement = placement
+        self.latest_params = latest_params
+        self.chunk_steps = chunk_steps
         self.group_size = config.group_size
         self.prompt_length = config.prompt_length
         temperature = 0.0 if config.greedy else config.temperature
@@ -146,15 +167,25 @@ class TaskGroupGenerator:
         prompts = [self.encode_prompt(r.prompt_id) for r in requests]
         rows = [p for p in prompts for _ in range(g)]
         tokens, mask = left_pad(rows, self.tokenizer.pad_id, self.prompt_length)
+        if self.placement is not None:
+            tokens, mask = self.placement.place_inputs(tokens, mask)
         start = time.monotonic()
-        out = self.sampler(self.graphdef, params, tokens, mask, key, **self.sampling)
+        if self.latest_params is None:
+            out = self.sampler(self.graphdef, params, tokens, mask, key, **self.sampling)
+        else:
+            out = self._sample_inflight(params, version, tokens, mask, key)
         out = jax.device_get(out)
+        token_versions = getattr(out, "token_versions", None)
         generate_seconds = (time.monotonic() - start) / len(requests)
         rollouts = []
         for i, request in enumerate(requests):
             rows_i = slice(i * g, (i + 1) * g)
             completion_tokens = np.asarray(out.tokens[rows_i], np.int32)
             completion_mask = np.asarray(out.completion_mask[rows_i], bool)
+            versions_i = None if token_versions is None else np.asarray(token_versions[rows_i])
+            group_version = version
+            if versions_i is not None and completion_mask.any():
+                group_version = int(versions_i[completion_mask].min())
             start = time.monotonic()
             example = self.examples[request.prompt_id]
             rewards = np.asarray(
@@ -173,12 +204,34 @@ class TaskGroupGenerator:
                     completion_mask=completion_mask,
                     behaviour_logp=np.asarray(out.policy_logps[rows_i], np.float32),
                     rewards=rewards,
-                    policy_version=int(version),
+                    policy_version=int(group_version),
+                    token_versions=versions_i,
                     generate_seconds=generate_seconds,
                     score_seconds=time.monotonic() - start,
                 )
             )
         return rollouts
+
+    def _sample_inflight(self, params, version, tokens, mask, key):
+        """Samples starting from `(params, version)`, then from the newest version at each
+        chunk boundary (never an older one than the call started with)."""
+        first = [(params, int(version))]
+
+        def params_fn():
+            if first:
+                return first.pop()
+            newest, newest_version = self.latest_params()
+            return (newest, newest_version) if newest_version >= version else (params, version)
+
+        return self.sampler.sample_inflight(
+            self.graphdef,
+            params_fn,
+            tokens,
+            mask,
+            key,
+            chunk_steps=self.chunk_steps,
+            **self.sampling,
+        )
 
 
 def make_sampler(model_config, tokenizer: Tokenizer, config: GenerationConfig) -> Sampler:

@@ -39,6 +39,7 @@ from gac_jax.rollout.worker import (
 )
 
 ROLLOUT_MODES = ("sync", "lagged", "async")
+ROLLOUT_BACKENDS = ("threads", "ray")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +56,19 @@ class RolloutConfig:
         "oldest_allowed" (with the oldest version the staleness bound allows: reproducible
         with one worker, and resumable exactly when groups_per_call divides
         groups_per_batch; needs the buffer's block policy). See `RolloutWorker`.
+      devices: local devices each process gives to sampling, the learner keeping the rest
+        (`placement.split_devices`); 0 shares the learner's devices (CPU laptops).
+      tensor_parallel: devices per model replica on the sampler's mesh (split layout).
+      backend: async mode: "threads" samples in this process (on its rollout devices, or
+        the learner's); "ray" in `num_workers` Ray actor processes, each with its own
+        devices and JAX runtime (`RayRolloutPool`).
+      on_actor_failure: Ray backend: "replace" a dead actor and retry its groups, or
+        "stop" the run with an error naming it.
+      inflight_updates: async mode with the refill sampler: a worker swaps to a newly
+        published version between decode chunks instead of finishing its call on the old
+        one (PipelineRL); every token records its version, and the staleness bound applies
+        to a group's oldest token.
+      inflight_chunk_steps: decode steps between two looks at the newest version.
     """
 
     mode: str = "lagged"
@@ -63,6 +77,12 @@ class RolloutConfig:
     num_workers: int = 1
     groups_per_call: int = 1
     version_choice: str = "latest"
+    devices: int = 0
+    tensor_parallel: int = 1
+    backend: str = "threads"
+    on_actor_failure: str = "replace"
+    inflight_updates: bool = False
+    inflight_chunk_steps: int = 16
 
     def validate(self) -> None:
         """Raises ValueError naming a bad field."""
@@ -75,6 +95,9 @@ class RolloutConfig:
             ("groups_per_batch", 1),
             ("num_workers", 1),
             ("groups_per_call", 1),
+            ("devices", 0),
+            ("tensor_parallel", 1),
+            ("inflight_chunk_steps", 1),
         ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
@@ -83,6 +106,28 @@ class RolloutConfig:
             raise ValueError(
                 f"version_choice={self.version_choice!r} is unknown; expected one of "
                 f"{list(VERSION_CHOICES)}."
+            )
+        for name, allowed in (
+            ("backend", ROLLOUT_BACKENDS),
+            ("on_actor_failure", ("replace", "stop")),
+        ):
+            if getattr(self, name) not in allowed:
+                raise ValueError(
+                    f"{name}={getattr(self, name)!r} is unknown; expected one of {list(allowed)}."
+                )
+        for name in ("backend", "inflight_updates"):
+            if getattr(self, name) != getattr(RolloutConfig, name) and self.mode != "async":
+                raise ValueError(
+                    f"{name}={getattr(self, name)!r} needs mode='async', got mode={self.mode!r}."
+                )
+        if self.inflight_updates and self.backend == "ray":
+            raise ValueError(
+                "inflight_updates=true samples from this process's ParamStore; it does not "
+                "work with backend='ray' yet."
+            )
+        if self.devices and self.devices % self.tensor_parallel:
+            raise ValueError(
+                f"tensor_parallel={self.tensor_parallel} must divide devices={self.devices}."
             )
 
 
@@ -105,18 +150,27 @@ def make_source(
     *,
     seed: int = 0,
     resume_from: Mapping[str, Any] | None = None,
+    process_index: int = 0,
+    num_processes: int = 1,
 ):
     """The rollout source of `config` (the buffer's settings apply to async mode).
 
-    `resume_from` is a previous source's `state()`, to continue a checkpointed run.
+    `resume_from` is a previous source's `state()`, to continue a checkpointed run. With
+    `num_processes` learner processes, each source makes `groups_per_batch / num_processes`
+    groups per step, with group ids (and so prompts and keys) no other process uses.
     """
-    args = (generate_groups, store, prompts, config.groups_per_batch)
+    local = _local_groups(config.groups_per_batch, num_processes)
+    args = (generate_groups, store, prompts, local)
+    partition = dict(process_index=process_index, num_processes=num_processes)
     if config.mode == "sync":
-        return SyncRollouts(*args, seed=seed, resume_from=resume_from)
+        return SyncRollouts(*args, seed=seed, resume_from=resume_from, **partition)
     if config.mode == "lagged":
-        return LaggedRollouts(*args, lag=config.lag, seed=seed, resume_from=resume_from)
+        return LaggedRollouts(
+            *args, lag=config.lag, seed=seed, resume_from=resume_from, **partition
+        )
     return AsyncRollouts(
         *args,
+        **partition,
         max_staleness=buffer.max_staleness,
         stale_policy=buffer.stale_policy,
         capacity=buffer.capacity,
@@ -127,6 +181,15 @@ def make_source(
         version_choice=config.version_choice,
         resume_from=resume_from,
     )
+
+
+def _local_groups(groups_per_batch: int, num_processes: int) -> int:
+    if groups_per_batch % num_processes:
+        raise ValueError(
+            f"rollout.groups_per_batch={groups_per_batch} must be a multiple of the "
+            f"{num_processes} learner processes (each makes an equal share of the batch)."
+        )
+    return groups_per_batch // num_processes
 
 
 class _InlineRollouts:
@@ -142,6 +205,8 @@ class _InlineRollouts:
         lag: int,
         seed: int = 0,
         resume_from: Mapping[str, Any] | None = None,
+        process_index: int = 0,
+        num_processes: int = 1,
     ):
         if lag < 0:
             raise ValueError(f"lag={lag} must be >= 0.")
@@ -155,6 +220,10 @@ class _InlineRollouts:
         self._store = store
         self._prompts = prompts
         self._seed = seed
+        # Step t's groups are ids [t n, (t + 1) n) of the global batch of n = P x local
+        # groups; this process makes its own contiguous share of them.
+        self._first_id = process_index * groups_per_batch
+        self._global_groups = num_processes * groups_per_batch
         self.buffer = RolloutBuffer(groups_per_batch, groups_per_batch, max_staleness=lag)
         if resume_from is not None:
             self.buffer.restore(resume_from["buffer"])
@@ -164,10 +233,9 @@ class _InlineRollouts:
 
     def next_batch(self, step: int) -> list[Rollout]:
         version = self.behaviour_version(step)
-        n = self.buffer.groups_per_batch
-        requests = [
-            GroupRequest(self._prompts.prompt_id(g), g) for g in range(step * n, (step + 1) * n)
-        ]
+        first = step * self._global_groups + self._first_id
+        ids = range(first, first + self.buffer.groups_per_batch)
+        requests = [GroupRequest(self._prompts.prompt_id(g), g) for g in ids]
         key = group_key(self._seed, requests[0].group_id)
         rollouts = self._generate(self._store.get(version), version, requests, key)
         for rollout in rollouts:
@@ -188,18 +256,8 @@ class _InlineRollouts:
 class SyncRollouts(_InlineRollouts):
     """On-policy: every step's groups come from the params being trained."""
 
-    def __init__(
-        self, generate_groups, store, prompts, groups_per_batch, *, seed=0, resume_from=None
-    ):
-        super().__init__(
-            generate_groups,
-            store,
-            prompts,
-            groups_per_batch,
-            lag=0,
-            seed=seed,
-            resume_from=resume_from,
-        )
+    def __init__(self, generate_groups, store, prompts, groups_per_batch, **kwargs):
+        super().__init__(generate_groups, store, prompts, groups_per_batch, lag=0, **kwargs)
 
 
 class LaggedRollouts(_InlineRollouts):
@@ -220,6 +278,8 @@ class AsyncRollouts:
       seed: sampling seed.
       take_timeout: seconds `next_batch` waits before raising TimeoutError (None: forever).
       version_choice: which version workers sample with (`RolloutWorker`).
+      process_index, num_processes: this learner process among all: its group ids are
+        the ids congruent to `process_index` mod `num_processes`.
       resume_from: a previous `state()`: the buffer's counters continue and the workers
         generate exactly the groups that run had not handed to the learner (see `state`).
     """
@@ -240,11 +300,14 @@ class AsyncRollouts:
         take_timeout: float | None = 600.0,
         version_choice: str = "latest",
         resume_from: Mapping[str, Any] | None = None,
+        process_index: int = 0,
+        num_processes: int = 1,
     ):
         self.buffer = RolloutBuffer(
             capacity or 2 * groups_per_batch, groups_per_batch, max_staleness, stale_policy
         )
-        numbering = {}
+        self._stride = num_processes
+        numbering = {"first_group_id": process_index}
         if resume_from is not None:
             self.buffer.restore(resume_from["buffer"])
             numbering = {
@@ -261,6 +324,7 @@ class AsyncRollouts:
             groups_per_call=groups_per_call,
             seed=seed,
             version_choice=version_choice,
+            group_id_stride=num_processes,
             **numbering,
         ).start()
 
@@ -287,7 +351,7 @@ class AsyncRollouts:
         buffer = self.buffer.state()
         claimed = worker["next_group_id"]
         first = min(pending, default=claimed)
-        handed_out = [g for g in range(first, claimed) if g not in pending]
+        handed_out = [g for g in range(first, claimed, self._stride) if g not in pending]
         return {
             "buffer": buffer,
             "next_group_id": first,

@@ -99,6 +99,8 @@ class RolloutWorker:
       first_group_id: group ids continue from here (for resumed runs).
       skip_group_ids: ids at or after `first_group_id` that are never generated (groups a
         run already handed out before it was resumed).
+      group_id_stride: ids advance by this much (`first_group_id`, `first_group_id` +
+        stride, ...): with P learner processes each takes its own residue class mod P.
       version_choice: "latest" samples with the newest published version (as fresh as
         possible; which version a group gets depends on thread timing); "oldest_allowed"
         with the oldest version the buffer's block policy allows for the call's last slot
@@ -120,6 +122,7 @@ class RolloutWorker:
         seed: int = 0,
         first_group_id: int = 0,
         skip_group_ids: Iterable[int] = (),
+        group_id_stride: int = 1,
         version_choice: str = "latest",
     ):
         if version_choice not in VERSION_CHOICES:
@@ -136,6 +139,9 @@ class RolloutWorker:
             raise ValueError(f"num_threads={num_threads} must be >= 1.")
         if groups_per_call < 1:
             raise ValueError(f"groups_per_call={groups_per_call} must be >= 1.")
+        if group_id_stride < 1:
+            raise ValueError(f"group_id_stride={group_id_stride} must be >= 1.")
+        self._stride = group_id_stride
         self._generate = generate_groups
         self._groups_per_call = groups_per_call
         self._store = store
@@ -189,7 +195,7 @@ class RolloutWorker:
                 if self._next_group not in self._skip:
                     ids.append(self._next_group)
                 self._skip.discard(self._next_group)
-                self._next_group += 1
+                self._next_group += self._stride
             self._pending.update(ids)
         return [GroupRequest(self._prompts.prompt_id(g), g) for g in ids]
 

@@ -71,6 +71,12 @@ def _cmd_train(args, parser) -> int:
         parser.error("--resume needs --out, the run directory to continue.")
     name = args.config or "demo"
     out_dir = Path(args.out) if args.out is not None else _default_out(name)
+    from gac_jax.train import processes
+
+    try:
+        processes.initialize(args.coordinator, args.num_processes, args.process_id)
+    except ValueError as error:
+        parser.error(str(error))
     loop = _loop()
     if args.resume:
         config = _resume_config(parser, out_dir, args.set, loop.RESUMABLE_FIELDS)
@@ -199,14 +205,7 @@ def _add_config_args(p: argparse.ArgumentParser, *, default: str | None) -> None
     )
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="gac-jax", description="Stable asynchronous RL of language models in JAX."
-    )
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-
-    p = sub.add_parser("train", help="train a policy")
-    _add_config_args(p, default=None)
+def _add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", metavar="DIR", help="run directory (default: runs/<config name>)")
     p.add_argument(
         "--resume",
@@ -215,6 +214,39 @@ def build_parser() -> argparse.ArgumentParser:
         "(--set may change steps and the evaluation and checkpoint cadence)",
     )
     p.add_argument("--overwrite", action="store_true", help="delete a run already in --out")
+    _add_distributed_args(p)
+
+
+def _add_distributed_args(p: argparse.ArgumentParser) -> None:
+    group = p.add_argument_group(
+        "several learner processes (jax.distributed; every process runs the same command)"
+    )
+    group.add_argument(
+        "--coordinator",
+        metavar="HOST:PORT",
+        help="process 0's address (or $GAC_JAX_COORDINATOR)",
+    )
+    group.add_argument(
+        "--num-processes",
+        type=int,
+        metavar="P",
+        help="learner processes in all (or $GAC_JAX_NUM_PROCESSES); -1 lets "
+        "jax.distributed detect the cluster (SLURM, Open MPI, Kubernetes, TPU pods)",
+    )
+    group.add_argument(
+        "--process-id", type=int, metavar="I", help="this process, 0..P-1 (or $GAC_JAX_PROCESS_ID)"
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="gac-jax", description="Stable asynchronous RL of language models in JAX."
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("train", help="train a policy")
+    _add_config_args(p, default=None)
+    _add_train_args(p)
     p.set_defaults(func=_cmd_train, parser=p)
 
     p = sub.add_parser("eval", help="evaluate a checkpoint on held-out problems")

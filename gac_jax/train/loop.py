@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from gac_jax import models
@@ -34,12 +33,20 @@ from gac_jax.rollout import (
     store_history,
 )
 from gac_jax.rollout import make_source as make_rollout_source
+from gac_jax.rollout.placement import RolloutPlacement, rollout_mesh, split_devices
 from gac_jax.tasks import get_task
-from gac_jax.train import config_io
+from gac_jax.train import config_io, processes
 from gac_jax.train.checkpoint import CheckpointManager
 from gac_jax.train.config import TrainConfig
 from gac_jax.train.evaluation import evaluate_policy
 from gac_jax.train.interrupt import RunInterrupted, StopSignals
+from gac_jax.train.run_checkpoint import (  # noqa: F401 - part of the loop's API
+    RESUMABLE_FIELDS,
+    config_hash,
+    restore_run,
+    resume_hash,
+    save_run,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -57,34 +64,21 @@ class Run:
     sampler: models.Sampler
     generator: TaskGroupGenerator
     store: ParamStore
-
-
-# What may change when a run is resumed: how long it runs and how it is evaluated and
-# checkpointed, nothing that changes what it trains.
-RESUMABLE_FIELDS = (
-    "steps",
-    "eval_every",
-    "eval_size",
-    "eval_samples",
-    "checkpoint_every",
-    "keep_checkpoints",
-)
-
-
-def config_hash(config: TrainConfig) -> str:
-    """The hash of what a checkpoint depends on: the config but for `steps` (resuming with
-    more steps is how a finished run is trained further)."""
-    return config_io.config_hash(config, exclude=("steps",))
-
-
-def resume_hash(config: TrainConfig) -> str:
-    """The hash a checkpoint records: the config but for `RESUMABLE_FIELDS`."""
-    return config_io.config_hash(config, exclude=RESUMABLE_FIELDS)
+    placement: RolloutPlacement
+    rollout_pool: Any = None  # The Ray actors of `rollout.backend=ray` (`make_source`).
 
 
 def resolve_mesh(config: TrainConfig) -> jax.sharding.Mesh:
-    """The mesh of `config.mesh` on every device."""
-    return config.mesh.make()
+    """The learner's mesh of `config.mesh`: every device but the rollout devices."""
+    learner_devices, _ = split_devices(config.rollout.devices)
+    return config.mesh.make(learner_devices)
+
+
+def resolve_placement(config: TrainConfig, learner_mesh) -> RolloutPlacement:
+    """Where this process samples: its rollout devices (split layout) or the learner's."""
+    _, devices = split_devices(config.rollout.devices)
+    mesh = rollout_mesh(devices, config.rollout.tensor_parallel) if devices else None
+    return RolloutPlacement(learner_mesh, mesh)
 
 
 def build_model(config: TrainConfig, mesh):
@@ -128,20 +122,56 @@ def build_run(config: TrainConfig) -> Run:
     """Builds the task, model, learner, sampler and generator of a run."""
     config.validate()
     task = get_task(config.task)
-    train_examples = task.data_source("train", data_dir=config.data_dir)
-    test_examples = task.data_source("test", data_dir=config.data_dir)
+    train_examples, test_examples = _data_sources(task, config.data_dir)
     mesh = resolve_mesh(config)
     model, tokenizer = build_model(config, mesh)
     model = models.with_compute(model, config.compute)  # The warm start's dtypes, too.
     learner = build_learner(config, model, mesh)
     sampler = make_sampler(model.config, tokenizer, config.generation)
-    generator = TaskGroupGenerator(
-        learner.graphdef, sampler, task, train_examples, tokenizer, config.generation
-    )
+    placement = resolve_placement(config, mesh)
     store = ParamStore(history=store_history(config.rollout, config.buffer))
-    return Run(
-        config, task, train_examples, test_examples, tokenizer, learner, sampler, generator, store
+    inflight = config.rollout.inflight_updates
+    generator = TaskGroupGenerator(
+        learner.graphdef,
+        sampler,
+        task,
+        train_examples,
+        tokenizer,
+        config.generation,
+        placement=placement,
+        latest_params=store.latest if inflight else None,
+        chunk_steps=config.rollout.inflight_chunk_steps,
     )
+    return Run(
+        config,
+        task,
+        train_examples,
+        test_examples,
+        tokenizer,
+        learner,
+        sampler,
+        generator,
+        store,
+        placement,
+    )
+
+
+def _data_sources(task, data_dir):
+    """The task's train and test splits. With several processes, process 0 prepares them
+    first (tfds builds a dataset once per directory) and the others then read them."""
+
+    def load():
+        return (
+            task.data_source("train", data_dir=data_dir),
+            task.data_source("test", data_dir=data_dir),
+        )
+
+    if processes.is_primary():
+        sources = load()
+        processes.barrier("gac_jax.train: data prepared")
+        return sources
+    processes.barrier("gac_jax.train: data prepared")
+    return load()
 
 
 def make_source(run: Run, resume_from: dict | None = None):
@@ -149,20 +179,22 @@ def make_source(run: Run, resume_from: dict | None = None):
     `resume_from` is the `state()` a checkpoint recorded."""
     c = run.config
     prompts = PromptOrder(len(run.train_examples), seed=c.seed)
+    generator = run.generator
+    if c.rollout.mode == "async" and c.rollout.backend == "ray":
+        from gac_jax.train.ray_backend import make_pool
+
+        run.rollout_pool = generator = make_pool(c)
     return make_rollout_source(
         c.rollout,
         c.buffer,
-        run.generator,
+        generator,
         run.store,
         prompts,
         seed=c.seed,
         resume_from=resume_from,
+        process_index=jax.process_index(),
+        num_processes=jax.process_count(),
     )
-
-
-def _snapshot(params):
-    # The learner donates its params to the next step; what the store keeps is a copy.
-    return jax.tree.map(jnp.copy, params)
 
 
 def _rollout_metrics(rollouts, seconds: float) -> dict[str, float]:
@@ -201,7 +233,8 @@ def _train_step(run: Run, source, step: int, eval_key) -> dict[str, float]:
     """Publishes version `step`, takes its batch, updates, evaluates when due."""
     config, learner, store = run.config, run.learner, run.store
     if store.latest_version is None or store.latest_version < step:
-        store.publish(_snapshot(learner.params), step)
+        # A copy on the sampler's devices (the learner donates its own to the next step).
+        store.publish(run.placement.to_rollout(learner.params), step)
     started = time.monotonic()
     rollouts = source.next_batch(step)
     waited = time.monotonic() - started
@@ -214,6 +247,8 @@ def _train_step(run: Run, source, step: int, eval_key) -> dict[str, float]:
     metrics["train_tokens_per_s"] = trained_tokens / max(train_seconds, 1e-9)
     stats = source.stats()
     metrics.update(buffer_depth=stats.depth, buffer_dropped=stats.dropped)
+    if run.rollout_pool is not None:
+        metrics["rollout_actor_replacements"] = run.rollout_pool.replacements
     if config.eval_every and (step + 1) % config.eval_every == 0:
         metrics.update(evaluate_run(run, jax.random.fold_in(eval_key, step)))
     return metrics
@@ -232,52 +267,76 @@ def train(
     `plot.png`. A directory that holds a run is refused unless `resume` (continue from its
     newest checkpoint) or `overwrite` (delete it first). SIGINT or SIGTERM finish the
     current step, checkpoint it and raise `RunInterrupted`. Returns `out_dir`.
+
+    Under `jax.distributed` every process calls `train` with the same config and
+    `out_dir` (shared storage): each makes its share of every batch, process 0 writes the
+    files that are not checkpoints, and all of them write their checkpoint shards.
     """
-    from gac_jax.train.metrics import MetricWriter, ProgressLine
+    from gac_jax.train.metrics import MetricWriter, NullMetricWriter, ProgressLine
     from gac_jax.train.plots import plot_run
 
     out_dir = Path(out_dir)
-    _prepare_directory(out_dir, resume=resume, overwrite=overwrite)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    primary = processes.is_primary()
+    if primary:
+        _prepare_directory(out_dir, resume=resume, overwrite=overwrite)
+        out_dir.mkdir(parents=True, exist_ok=True)
+    processes.barrier("gac_jax.train: run directory ready")
     checkpoints = CheckpointManager(out_dir / "checkpoints", max_to_keep=config.keep_checkpoints)
     run = build_run(config)
     start_step, rollout_state = 0, None
     if resume and checkpoints.latest_step() is not None:
-        start_step, rollout_state = _restore(run, checkpoints, out_dir)
+        start_step, rollout_state = restore_run(run, checkpoints, out_dir)
     elif resume:
         logger.info("no checkpoint in %s: starting from step 0", out_dir / "checkpoints")
     # Written once the run is known to be this config's (a refused resume leaves it alone).
-    (out_dir / "config.json").write_text(json.dumps(config_io.config_to_dict(run.config), indent=2))
+    if primary:
+        config_json = json.dumps(config_io.config_to_dict(run.config), indent=2)
+        (out_dir / "config.json").write_text(config_json)
     source = make_source(run, rollout_state)
     eval_key = jax.random.key(config.seed + 1)
-    progress = ProgressLine(total=config.steps)
+    progress = ProgressLine(total=config.steps, quiet=not primary)
+    writer = MetricWriter(out_dir, start_step=start_step) if primary else NullMetricWriter()
     try:
-        with StopSignals() as stop, MetricWriter(out_dir, start_step=start_step) as writer:
+        with StopSignals() as stop, writer:
             for step in range(start_step, config.steps):
                 metrics = _train_step(run, source, step, eval_key)
                 writer.write(step, metrics)
                 progress.update(step + 1, metrics)
                 last = step + 1 == config.steps
                 due = (step + 1) % config.checkpoint_every == 0 if config.checkpoint_every else 0
-                if (config.checkpoint_every and (due or last)) or stop.signum is not None:
-                    _save(run, checkpoints, step + 1, source)
-                if stop.signum is not None and step + 1 < config.steps:
-                    raise RunInterrupted(out_dir, step + 1, stop.signum)
+                if (config.checkpoint_every and (due or last)) or _stop_requested(stop):
+                    save_run(run, checkpoints, step + 1, source)
+                if _stop_requested(stop) and step + 1 < config.steps:
+                    raise RunInterrupted(out_dir, step + 1, stop.signum or 0)
     finally:
         source.close()
+        if run.rollout_pool is not None:
+            run.rollout_pool.close()
         checkpoints.close()
         progress.close()
-    plot_run(out_dir / "metrics.jsonl", out_dir / "plot.png")
+    if primary:
+        plot_run(out_dir / "metrics.jsonl", out_dir / "plot.png")
     return out_dir
+
+
+def _stop_requested(stop: StopSignals) -> bool:
+    """Whether any process was signalled: all of them then checkpoint and stop together
+    (a step's collectives need every process)."""
+    if jax.process_count() == 1:
+        return stop.signum is not None
+    return any(processes.allgather_json(stop.signum is not None))
 
 
 def evaluate_run(run: Run, key) -> dict[str, float]:
     """Held-out evaluation of the run's current policy as configured (`eval_size` problems,
     `eval_samples` samples each), with keys prefixed ``eval/``."""
     c = run.config
+    params = run.learner.params
+    if not run.placement.shared:  # Sample on the rollout devices (process-local).
+        params = run.placement.to_rollout(params)
     scores = evaluate_policy(
         run.learner.graphdef,
-        run.learner.params,
+        params,
         run.sampler,
         run.task,
         run.test_examples,
@@ -288,73 +347,6 @@ def evaluate_run(run: Run, key) -> dict[str, float]:
         key=key,
     )
     return {f"eval/{k}": v for k, v in scores.items()}
-
-
-def _checkpoint_state(run: Run) -> dict[str, Any]:
-    store = run.store
-    history = {str(v): store.get(v) for v in store.versions()}
-    return {"params": run.learner.params, "opt_state": run.learner.opt_state, "history": history}
-
-
-def _all_finite(tree) -> bool:
-    leaves = [x for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
-    return bool(jax.device_get(jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))))
-
-
-def _save(run: Run, checkpoints: CheckpointManager, next_step: int, source) -> None:
-    """Saves what resuming at `next_step` needs: params, optimizer, the store's history,
-    the rollout source's state (group numbering, buffer accounting). Never from
-    non-finite state: that would poison every resume."""
-    state = _checkpoint_state(run)
-    if not _all_finite(state):
-        raise FloatingPointError(
-            f"step {next_step}: params or optimizer state are not finite; no checkpoint "
-            "written (the last one is kept)."
-        )
-    metadata = {
-        "next_step": next_step,
-        "seed": run.config.seed,
-        "config_hash": resume_hash(run.config),
-        "store_versions": run.store.versions(),
-        "data_position": next_step * run.config.rollout.groups_per_batch,
-        "rollout_state": source.state(),
-    }
-    checkpoints.save(next_step, state, metadata)
-
-
-def _check_resumable(run: Run, metadata: dict, out_dir: Path) -> None:
-    if metadata.get("config_hash") == resume_hash(run.config):
-        return
-    saved = out_dir / "config.json"
-    changed = []
-    if saved.is_file():
-        old = json.loads(saved.read_text())
-        changed = [k for k, _, _ in config_io.config_diff(old, run.config)]
-        changed = [k for k in changed if k.split(".")[0] not in RESUMABLE_FIELDS]
-    fields = f" ({', '.join(changed)} changed)" if changed else ""
-    raise ValueError(
-        f"the checkpoint in {str(out_dir)!r} was written by a different config{fields}; "
-        f"only {', '.join(RESUMABLE_FIELDS)} may change on resume."
-    )
-
-
-def _restore(run: Run, checkpoints: CheckpointManager, out_dir: Path) -> tuple[int, dict]:
-    """Restores params, optimizer and the store's history; returns the next step and the
-    rollout source's recorded state (None for checkpoints that predate it)."""
-    metadata = checkpoints.read_metadata()
-    _check_resumable(run, metadata, out_dir)
-    versions = metadata["store_versions"]
-    target = {
-        "params": run.learner.params,
-        "opt_state": run.learner.opt_state,
-        "history": {str(v): run.learner.params for v in versions},
-    }
-    restored = checkpoints.restore(target=target).state
-    run.learner.params = restored["params"]
-    run.learner.opt_state = restored["opt_state"]
-    for v in versions:
-        run.store.publish(restored["history"][str(v)], v)
-    return int(metadata["next_step"]), metadata.get("rollout_state")
 
 
 def _step_directory(path: Path, step: int | None) -> tuple[Path, int | None]:

@@ -168,6 +168,23 @@ class MetricWriter:
         self.close()
 
 
+class NullMetricWriter:
+    """`MetricWriter`'s interface, writing nothing: what the other processes of a
+    multi-process run use (process 0 writes the run's metrics)."""
+
+    def write(self, step: int, metrics: Mapping[str, Any]) -> None:
+        del step, metrics
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self) -> NullMetricWriter:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        pass
+
+
 # Display label -> metric names tried in order; the first present is shown.
 DEFAULT_PROGRESS_FIELDS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("reward", ("reward", "reward_mean")),

@@ -7,73 +7,14 @@ result equals one process (same mesh, same device count) training on the concate
 both processes' rows.
 """
 
-import os
-import socket
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 WORKER = Path(__file__).with_name("multihost_worker.py")
-REPO = WORKER.parents[2]
 LOCAL_DEVICES = 2
 TIMEOUT_S = 150  # Whole run; the workers' own distributed timeouts are shorter.
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _env() -> dict[str, str]:
-    """The parent's environment without conftest's 8 fake devices (workers set their own)."""
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO))
-    flags = [
-        f
-        for f in env.get("XLA_FLAGS", "").split()
-        if not f.startswith("--xla_force_host_platform_device_count")
-    ]
-    # LLVM's optimisations would double the compile time, which dominates these short runs.
-    env["XLA_FLAGS"] = " ".join([*flags, "--xla_backend_optimization_level=0"])
-    return env
-
-
-def _run_all(commands: dict[str, list[str]], tmp_path: Path) -> None:
-    """Runs the commands concurrently; kills them all if any fails or time runs out."""
-    procs, logs = {}, {}
-    try:
-        for name, args in commands.items():
-            logs[name] = open(tmp_path / f"{name}.log", "w+")  # noqa: SIM115
-            procs[name] = subprocess.Popen(
-                [sys.executable, str(WORKER), *args],
-                stdout=logs[name],
-                stderr=subprocess.STDOUT,
-                env=_env(),
-                cwd=tmp_path,
-            )
-        deadline = time.monotonic() + TIMEOUT_S
-        while any(p.poll() is None for p in procs.values()):
-            failed = [n for n, p in procs.items() if p.poll() not in (None, 0)]
-            if failed or time.monotonic() > deadline:
-                break
-            time.sleep(0.2)
-    finally:
-        for p in procs.values():
-            if p.poll() is None:
-                p.kill()
-            p.wait()
-        problems = []
-        for name, p in procs.items():
-            logs[name].seek(0)
-            if p.returncode != 0:
-                tail = "".join(line for line in logs[name] if "[Gloo]" not in line)[-3000:]
-                problems.append(f"{name} exited with {p.returncode}:\n{tail}")
-            logs[name].close()
-    assert not problems, "\n".join(problems)
 
 
 def _load(path: Path):
@@ -102,18 +43,20 @@ def _assemble(shards, shape):
 
 
 @pytest.mark.slow
-def test_two_processes_train_one_global_batch(tmp_path):
-    port = _free_port()
+def test_two_processes_train_one_global_batch(tmp_path, run_processes, free_port):
+    port = free_port
     # 4 global devices: "data" splits the batch across the processes (a pod's data
     # parallelism), "tensor" shards the params within each process.
     common = ["--local-devices", str(LOCAL_DEVICES), "--mesh", "2,1,2", "--steps", "3"]
     distributed = ["--num-processes", "2", "--port", str(port), "--timeout", "60"]
-    _run_all(
+    worker = str(WORKER)
+    run_processes(
         {
-            "process0": ["--out", "p0.npz", "--process-id", "0", *distributed, *common],
-            "process1": ["--out", "p1.npz", "--process-id", "1", *distributed, *common],
+            "process0": [worker, "--out", "p0.npz", "--process-id", "0", *distributed, *common],
+            "process1": [worker, "--out", "p1.npz", "--process-id", "1", *distributed, *common],
             # One process with all the devices, feeding the rows of both.
             "reference": [
+                worker,
                 "--out",
                 "ref.npz",
                 "--local-devices",
@@ -123,7 +66,7 @@ def test_two_processes_train_one_global_batch(tmp_path):
                 *common[2:],
             ],
         },
-        tmp_path,
+        TIMEOUT_S,
     )
     names0, metrics0, shards0, shapes = _load(tmp_path / "p0.npz")
     names1, metrics1, shards1, shapes1 = _load(tmp_path / "p1.npz")

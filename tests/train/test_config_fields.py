@@ -178,6 +178,32 @@ FIELDS = {
         "oldest_allowed",
         "newest",
     ),
+    "rollout.devices": ("2", lambda b, _: len(b["run"].placement.devices), 2, "-1"),
+    "rollout.tensor_parallel": (
+        "2",
+        lambda b, _: b["run"].placement.mesh.shape["tensor"],
+        2,
+        "0",
+    ),
+    "rollout.backend": (
+        "ray",
+        lambda b, _: type(b["run"].rollout_pool).__name__,
+        "FakePool",
+        "mpi",
+    ),
+    "rollout.on_actor_failure": (
+        "stop",
+        lambda b, _: b["run"].rollout_pool.kwargs["on_actor_failure"],
+        "stop",
+        "retry",
+    ),
+    "rollout.inflight_updates": (
+        "true",
+        lambda b, _: b["run"].generator.latest_params is not None,
+        True,
+        "sometimes",
+    ),
+    "rollout.inflight_chunk_steps": ("4", lambda b, _: b["run"].generator.chunk_steps, 4, "0"),
     "buffer.max_staleness": ("3", lambda b, _: b["source"].buffer.max_staleness, 3, "-1"),
     "buffer.stale_policy": ("drop", lambda b, _: b["source"].buffer.stale_policy, "drop", "wait"),
     "buffer.capacity": ("24", lambda b, _: b["source"].buffer.capacity, 24, "0"),
@@ -205,6 +231,10 @@ CONTEXT = {
     "rollout.num_workers": ["rollout.mode=async"],
     "rollout.groups_per_call": ["rollout.mode=async"],
     "rollout.version_choice": ["rollout.mode=async"],
+    "rollout.tensor_parallel": ["rollout.devices=2"],
+    "rollout.backend": ["rollout.mode=async"],
+    "rollout.on_actor_failure": ["rollout.mode=async", "rollout.backend=ray"],
+    "rollout.inflight_updates": ["rollout.mode=async", "generation.sampler=refill"],
     "buffer": ["rollout.mode=async"],
     "mesh.fsdp": ["mesh.data=-1"],
     "mesh.tensor": ["mesh.data=-1"],
@@ -257,10 +287,30 @@ def _spied(monkeypatch, calls):
         monkeypatch.setattr(owner, attribute, record(name, ORIGINALS[name]))
 
 
+class FakePool:
+    """Stands in for `RayRolloutPool` (no Ray cluster is started): records its arguments."""
+
+    def __init__(self, factory, num_actors, **kwargs):
+        self.factory, self.num_actors, self.kwargs = factory, num_actors, kwargs
+        self.replacements = 0
+
+    def __call__(self, params, version, requests, key):
+        raise AssertionError("nothing is published, so nothing is generated")
+
+    def close(self):
+        pass
+
+
 def _build(config, model, monkeypatch):
+    import ray
+
+    from gac_jax.train import ray_backend
+
     calls = {}
     _spied(monkeypatch, calls)
     monkeypatch.setattr(loop, "build_model", lambda config, mesh: model)
+    monkeypatch.setattr(ray_backend, "RayRolloutPool", FakePool)
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)
     run = loop.build_run(config)
     # No version is published, so the async source's workers wait and generate nothing.
     source = loop.make_source(run)

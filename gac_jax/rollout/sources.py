@@ -64,6 +64,8 @@ class RolloutConfig:
         devices and JAX runtime (`RayRolloutPool`).
       on_actor_failure: Ray backend: "replace" a dead actor and retry its groups, or
         "stop" the run with an error naming it.
+      actor_gpus: Ray backend: GPUs each actor asks Ray for (0: the actors' JAX runs on
+        whatever Ray leaves them, the CPU on a GPU node).
       inflight_updates: async mode with the refill sampler: a worker swaps to a newly
         published version between decode chunks instead of finishing its call on the old
         one (PipelineRL); every token records its version, and the staleness bound applies
@@ -81,6 +83,7 @@ class RolloutConfig:
     tensor_parallel: int = 1
     backend: str = "threads"
     on_actor_failure: str = "replace"
+    actor_gpus: float = 0.0
     inflight_updates: bool = False
     inflight_chunk_steps: int = 16
 
@@ -107,6 +110,8 @@ class RolloutConfig:
                 f"version_choice={self.version_choice!r} is unknown; expected one of "
                 f"{list(VERSION_CHOICES)}."
             )
+        if isinstance(self.actor_gpus, bool) or not self.actor_gpus >= 0:
+            raise ValueError(f"actor_gpus={self.actor_gpus!r} must be a number >= 0.")
         for name, allowed in (
             ("backend", ROLLOUT_BACKENDS),
             ("on_actor_failure", ("replace", "stop")),

@@ -69,5 +69,8 @@ def make_pool(config: TrainConfig) -> RayRolloutPool:
         ActorGenerator(config),
         config.rollout.num_workers,
         on_actor_failure=config.rollout.on_actor_failure,
+        actor_options={"num_gpus": config.rollout.actor_gpus}
+        if config.rollout.actor_gpus
+        else None,
         env=env,
     )

@@ -197,6 +197,12 @@ FIELDS = {
         "stop",
         "retry",
     ),
+    "rollout.actor_gpus": (
+        "1",
+        lambda b, _: (b["run"].rollout_pool.kwargs["actor_options"] or {}).get("num_gpus"),
+        1,
+        "-1",
+    ),
     "rollout.inflight_updates": (
         "true",
         lambda b, _: b["run"].generator.latest_params is not None,
@@ -234,6 +240,7 @@ CONTEXT = {
     "rollout.tensor_parallel": ["rollout.devices=2"],
     "rollout.backend": ["rollout.mode=async"],
     "rollout.on_actor_failure": ["rollout.mode=async", "rollout.backend=ray"],
+    "rollout.actor_gpus": ["rollout.mode=async", "rollout.backend=ray"],
     "rollout.inflight_updates": ["rollout.mode=async", "generation.sampler=refill"],
     "buffer": ["rollout.mode=async"],
     "mesh.fsdp": ["mesh.data=-1"],

@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 PYTEST_ARGS ?= --durations=20
 
-.PHONY: install demo test lint bench bench-sampler bench-tunix clean
+.PHONY: install demo test lint bench bench-sampler bench-async bench-tunix clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -36,6 +36,10 @@ bench: $(STAMP)
 # Slot refill against the fixed sampler on heavy-tailed lengths (about 5 minutes).
 bench-sampler: $(STAMP)
 	$(BIN)/python benchmarks/sampler.py
+
+# Sync vs async rollouts through the training loop, and the split layout simulated (about 3 minutes).
+bench-async: $(STAMP)
+	$(BIN)/python benchmarks/async_throughput.py
 
 # Tunix goes into its own environment (.venv-bench), created by the script itself.
 bench-tunix:

@@ -6,6 +6,10 @@ CPU devices) and compiled; XLA's memory and cost analyses then give, per device,
 bytes of the arguments (params, optimizer state, batch), the outputs, the temporaries and
 what donation aliases, and the FLOPs. Peak = arguments + outputs - aliased + temporaries.
 
+XLA's cost analysis counts a loop's body once: the learner's FLOPs are that count times
+the micro-batches (the step's loop), per device; the sampler's are its prefill and one
+decode step (`tflops_loop_bodies_once`), not a whole generation.
+
 The figures are those of the backend that compiled them: on fake CPU devices, XLA's CPU
 buffer assignment, which schedules for speed rather than memory and so over-states what
 a GPU or TPU compile needs (it is an upper bound to check a layout against, not a
@@ -46,6 +50,7 @@ def _tokenizer(config: TrainConfig):
 
 
 def _memory(compiled) -> dict[str, Any]:
+    """Per-device memory of `compiled`, and XLA's FLOP count (loop bodies counted once)."""
     m = compiled.memory_analysis()
     sizes = {
         "argument_gib": m.argument_size_in_bytes / GIB,
@@ -56,7 +61,8 @@ def _memory(compiled) -> dict[str, Any]:
     peak = sizes["argument_gib"] + sizes["output_gib"] - sizes["alias_gib"] + sizes["temp_gib"]
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
-    return {"peak_gib": peak, **sizes, "tflops": float(cost.get("flops", float("nan"))) / 1e12}
+    flops = float(cost.get("flops", float("nan"))) / 1e12
+    return {"peak_gib": peak, **sizes, "tflops_loop_bodies_once": flops}
 
 
 def _bytes_per_device(tree) -> float:
@@ -92,10 +98,14 @@ def plan_learner(config: TrainConfig, learner: GRPOLearner) -> dict[str, Any]:
     micro_batches = learner.budget_micro_batches(rows, width)
     batch = _abstract_batch(learner, rows, width)
     lowered = learner.lower(batch, np.int32(0), step=learner.step_for(micro_batches))
+    memory = _memory(lowered.compile())
+    # One micro-batch's FLOPs (the loop's body) times the micro-batches: the whole step.
+    per_step = memory.pop("tflops_loop_bodies_once") * micro_batches
     return {
         "batch": [rows, width],
         "micro_batches": micro_batches,
-        **_memory(lowered.compile()),
+        **memory,
+        "tflops_per_step": per_step,
         "params_gib": _bytes_per_device(learner.params),
         "optimizer_gib": _bytes_per_device(learner.opt_state),
     }

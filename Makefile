@@ -5,7 +5,8 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
-PYTEST_ARGS ?= --durations=20
+# Two workers (xdist), each running whole files: the loop tests share runs within a file.
+PYTEST_ARGS ?= -n 2 --dist loadfile --durations=20
 
 .PHONY: install demo test lint bench bench-sampler bench-async bench-tunix clean
 

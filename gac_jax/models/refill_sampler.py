@@ -58,7 +58,7 @@ from flax import nnx
 
 from gac_jax.models.config import ModelConfig
 from gac_jax.models.decoder import init_cache
-from gac_jax.models.sampler import SampleOutput, Sampler, _per_row, sample_step
+from gac_jax.models.sampler import SampleOutput, Sampler, sample_step
 
 # Tail compaction stops halving the decode width here: narrower steps cost about the same
 # (the weights, not the rows, dominate) and each width is one more compiled loop.
@@ -256,21 +256,6 @@ class RefillSampler(Sampler):
             lengths=jnp.sum(s.mask_rn, axis=1, dtype=jnp.int32),
             token_versions=st.versions_rn,
         )
-
-    def _prepared(self, prompt_tokens, prompt_mask, temperature, top_k, top_p, max_new_tokens):
-        """`__call__`'s checks and conversions: `(tokens, mask, per_row)`."""
-        prompt_tokens = jnp.asarray(prompt_tokens)
-        prompt_mask = jnp.asarray(prompt_mask)
-        self._check_prompts(prompt_tokens, prompt_mask)
-        rows = prompt_tokens.shape[0]
-        temperature = _per_row("temperature", temperature, rows, jnp.float32)
-        top_k = _per_row("top_k", top_k, rows, jnp.int32)
-        top_p = _per_row("top_p", top_p, rows, jnp.float32)
-        limit = self.max_new_tokens if max_new_tokens is None else max_new_tokens
-        limit = _per_row("max_new_tokens", limit, rows, jnp.int32)
-        self._check_sampling(temperature, top_k, top_p, limit, self.max_new_tokens)
-        per_row = (temperature, top_k, top_p, limit)
-        return prompt_tokens.astype(jnp.int32), prompt_mask.astype(bool), per_row
 
     def _start_program(self, graphdef, state, prompt_tokens, prompt_mask):
         """The first B rows prefilled (`_first_slots`), no version recorded yet."""

@@ -278,24 +278,26 @@ class Sampler:
         Returns:
           A `SampleOutput`.
         """
+        prompt_tokens, prompt_mask, per_row = self._prepared(
+            prompt_tokens, prompt_mask, temperature, top_k, top_p, max_new_tokens
+        )
+        return self._jitted(graphdef, state, prompt_tokens, prompt_mask, key, per_row)
+
+    def _prepared(self, prompt_tokens, prompt_mask, temperature, top_k, top_p, max_new_tokens):
+        """The call's checks and conversions: `(tokens, mask, per_row)`, with `per_row` the
+        [B] arrays `(temperature, top_k, top_p, max_new_tokens)`."""
         prompt_tokens = jnp.asarray(prompt_tokens)
         prompt_mask = jnp.asarray(prompt_mask)
         self._check_prompts(prompt_tokens, prompt_mask)
-        batch = prompt_tokens.shape[0]
-        temperature = _per_row("temperature", temperature, batch, jnp.float32)
-        top_k = _per_row("top_k", top_k, batch, jnp.int32)
-        top_p = _per_row("top_p", top_p, batch, jnp.float32)
+        rows = prompt_tokens.shape[0]
+        temperature = _per_row("temperature", temperature, rows, jnp.float32)
+        top_k = _per_row("top_k", top_k, rows, jnp.int32)
+        top_p = _per_row("top_p", top_p, rows, jnp.float32)
         limit = self.max_new_tokens if max_new_tokens is None else max_new_tokens
-        limit = _per_row("max_new_tokens", limit, batch, jnp.int32)
+        limit = _per_row("max_new_tokens", limit, rows, jnp.int32)
         self._check_sampling(temperature, top_k, top_p, limit, self.max_new_tokens)
-        return self._jitted(
-            graphdef,
-            state,
-            prompt_tokens.astype(jnp.int32),
-            prompt_mask.astype(bool),
-            key,
-            (temperature, top_k, top_p, limit),
-        )
+        per_row = (temperature, top_k, top_p, limit)
+        return prompt_tokens.astype(jnp.int32), prompt_mask.astype(bool), per_row
 
     def generate(self, model: nnx.Module, prompt_tokens, prompt_mask, key, **sampling):
         """`self(*nnx.split(model), prompt_tokens, prompt_mask, key, **sampling)`."""

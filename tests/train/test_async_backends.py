@@ -1,13 +1,11 @@
 """The async loop's two other ways to sample: in-flight weight updates, and Ray actors."""
 
-import dataclasses
 import time
 
 import numpy as np
 import pytest
 
 from gac_jax.rollout import GenerationConfig, RolloutConfig
-from gac_jax.tasks import get_task
 from gac_jax.train import loop
 from gac_jax.train.config import TrainConfig
 from gac_jax.train.config_io import apply_overrides
@@ -41,13 +39,7 @@ def _recording(monkeypatch):
 
 
 @pytest.mark.slow
-def test_inflight_updates_tag_each_token_with_its_version(tmp_path, monkeypatch):
-    # Digit-share reward: a random model learns something, so versions differ in params.
-    task = get_task("arithmetic/add2")
-    digits = dataclasses.replace(
-        task, reward=lambda text, ex: sum(c.isdigit() for c in text) / max(len(text), 1)
-    )
-    monkeypatch.setattr(loop, "get_task", lambda name: digits)
+def test_inflight_updates_tag_each_token_with_its_version(tmp_path, digit_task, monkeypatch):
     consumed = _recording(monkeypatch)
     # A slow sampler (each look at the newest version between decode steps takes 50 ms)
     # and a learner that spends 0.2 s a step: the learner publishes while a worker is

@@ -11,7 +11,6 @@ from gac_jax import models
 from gac_jax.learner import LossConfig
 from gac_jax.models import MeshConfig
 from gac_jax.rollout import GenerationConfig, PromptOrder, RolloutConfig
-from gac_jax.tasks import get_task
 from gac_jax.train import loop
 from gac_jax.train.checkpoint import restore_checkpoint
 from gac_jax.train.config import TrainConfig
@@ -22,20 +21,6 @@ from gac_jax.transforms import GACConfig
 # Metrics that depend on wall-clock time or thread timing (how full the buffer happened to
 # be when the learner took its batch).
 TIMING = ("per_s", "seconds", "wait", "buffer_depth")
-
-
-@pytest.fixture
-def digit_task(monkeypatch):
-    """arithmetic/add2 whose reward is the share of digits in the completion: a random
-    model earns some, so advantages and gradients are not all zero."""
-    task = get_task("arithmetic/add2")
-
-    def reward(completion, example):
-        return sum(c.isdigit() for c in completion) / max(len(completion), 1)
-
-    fake = dataclasses.replace(task, reward=reward)
-    monkeypatch.setattr(loop, "get_task", lambda name: fake)
-    return fake
 
 
 def _config(tmp_path, steps):

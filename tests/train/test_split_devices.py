@@ -1,8 +1,6 @@
 """Split devices on one host (`rollout.devices=N`): the sampler on its own N devices, the
 learner on the rest, asynchronous training between them."""
 
-import dataclasses
-
 import jax
 import numpy as np
 import pytest
@@ -10,25 +8,11 @@ import pytest
 from gac_jax.learner import TrainBatch
 from gac_jax.rollout import GenerationConfig, RolloutConfig
 from gac_jax.rollout.placement import RolloutPlacement, rollout_mesh, split_devices
-from gac_jax.tasks import get_task
 from gac_jax.train import loop
 from gac_jax.train.checkpoint import restore_checkpoint
 from gac_jax.train.config import TrainConfig
 from gac_jax.train.config_io import apply_overrides
 from gac_jax.train.metrics import read_metrics
-
-
-@pytest.fixture
-def digit_task(monkeypatch):
-    """arithmetic/add2 rewarded by the share of digits, so a random model learns something."""
-    task = get_task("arithmetic/add2")
-
-    def reward(completion, example):
-        return sum(c.isdigit() for c in completion) / max(len(completion), 1)
-
-    fake = dataclasses.replace(task, reward=reward)
-    monkeypatch.setattr(loop, "get_task", lambda name: fake)
-    return fake
 
 
 def _devices_of(tree) -> set:

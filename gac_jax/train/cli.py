@@ -7,6 +7,7 @@
     gac-jax show-config --config my_run.yaml
     gac-jax plot runs/lag8 --out runs/lag8/metrics.png
     gac-jax plan --config qwen3_0_6b_gsm8k --fake-devices 8
+    gac-jax export-hf runs/lag8 --step 100 --out runs/lag8/hf
 
 The command is thin: configs come from `gac_jax.train.config_io`, runs from
 `gac_jax.train.loop`. A bad config (unknown key, ill-typed value, failed validation) prints
@@ -113,8 +114,8 @@ def _json_value(value):
         return str(value)
 
 
-def _cmd_eval(args, parser) -> int:
-    checkpoint = Path(args.checkpoint)
+def _checkpoint_config(args, parser, checkpoint: Path):
+    """The config of the run `checkpoint` belongs to (or `--config`), with `--set`."""
     config_name = args.config
     if config_name is None:
         found = _find_run_config(checkpoint)
@@ -124,7 +125,25 @@ def _cmd_eval(args, parser) -> int:
                 "pass --config."
             )
         config_name = str(found)
-    config = _resolve(parser, config_name, args.set)
+    return _resolve(parser, config_name, args.set)
+
+
+def _cmd_export_hf(args, parser) -> int:
+    checkpoint = Path(args.run)
+    config = _checkpoint_config(args, parser, checkpoint)
+    try:
+        out = _loop().export_checkpoint(
+            config, checkpoint, args.out, step=args.step, dtype=args.dtype
+        )
+    except (ValueError, FileNotFoundError) as error:
+        parser.error(str(error))
+    print(out)
+    return 0
+
+
+def _cmd_eval(args, parser) -> int:
+    checkpoint = Path(args.checkpoint)
+    config = _checkpoint_config(args, parser, checkpoint)
     try:
         metrics = _loop().evaluate_checkpoint(config, checkpoint, step=args.step)
     except (ValueError, FileNotFoundError) as error:
@@ -238,6 +257,30 @@ def _add_distributed_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_checkpoint_commands(sub) -> None:
+    """`eval` and `export-hf`: commands that read a run's checkpoint."""
+    p = sub.add_parser("eval", help="evaluate a checkpoint on held-out problems")
+    p.add_argument(
+        "--checkpoint",
+        required=True,
+        metavar="DIR",
+        help="a run directory, its checkpoints/ directory, or one step's directory",
+    )
+    p.add_argument("--step", type=int, help="the step to evaluate (default: the newest)")
+    _add_config_args(p, default=None)
+    p.set_defaults(func=_cmd_eval, parser=p)
+
+    p = sub.add_parser(
+        "export-hf", help="write a checkpoint's policy as a Hugging Face model directory"
+    )
+    p.add_argument("run", metavar="RUN", help="a run directory, its checkpoints/ or one step's")
+    p.add_argument("--step", type=int, help="the step to export (default: the newest)")
+    p.add_argument("--out", required=True, metavar="DIR", help="the model directory to write")
+    p.add_argument("--dtype", help="store the weights in this dtype (default: the params')")
+    _add_config_args(p, default=None)
+    p.set_defaults(func=_cmd_export_hf, parser=p)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="gac-jax", description="Stable asynchronous RL of language models in JAX."
@@ -249,16 +292,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_train_args(p)
     p.set_defaults(func=_cmd_train, parser=p)
 
-    p = sub.add_parser("eval", help="evaluate a checkpoint on held-out problems")
-    p.add_argument(
-        "--checkpoint",
-        required=True,
-        metavar="DIR",
-        help="a run directory, its checkpoints/ directory, or one step's directory",
-    )
-    p.add_argument("--step", type=int, help="the step to evaluate (default: the newest)")
-    _add_config_args(p, default=None)
-    p.set_defaults(func=_cmd_eval, parser=p)
+    _add_checkpoint_commands(sub)
 
     p = sub.add_parser("presets", help="list the config presets")
     p.set_defaults(func=_cmd_presets, parser=p)

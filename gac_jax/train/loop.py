@@ -35,6 +35,7 @@ from gac_jax.rollout import (
 from gac_jax.rollout import make_source as make_rollout_source
 from gac_jax.rollout.placement import RolloutPlacement, rollout_mesh, split_devices
 from gac_jax.tasks import get_task
+from gac_jax.tasks.custom import GuardedReward, resolve_reward
 from gac_jax.train import config_io, processes
 from gac_jax.train.checkpoint import CheckpointManager
 from gac_jax.train.config import TrainConfig
@@ -114,14 +115,24 @@ def build_model(config: TrainConfig, mesh):
 
 def build_learner(config: TrainConfig, model, mesh) -> GRPOLearner:
     """The sharded learner of `config`: its optax chain, objective and settings."""
-    tx = make_optimizer(config.optimizer, config.gac, config.ess)
+    tx = make_optimizer(config.optimizer, config.gac, config.ess, steps=config.steps)
     return GRPOLearner(model, tx, mesh, loss=config.loss, config=config.learner)
+
+
+def build_task(config: TrainConfig):
+    """The run's task: `config.task` with `config.reward` (if set) as its reward, guarded
+    (a call that raises counts as 0 and is logged once per run)."""
+    task = get_task(config.task)
+    if config.reward is None:
+        return task
+    reward = GuardedReward(resolve_reward(config.reward), config.reward)
+    return dataclasses.replace(task, reward=reward)
 
 
 def build_run(config: TrainConfig) -> Run:
     """Builds the task, model, learner, sampler and generator of a run."""
     config.validate()
-    task = get_task(config.task)
+    task = build_task(config)
     train_examples, test_examples = _data_sources(task, config.data_dir)
     mesh = resolve_mesh(config)
     model, tokenizer = build_model(config, mesh)
@@ -360,11 +371,13 @@ def _step_directory(path: Path, step: int | None) -> tuple[Path, int | None]:
     return path, step
 
 
-def evaluate_checkpoint(
+def load_checkpoint(
     config: TrainConfig, checkpoint_dir: str | os.PathLike, *, step: int | None = None
-) -> dict:
-    """Held-out evaluation of a checkpoint: `checkpoint_dir` is a run directory, its
-    `checkpoints/` folder or one step's folder; `step` picks a step (the newest if None)."""
+) -> tuple[Run, int]:
+    """The run of `config` holding a checkpoint's params, and the checkpoint's step.
+
+    `checkpoint_dir` is a run directory, its `checkpoints/` folder or one step's folder;
+    `step` picks a step (the newest if None)."""
     path, step = _step_directory(Path(checkpoint_dir), step)
     run = build_run(config)
     with CheckpointManager(path, read_only=True) as checkpoints:
@@ -382,6 +395,49 @@ def evaluate_checkpoint(
             },
         )
     run.learner.params = restored.state["params"]
+    return run, restored.step
+
+
+def evaluate_checkpoint(
+    config: TrainConfig, checkpoint_dir: str | os.PathLike, *, step: int | None = None
+) -> dict:
+    """Held-out evaluation of a checkpoint (see `load_checkpoint` for the arguments)."""
+    run, step = load_checkpoint(config, checkpoint_dir, step=step)
     scores = evaluate_run(run, jax.random.key(config.seed + 2))
-    scores["step"] = restored.step
+    scores["step"] = step
     return scores
+
+
+# Files of a Hugging Face model directory that describe its tokenizer, copied on export.
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "generation_config.json",
+)
+
+
+def export_checkpoint(
+    config: TrainConfig,
+    checkpoint_dir: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    *,
+    step: int | None = None,
+    dtype: str | None = None,
+) -> Path:
+    """Writes a checkpoint's policy as a Hugging Face model directory (config.json and
+    safetensors, `dtype` or the params' own), with the tokenizer files of `config.init`
+    when it is a Hugging Face directory; returns `out_dir`."""
+    from flax import nnx
+
+    run, _ = load_checkpoint(config, checkpoint_dir, step=step)
+    model = nnx.merge(run.learner.graphdef, run.learner.params)
+    out_dir = Path(out_dir)
+    models.save_hf_checkpoint(model, out_dir, dtype=dtype)
+    source = Path(config.init)
+    for name in TOKENIZER_FILES:
+        if (source / name).is_file():
+            shutil.copyfile(source / name, out_dir / name)
+    return out_dir

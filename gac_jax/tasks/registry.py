@@ -1,8 +1,10 @@
 """The task registry: every task by name, with its data, prompt and reward.
 
 `TASK_NAMES` is the only list of valid names: ``countdown/<config>`` and
-``arithmetic/<config>`` for each builder config, and ``gsm8k``. `get_task` rejects any
-other name with an error that lists them.
+``arithmetic/<config>`` for each builder config, and ``gsm8k``. `TASK_FAMILIES` lists
+the names that take a parameter after their prefix: ``jsonl:TRAIN_PATH[,TEST_PATH]`` (a
+researcher's own data, see `gac_jax.tasks.custom`). `get_task` rejects any other name with
+an error that lists them.
 
 Example::
 
@@ -27,10 +29,10 @@ from typing import Any
 
 import tensorflow_datasets as tfds
 
-from gac_jax.tasks import arithmetic, countdown, gsm8k
+from gac_jax.tasks import arithmetic, countdown, custom, gsm8k
 from gac_jax.tasks.builders import Arithmetic, Countdown, Gsm8k, prepare_source
 
-__all__ = ["TASK_NAMES", "Task", "get_task"]
+__all__ = ["TASK_FAMILIES", "TASK_NAMES", "Task", "get_task"]
 
 
 def _text(value) -> str:
@@ -52,23 +54,28 @@ class Task:
     Attributes:
       name: the registry name, e.g. ``"countdown/n3_max20"``.
       make_builder: ``make_builder(data_dir) -> tfds builder`` (data_dir None: tfds's
-        default).
+        default); None for a task whose data is not a tfds dataset (then `source`).
       prompt: ``prompt(example) -> str``, the text the model continues.
       reference_completion: ``reference_completion(example) -> str``, a correct
         completion (for supervised warm starts and tests).
       reward: ``reward(completion, example) -> float``; never raises on any completion.
       download_config: passed to ``download_and_prepare`` when the data is prepared.
+      source: ``source(split, data_dir=...) -> sequence of examples`` for a task without
+        a builder (a JSONL file read into memory); None for the tfds tasks.
     """
 
     name: str
-    make_builder: Callable[[str | None], tfds.core.DatasetBuilder]
+    make_builder: Callable[[str | None], tfds.core.DatasetBuilder] | None
     prompt: Callable[[Mapping[str, Any]], str]
     reference_completion: Callable[[Mapping[str, Any]], str]
     reward: Callable[[str, Mapping[str, Any]], float]
     download_config: tfds.download.DownloadConfig | None = None
+    source: Callable[..., Sequence[Mapping[str, Any]]] | None = None
 
     def builder(self, data_dir: str | os.PathLike | None = None) -> tfds.core.DatasetBuilder:
         """The task's tfds builder (not prepared yet if it never was)."""
+        if self.make_builder is None:
+            raise ValueError(f"Task {self.name!r} is not a tfds dataset: it has no builder.")
         return self.make_builder(None if data_dir is None else os.fspath(data_dir))
 
     def data_source(
@@ -81,11 +88,14 @@ class Task:
           data_dir: tfds data directory; None for tfds's default.
 
         Returns:
-          A random-access sequence of examples (tfds data source).
+          A random-access sequence of examples (tfds data source, or a list for a task
+          read into memory).
 
         Raises:
           ValueError: on an unknown split.
         """
+        if self.source is not None:
+            return self.source(split, data_dir=data_dir)
         return prepare_source(self.builder(data_dir), split, download_config=self.download_config)
 
 
@@ -142,6 +152,18 @@ def _gsm8k_task(*, manual_dir: str | os.PathLike | None = None) -> Task:
     )
 
 
+def _jsonl_task(spec: str, /) -> Task:
+    custom.jsonl_splits(spec)  # Fails now, naming the file, rather than when training starts.
+    return Task(
+        name=f"{custom.JSONL_PREFIX}{spec}",
+        make_builder=None,
+        prompt=custom.jsonl_prompt,
+        reference_completion=lambda ex: _text(ex["answer"]),
+        reward=custom.default_reward(),
+        source=custom.JsonlSource(spec),
+    )
+
+
 def _factories() -> dict[str, Callable[..., Task]]:
     factories: dict[str, Callable[..., Task]] = {}
     for config in Countdown.BUILDER_CONFIGS:
@@ -157,6 +179,13 @@ _FACTORIES: Mapping[str, Callable[..., Task]] = MappingProxyType(_factories())
 #: Every valid task name, sorted.
 TASK_NAMES: tuple[str, ...] = tuple(sorted(_FACTORIES))
 
+#: Task families by prefix: ``<prefix><parameter>`` names a task, e.g.
+#: ``jsonl:data/train.jsonl,data/test.jsonl``.
+TASK_FAMILIES: Mapping[str, Callable[..., Task]] = MappingProxyType(
+    {custom.JSONL_PREFIX: _jsonl_task}
+)
+_FAMILY_FORMS = {custom.JSONL_PREFIX: "jsonl:TRAIN_PATH[,TEST_PATH]"}
+
 
 def _option_names(factory: Callable[..., Task]) -> list[str]:
     parameters = inspect.signature(factory).parameters.values()
@@ -167,7 +196,8 @@ def get_task(name: str, **options) -> Task:
     """The task called `name`.
 
     Args:
-      name: one of `TASK_NAMES`.
+      name: one of `TASK_NAMES`, or a `TASK_FAMILIES` prefix and its parameter
+        (``jsonl:TRAIN_PATH`` or ``jsonl:TRAIN_PATH,TEST_PATH``).
       **options: task options: ``format_score`` (countdown: reward of a well-formed wrong
         answer, default 0.0); ``manual_dir`` (gsm8k: directory holding the original
         ``train.jsonl`` and ``test.jsonl``, read instead of downloading).
@@ -177,12 +207,17 @@ def get_task(name: str, **options) -> Task:
 
     Raises:
       ValueError: if `name` is unknown (the message lists the known names), an option
-        does not apply to the task, or an option value is invalid.
+        does not apply to the task, an option value is invalid, or a JSONL file is
+        missing.
       FileNotFoundError: if gsm8k's ``manual_dir`` lacks the release files.
     """
     factory = _FACTORIES.get(name)
+    for prefix, family in TASK_FAMILIES.items():
+        if factory is None and isinstance(name, str) and name.startswith(prefix):
+            factory = functools.partial(family, name[len(prefix) :])
     if factory is None:
-        raise ValueError(f"Unknown task {name!r}; known tasks: {', '.join(TASK_NAMES)}.")
+        forms = ", ".join([*TASK_NAMES, *_FAMILY_FORMS.values()])
+        raise ValueError(f"Unknown task {name!r}; known tasks: {forms}.")
     known = _option_names(factory)
     unknown = sorted(set(options) - set(known))
     if unknown:

@@ -17,6 +17,19 @@ ends with the number 3, not -3). `numeric_reward` compares exactly when the gold
 is an integer, else within a tiny relative tolerance so that a long decimal expansion of
 a fraction (``0.3333333333`` for 1/3) still matches.
 
+Answer matchers ``(completion, example) -> float`` compare the stated answer with
+``example["answer"]`` (`MATCHERS` names them for ``reward=<name>``). The strict ones read
+one format and demand that its content be the answer and nothing else (as strict-match
+evaluation harnesses do): `boxed_match` (the last ``\\boxed{...}``), `hashes_match` (the
+rest of the line after the last ``####``), `answer_tag_match` (the last
+``<answer>...</answer>``). The lenient ones find the answer wherever it is stated:
+`last_number_match` (the last number anywhere) and `lenient_match` (inside an ``<answer>``
+tag when there is one, else the whole completion; numbers by the precedence rules above,
+text answers by case-insensitive equality of the tag, box or ``####`` content, else of the
+last line). A gold answer that is one number is compared as a number (``$1,080.`` states
+1080; ``18 eggs`` states it only to the lenient matchers), any other as text (whitespace
+collapsed; case kept by the strict matchers).
+
 Every function here is total on strings: malformed model output gives ``None`` or a
 reward of 0.0, never an exception.
 """
@@ -29,8 +42,18 @@ from fractions import Fraction
 
 __all__ = [
     "DEFAULT_REL_TOL",
+    "MATCHERS",
+    "answer_tag_match",
+    "answers_match",
+    "boxed_match",
+    "extract_answer_tag",
+    "extract_boxed",
+    "extract_hashes",
     "extract_numeric_answer",
     "find_numbers",
+    "hashes_match",
+    "last_number_match",
+    "lenient_match",
     "numbers_match",
     "numeric_reward",
     "parse_number",
@@ -275,3 +298,169 @@ def numeric_reward(completion, gold, *, rel_tol: float = DEFAULT_REL_TOL) -> flo
         return 1.0 if numbers_match(value, gold_value, rel_tol=rel_tol) else 0.0
     except Exception:  # model output must never crash a reward
         return 0.0
+
+
+# ---------------------------------------------------------------------------------------
+# Answer matchers: (completion, example) -> float against example["answer"].
+
+
+_BRACE_RE = re.compile(r"[{}]")
+
+
+def extract_boxed(text) -> str | None:
+    """The content of the last ``\\boxed{...}`` in `text` (nested braces kept, so
+    ``\\boxed{\\frac{1}{2}}`` gives ``\\frac{1}{2}``); None if there is no closed box."""
+    text = _to_text(text)
+    # A box that never closes holds every later "{": an earlier box can only close before
+    # it starts, so each box is scanned up to the start of the one after it (linear time).
+    start = end = len(text)
+    for _ in range(_MAX_MARKERS):
+        start = text.rfind("\\boxed", 0, start)
+        if start < 0:
+            return None
+        i = start + len("\\boxed")
+        while i < end and text[i] == " ":
+            i += 1
+        if i < end and text[i] == "{":
+            depth = 0
+            for brace in _BRACE_RE.finditer(text, i, end):
+                depth += 1 if brace.group() == "{" else -1
+                if depth == 0:
+                    return text[i + 1 : brace.start()]
+            end = start
+    return None
+
+
+def extract_hashes(text) -> str | None:
+    """The rest of the line after the last ``####`` (GSM8K's answer line), stripped; None if
+    there is no ``####``."""
+    text = _to_text(text)
+    start = text.rfind("####")
+    if start < 0:
+        return None
+    return text[start + 4 :].split("\n", 1)[0].strip()
+
+
+def extract_answer_tag(text, tag: str = "answer") -> str | None:
+    """The content of the last ``<tag>...</tag>`` in `text`, stripped; None if there is none."""
+    text = _to_text(text)
+    end = text.rfind(f"</{tag}>")
+    start = text.rfind(f"<{tag}>", 0, max(end, 0))
+    if end < 0 or start < 0:
+        return None
+    return text[start + len(tag) + 2 : end].strip()
+
+
+def _normalise(text: str, *, casefold: bool = False) -> str:
+    text = " ".join(text.split())
+    return text.casefold() if casefold else text
+
+
+def _whole_number(text: str) -> Fraction | None:
+    """The number `text` consists of (a trailing period or percent sign allowed), else None."""
+    text = text.strip()
+    if text[-1:] in (".", "%"):
+        text = text[:-1]
+    match = _NUMBER_RE.fullmatch(text)
+    return None if match is None else _number_from_match(text, match)
+
+
+def _gold(example) -> tuple[str, Fraction | None]:
+    """(the gold answer as text, its value if it is one number)."""
+    gold = example["answer"]
+    if isinstance(gold, int | float | Fraction) and not isinstance(gold, bool):
+        value = parse_number(gold)
+        return str(gold), value
+    text = _to_text(gold)
+    return text, _whole_number(text)
+
+
+def answers_match(
+    stated, gold, *, casefold: bool = False, rel_tol: float = DEFAULT_REL_TOL
+) -> bool:
+    """Whether the answer text `stated` is the answer `gold`: as numbers (`numbers_match`)
+    when `gold` is one number and `stated` is one number, else as text with whitespace
+    collapsed (and case folded if `casefold`)."""
+    gold_text, gold_value = _gold({"answer": gold})
+    stated = _to_text(stated)
+    if gold_value is not None:
+        value = _whole_number(stated)
+        return value is not None and numbers_match(value, gold_value, rel_tol=rel_tol)
+    return _normalise(stated, casefold=casefold) == _normalise(gold_text, casefold=casefold)
+
+
+def _strict(extract, completion, example) -> float:
+    gold = example["answer"]
+    if not isinstance(completion, str | bytes):
+        return 0.0
+    try:
+        stated = extract(completion)
+        return 1.0 if stated is not None and answers_match(stated, gold) else 0.0
+    except Exception:  # model output must never crash a reward
+        return 0.0
+
+
+def boxed_match(completion, example) -> float:
+    """Strict: 1.0 if the last ``\\boxed{...}`` holds exactly ``example["answer"]``."""
+    return _strict(extract_boxed, completion, example)
+
+
+def hashes_match(completion, example) -> float:
+    """Strict: 1.0 if the line after the last ``####`` is exactly ``example["answer"]``."""
+    return _strict(extract_hashes, completion, example)
+
+
+def answer_tag_match(completion, example) -> float:
+    """Strict: 1.0 if the last ``<answer>...</answer>`` holds exactly ``example["answer"]``."""
+    return _strict(extract_answer_tag, completion, example)
+
+
+def last_number_match(completion, example) -> float:
+    """Lenient: 1.0 if the last number anywhere in the completion is ``example["answer"]``.
+
+    Raises:
+      ValueError: if the gold answer holds no number (a data error).
+    """
+    gold_text, gold_value = _gold(example)
+    if gold_value is None:
+        gold_value = parse_number(gold_text)
+    if gold_value is None:
+        raise ValueError(f"The gold answer {gold_text!r} holds no number.")
+    if not isinstance(completion, str | bytes):
+        return 0.0
+    try:
+        value = _last_number(_to_text(completion))
+        return 1.0 if value is not None and numbers_match(value, gold_value) else 0.0
+    except Exception:  # model output must never crash a reward
+        return 0.0
+
+
+def lenient_match(completion, example) -> float:
+    """Lenient: the answer wherever it is stated (see the module docstring); the default
+    reward of a JSONL task."""
+    gold_text, gold_value = _gold(example)
+    if not isinstance(completion, str | bytes):
+        return 0.0
+    try:
+        text = _to_text(completion)
+        tagged = extract_answer_tag(text)
+        if gold_value is not None:
+            return numeric_reward(text if tagged is None else tagged, gold_value)
+        for extract in (extract_answer_tag, extract_boxed, extract_hashes):
+            stated = extract(text)
+            if stated is not None:
+                return 1.0 if answers_match(stated, gold_text, casefold=True) else 0.0
+        lines = text.strip().splitlines() or [""]
+        return 1.0 if answers_match(lines[-1], gold_text, casefold=True) else 0.0
+    except Exception:  # model output must never crash a reward
+        return 0.0
+
+
+#: The built-in matchers by short name, for ``reward=<name>`` (the only list of them).
+MATCHERS = {
+    "boxed": boxed_match,
+    "hashes": hashes_match,
+    "answer_tag": answer_tag_match,
+    "last_number": last_number_match,
+    "lenient": lenient_match,
+}

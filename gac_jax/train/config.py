@@ -29,7 +29,11 @@ class TrainConfig:
     """Everything a run needs. `steps` counts learner updates.
 
     Attributes:
-      task: a `gac_jax.tasks` name.
+      task: a `gac_jax.tasks` name, or ``jsonl:TRAIN_PATH[,TEST_PATH]`` for one's own data.
+      reward: replaces the task's reward: ``"package.module:function"`` taking
+        ``(completion, example)`` and returning a float, or a built-in matcher's name
+        (``boxed``, ``hashes``, ``answer_tag``, ``last_number``, ``lenient``); None keeps
+        the task's own. A call that raises counts as 0 (logged once per run).
       data_dir: tfds data dir; None for ~/tensorflow_datasets.
       model: a `gac_jax.models` preset.
       init: "warm_start" (supervised on the task: the shipped checkpoint for countdown on
@@ -44,6 +48,7 @@ class TrainConfig:
     """
 
     task: str = "countdown/n3_max20"
+    reward: str | None = None
     data_dir: str | None = None
     model: str = "tiny"
     init: str = "warm_start"
@@ -102,6 +107,7 @@ def _int_at_least(config, name: str, low: int) -> None:
 def _validate_run_fields(config: TrainConfig) -> None:
     from gac_jax.models import get_config
     from gac_jax.tasks import get_task
+    from gac_jax.tasks.custom import resolve_reward
 
     for name, low in (
         ("steps", 1),
@@ -117,6 +123,11 @@ def _validate_run_fields(config: TrainConfig) -> None:
         get_task(config.task)
     except ValueError as error:
         raise ValueError(f"task={config.task!r}: {error}") from None
+    if config.reward is not None:
+        try:
+            resolve_reward(config.reward)
+        except ValueError as error:
+            raise ValueError(f"reward={config.reward!r}: {error}") from None
     if config.init not in INIT_MODES and not os.path.isdir(config.init):
         raise ValueError(
             f"init={config.init!r} is neither one of {list(INIT_MODES)} nor an existing "

@@ -38,11 +38,10 @@ class ActorGenerator:
         from gac_jax import models
         from gac_jax.rollout import TaskGroupGenerator, make_sampler
         from gac_jax.rollout.placement import RolloutPlacement, rollout_mesh
-        from gac_jax.tasks import get_task
-        from gac_jax.train.loop import build_model
+        from gac_jax.train.loop import build_model, build_task
 
         c = self.config
-        task = get_task(c.task)
+        task = build_task(c)
         examples = task.data_source("train", data_dir=c.data_dir)
         mesh = rollout_mesh(jax.local_devices(), c.rollout.tensor_parallel)
         model, tokenizer = build_model(c, mesh)

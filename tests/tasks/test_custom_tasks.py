@@ -1,0 +1,213 @@
+"""A researcher's own data and rewards: JSONL tasks, rewards by import path, the built-in
+strict and lenient answer matchers, and a raising reward counted as 0 and logged once."""
+
+import json
+import logging
+import sys
+import textwrap
+
+import pytest
+
+from gac_jax.tasks import get_task
+from gac_jax.tasks.custom import GuardedReward, resolve_reward
+from gac_jax.tasks.rewards import (
+    MATCHERS,
+    answer_tag_match,
+    boxed_match,
+    hashes_match,
+    last_number_match,
+    lenient_match,
+)
+
+
+def _write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+ROWS = [
+    {"prompt": f"What is {i}+1?", "answer": str(i + 1), "id": i, "tags": ["sum"]} for i in range(20)
+]
+
+
+# --- JSONL tasks -------------------------------------------------------------------------
+
+
+def test_one_file_holds_out_its_last_tenth_as_test(tmp_path):
+    path = _write_jsonl(tmp_path / "data.jsonl", ROWS)
+    task = get_task(f"jsonl:{path}")
+    train = task.data_source("train", data_dir=tmp_path / "unused")
+    test = task.data_source("test")
+    assert [ex["id"] for ex in train] == list(range(18))
+    assert [ex["id"] for ex in test] == [18, 19]
+    assert train[3] == ROWS[3]  # every field kept, values as JSON gave them
+    assert task.name == f"jsonl:{path}"
+
+
+def test_two_files_are_train_and_test(tmp_path):
+    train_path = _write_jsonl(tmp_path / "train.jsonl", ROWS[:5])
+    test_path = _write_jsonl(tmp_path / "test.jsonl", ROWS[5:7])
+    task = get_task(f"jsonl:{train_path},{test_path}")
+    assert [ex["id"] for ex in task.data_source("train")] == [0, 1, 2, 3, 4]
+    assert [ex["id"] for ex in task.data_source("test")] == [5, 6]
+
+
+def test_prompt_system_reference_and_default_reward(tmp_path):
+    rows = [
+        {"prompt": "2+3=", "answer": 5, "system": "Reply with a number."},
+        {"prompt": "Capital of France?", "answer": "Paris"},
+    ]
+    task = get_task(f"jsonl:{_write_jsonl(tmp_path / 'd.jsonl', rows)}")
+    with_system, plain = task.data_source("train")[0], task.data_source("test")[0]
+    assert task.prompt(with_system) == "Reply with a number.\n\n2+3="
+    assert task.prompt(plain) == "Capital of France?"
+    assert task.reference_completion(with_system) == "5"
+    assert task.reward("It is 5.", with_system) == 1.0  # lenient: the last number
+    assert task.reward("It is 6.", with_system) == 0.0
+    assert task.reward("I think it is\nparis", plain) == 1.0
+
+
+def test_a_missing_file_or_bad_line_names_it(tmp_path):
+    with pytest.raises(ValueError, match=r"no JSONL file '.*nope.jsonl'"):
+        get_task(f"jsonl:{tmp_path / 'nope.jsonl'}")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "a", "answer": "1"}\n{"prompt": "b"}\n')
+    with pytest.raises(ValueError, match=r"bad.jsonl:2: missing field\(s\) \['answer'\]"):
+        get_task(f"jsonl:{bad}").data_source("train")
+    bad.write_text('{"prompt": "a", "answer": "1"}\nnot json\n')
+    with pytest.raises(ValueError, match=r"bad.jsonl:2: not JSON"):
+        get_task(f"jsonl:{bad}").data_source("train")
+    one = _write_jsonl(tmp_path / "one.jsonl", ROWS[:1])
+    with pytest.raises(ValueError, match="needs two or more"):
+        get_task(f"jsonl:{one}").data_source("train")
+    with pytest.raises(ValueError, match="Unknown split 'validation'"):
+        get_task(f"jsonl:{_write_jsonl(tmp_path / 'ok.jsonl', ROWS)}").data_source("validation")
+
+
+def test_unknown_names_list_the_jsonl_form():
+    with pytest.raises(ValueError, match=r"jsonl:TRAIN_PATH\[,TEST_PATH\]"):
+        get_task("csv:data.csv")
+
+
+# --- rewards by import path --------------------------------------------------------------
+
+
+@pytest.fixture
+def reward_module(tmp_path, monkeypatch):
+    (tmp_path / "my_task_rewards.py").write_text(
+        textwrap.dedent(
+            """
+            def by_length(completion, example):
+                return len(completion) / 10 + example["bonus"]
+
+            def broken(completion, example):
+                raise RuntimeError("boom " + completion)
+
+            not_callable = 3
+            """
+        )
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield "my_task_rewards"
+    sys.modules.pop("my_task_rewards", None)
+
+
+def test_resolve_reward_by_path_and_by_short_name(reward_module):
+    fn = resolve_reward(f"{reward_module}:by_length")
+    assert fn("abcd", {"bonus": 1.0}) == pytest.approx(1.4)
+    assert resolve_reward("boxed") is boxed_match
+    assert resolve_reward("gac_jax.tasks.rewards:boxed_match") is boxed_match
+    assert set(MATCHERS) == {"boxed", "hashes", "answer_tag", "last_number", "lenient"}
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ("no_such_module_xyz:f", r"cannot import module 'no_such_module_xyz'"),
+        ("my_task_rewards:missing", r"module 'my_task_rewards' has no attribute 'missing'"),
+        ("my_task_rewards:not_callable", r"is not callable"),
+        ("bxoed", r"neither a built-in reward \(boxed, .*\) nor 'package.module:function'"),
+    ],
+)
+def test_a_bad_reward_path_fails_with_one_line(reward_module, spec, message):
+    with pytest.raises(ValueError, match=message) as info:
+        resolve_reward(spec)
+    assert "\n" not in str(info.value)
+
+
+def test_a_raising_reward_counts_zero_and_is_logged_once(reward_module, caplog):
+    reward = GuardedReward(resolve_reward(f"{reward_module}:broken"), "my_task_rewards:broken")
+    with caplog.at_level(logging.WARNING, logger="gac_jax.tasks.custom"):
+        values = [reward(f"c{i}", {}) for i in range(5)]
+    assert values == [0.0] * 5
+    assert reward.failures == 5
+    records = [r for r in caplog.records if "my_task_rewards:broken" in r.getMessage()]
+    assert len(records) == 1
+    assert records[0].exc_info is not None and "boom c0" in str(records[0].exc_info[1])
+    assert "RuntimeError: boom c0" in caplog.text  # the traceback is in the log
+
+
+def test_a_non_finite_reward_counts_zero():
+    reward = GuardedReward(lambda c, ex: float("nan"), "nan_reward")
+    assert reward("x", {}) == 0.0 and reward.failures == 1
+    assert GuardedReward(lambda c, ex: len(c), "length")("abc", {}) == 3.0
+
+
+# --- matchers: strict vs lenient ---------------------------------------------------------
+
+# (completion, gold, boxed, hashes, answer_tag, last_number, lenient)
+CASES = [
+    (r"so the total is \boxed{18}.", "18", 1, 0, 0, 1, 1),
+    (r"\boxed{18 eggs}", "18", 0, 0, 0, 1, 1),  # strict wants the answer alone
+    (r"\boxed{\$1,080}", "1080", 0, 0, 0, 1, 1),  # "\$" is not a currency sign
+    (r"\boxed{$1,080}", "1080", 1, 0, 0, 1, 1),
+    (r"\boxed{17} wait, \boxed{18}", "18", 1, 0, 0, 1, 1),  # the last box
+    (r"\boxed{18} wait, \boxed{17}", "18", 0, 0, 0, 0, 0),
+    (r"\boxed{\frac{1}{2}}", r"\frac{1}{2}", 1, 0, 0, 0, 1),  # nested braces, text gold
+    ("Janet sells 16 - 3 - 4 = 9 eggs.\n#### 18", "18", 0, 1, 0, 1, 1),
+    ("#### 18 eggs", "18", 0, 0, 0, 1, 1),
+    ("#### 18.", "18", 0, 1, 0, 1, 1),
+    ("#### -3", "-3", 0, 1, 0, 1, 1),
+    ("<answer>0.5</answer>", "1/2", 0, 0, 1, 1, 1),
+    ("<answer> 42 </answer> and later 7", "42", 0, 0, 1, 0, 1),  # lenient reads the tag
+    ("<answer>Paris</answer>", "Paris", 0, 0, 1, 0, 1),
+    ("<answer>paris</answer>", "Paris", 0, 0, 0, 0, 1),  # strict keeps case
+    ("The answer is 18", "18", 0, 0, 0, 1, 1),
+    ("18 is not it, 19", "18", 0, 0, 0, 0, 0),
+    ("no number here", "18", 0, 0, 0, 0, 0),
+    ("", "18", 0, 0, 0, 0, 0),
+]
+MATCHER_ORDER = (boxed_match, hashes_match, answer_tag_match, last_number_match, lenient_match)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0][:30] for c in CASES])
+def test_matchers_on_hand_written_cases(case):
+    completion, gold, *expected = case
+    example = {"answer": gold}
+    got = []
+    for matcher in MATCHER_ORDER:
+        if matcher is last_number_match and gold in ("Paris", r"\frac{1}{2}"):
+            got.append(0.0)  # no number in the gold: checked below
+            continue
+        got.append(matcher(completion, example))
+    assert got == [float(e) for e in expected]
+
+
+def test_numeric_gold_values_and_non_text_completions():
+    assert boxed_match(r"\boxed{1,080}", {"answer": 1080}) == 1.0
+    assert hashes_match("#### 2.5", {"answer": 2.5}) == 1.0
+    for matcher in MATCHER_ORDER:
+        assert matcher(None, {"answer": "1"}) == 0.0
+        assert matcher(b"#### 1", {"answer": "1"}) in (0.0, 1.0)
+    with pytest.raises(ValueError, match="holds no number"):
+        last_number_match("Paris", {"answer": "Paris"})
+
+
+def test_matchers_stay_fast_on_hostile_text():
+    import time
+
+    hostile = "\\boxed{" * 20_000 + "<answer>" * 20_000 + "####" * 20_000
+    start = time.monotonic()
+    for matcher in MATCHER_ORDER:
+        assert matcher(hostile, {"answer": "1"}) == 0.0
+    assert time.monotonic() - start < 2.0

@@ -1,0 +1,150 @@
+"""A researcher's own task through the CLI: a JSONL file and a reward module written here,
+trained 3 steps; the logged reward is the module's reward of the completions the learner
+got. And the README's "Bring your own task" commands run as written (small sizes added)."""
+
+import json
+import pathlib
+import re
+import shlex
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+from gac_jax import models
+from gac_jax.rollout.generation import decode_completion
+from gac_jax.tasks import get_task
+from gac_jax.train import loop
+from gac_jax.train.cli import main
+from gac_jax.train.metrics import read_metrics
+
+README = pathlib.Path(__file__).resolve().parents[2] / "README.md"
+
+SMALL = [
+    "init=random",
+    "steps=3",
+    "eval_every=0",
+    "checkpoint_every=0",
+    "rollout.mode=sync",
+    "rollout.groups_per_batch=2",
+    "generation.group_size=3",
+    "generation.prompt_length=24",
+    "generation.max_new_tokens=6",
+    "mesh.data=1",
+]
+
+# A reward that depends on the completion's length and on a field only the JSONL carries:
+# a run that scored with anything else (the task's default, a constant, the wrong example)
+# would log another mean.
+REWARD_MODULE = """
+def by_length(completion, example):
+    right = 1.0 if example["answer"] in completion else 0.0
+    return len(completion) / 7 + example["bonus"] + right
+"""
+
+
+@pytest.fixture
+def own_task(tmp_path, monkeypatch):
+    rows = [
+        {"prompt": f"{i}+{i}=", "answer": str(2 * i), "bonus": 0.1 * (i % 3), "system": "Add."}
+        for i in range(12)
+    ]
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "own_rewards.py").write_text(REWARD_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield data
+    sys.modules.pop("own_rewards", None)
+
+
+def test_jsonl_task_and_reward_module_train_through_the_cli(own_task, tmp_path, monkeypatch):
+    captured = []
+
+    def recording_collate(rollouts, prompt_length):
+        captured.append(list(rollouts))
+        return collate(rollouts, prompt_length)
+
+    collate = loop.collate
+    monkeypatch.setattr(loop, "collate", recording_collate)
+    out = tmp_path / "run"
+    argv = ["train", "--config", "countdown_sync", "--set", f"task=jsonl:{own_task}"]
+    argv += ["reward=own_rewards:by_length", *SMALL, "--out", str(out)]
+    assert main(argv) == 0
+
+    import own_rewards
+
+    train = get_task(f"jsonl:{own_task}").data_source("train")
+    tokenizer = models.CharTokenizer()  # init=random's tokenizer
+    records = read_metrics(out / "metrics.jsonl")
+    assert len(records) == len(captured) == 3
+    for record, rollouts in zip(records, captured, strict=True):
+        expected = [
+            own_rewards.by_length(decode_completion(tokenizer, row[mask]), train[r.prompt_id])
+            for r in rollouts
+            for row, mask in zip(r.completion_tokens, r.completion_mask, strict=True)
+        ]
+        assert len(expected) == 6
+        np.testing.assert_allclose(record["reward"], np.mean(expected), rtol=1e-6)
+        # The rollouts carry the same rewards (so nothing rescored them differently).
+        np.testing.assert_allclose(np.concatenate([r.rewards for r in rollouts]), expected, 1e-6)
+    config = json.loads((out / "config.json").read_text())
+    assert config["reward"] == "own_rewards:by_length"
+    assert config["task"] == f"jsonl:{own_task}"
+
+
+def test_a_bad_reward_path_fails_before_anything_is_built(own_task, tmp_path, capsys):
+    argv = ["train", "--set", f"task=jsonl:{own_task}", "reward=own_rewards:nope", *SMALL]
+    with pytest.raises(SystemExit):
+        main([*argv, "--out", str(tmp_path / "bad")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "reward='own_rewards:nope': module 'own_rewards' has no attribute 'nope'" in err[-1]
+    assert not (tmp_path / "bad" / "metrics.jsonl").exists()
+
+
+def _readme_commands():
+    """The ``gac-jax`` commands of the README's "Bring your own task" section, as argv."""
+    text = README.read_text()
+    section = re.split(r"\n##+ ", text.split("### Bring your own task", 1)[1], maxsplit=1)[0]
+    block = re.search(r"```bash\n(.*?)```", section, re.S).group(1)
+    joined = re.sub(r"\\\n\s*", " ", block)
+    commands = []
+    for line in joined.splitlines():
+        words = shlex.split(line, comments=True)
+        while words and "=" in words[0]:  # PYTHONPATH=. and the like: set by the test
+            words.pop(0)
+        if words and words[0].endswith("gac-jax"):
+            commands.append(words[1:])
+    return block, commands
+
+
+def test_the_readme_commands_run(tmp_path, monkeypatch):
+    block, commands = _readme_commands()
+    assert len(commands) == 2, block
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data").mkdir()
+    for split, n in (("train", 8), ("test", 2)):
+        rows = [{"prompt": f"{i}+1=", "answer": str(i + 1)} for i in range(n)]
+        (tmp_path / "data" / f"{split}.jsonl").write_text(
+            "".join(json.dumps(r) + "\n" for r in rows)
+        )
+    # The reward module the README describes.
+    (tmp_path / "my_rewards.py").write_text(
+        textwrap.dedent(
+            """
+            def score(completion, example):
+                return float(example["answer"] in completion)
+            """
+        )
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    small = [*SMALL, "eval_every=3", "eval_size=2", "eval_samples=2"]
+    try:
+        for argv in commands:
+            assert main([*argv, "--set", *small]) == 0
+            out = tmp_path / argv[argv.index("--out") + 1]
+            records = read_metrics(out / "metrics.jsonl")
+            assert [r["step"] for r in records] == [0, 1, 2]
+            assert "eval/greedy_accuracy" in records[-1]
+    finally:
+        sys.modules.pop("my_rewards", None)

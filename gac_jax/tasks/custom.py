@@ -1,4 +1,5 @@
-"""A researcher's own data and rewards: JSONL tasks and rewards by import path.
+"""A researcher's own data and rewards: JSONL files, Hugging Face datasets saved to disk,
+and rewards by import path.
 
 **JSONL tasks** (``get_task("jsonl:PATH")``): one JSON object a line with the fields
 ``prompt`` and ``answer``, optionally ``system`` (written before the prompt, a blank line
@@ -12,6 +13,15 @@ prepared through tfds: the file *is* the dataset, so there is nothing to convert
 prepared copy under ``data_dir`` that could go stale when the file is edited, and the
 loop only needs ``len`` and indexing, which a list gives.
 
+**Hugging Face datasets saved to disk** (``get_task("hf:PATH[:TRAIN[,TEST]]")``): what
+``datasets.Dataset.save_to_disk`` or ``DatasetDict.save_to_disk`` wrote, with the same
+columns as a JSONL file (``ds.rename_column("question", "prompt")`` first if needed).
+``hf:PATH`` of a `DatasetDict` trains on its ``train`` split and evaluates on ``test``;
+``hf:PATH:TRAIN,TEST`` names the splits; one split named (or a single `Dataset` at PATH)
+holds out its last tenth as the test split, as a single JSONL file does. Read with
+``datasets.load_from_disk`` (memory-mapped Arrow, random access, nothing copied or
+converted; the optional extra ``gac_jax[datasets]``), for the same reasons as JSONL.
+
 **Rewards by name** (`resolve_reward`): ``"package.module:function"``, a function taking
 ``(completion, example)`` and returning a float, or a short name of
 `gac_jax.tasks.rewards.MATCHERS` (``boxed``, ``hashes``, ``answer_tag``, ``last_number``,
@@ -24,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import importlib.util
 import json
 import logging
 import math
@@ -35,11 +46,13 @@ from typing import Any
 
 from gac_jax.tasks.rewards import MATCHERS, lenient_match
 
-__all__ = ["GuardedReward", "load_jsonl", "jsonl_splits", "resolve_reward"]
+__all__ = ["GuardedReward", "hf_splits", "jsonl_splits", "load_jsonl", "resolve_reward"]
 
 logger = logging.getLogger(__name__)
 
 JSONL_PREFIX = "jsonl:"
+HF_PREFIX = "hf:"
+REQUIRED_FIELDS = ("prompt", "answer")
 # Share of a single file held out as the test split (its last lines).
 TEST_FRACTION = 0.1
 
@@ -79,7 +92,7 @@ def load_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
                 raise ValueError(f"{where}: not JSON ({error}).") from None
             if not isinstance(example, dict):
                 raise ValueError(f"{where}: expected a JSON object, got {type(example).__name__}.")
-            missing = [k for k in ("prompt", "answer") if k not in example]
+            missing = [k for k in REQUIRED_FIELDS if k not in example]
             if missing:
                 raise ValueError(f"{where}: missing field(s) {missing}.")
             for key in ("prompt", "system"):
@@ -91,20 +104,33 @@ def load_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
     return examples
 
 
+def _check_split(name: str, split: str) -> None:
+    if split not in ("train", "test"):
+        raise ValueError(f"Unknown split {split!r} of {name}; known: ['test', 'train'].")
+
+
+def _hold_out(examples, split: str, what: str, how: str):
+    """`split` of one sequence of examples: its last `TEST_FRACTION` (at least one) is
+    ``test``, the rest ``train``. Lists are sliced, `datasets.Dataset`\\ s selected."""
+    n = len(examples)
+    if n < 2:
+        raise ValueError(
+            f"{what} has {n} example(s): holding out a test split needs two or more ({how})."
+        )
+    held_out = max(1, int(n * TEST_FRACTION))
+    start, stop = (0, n - held_out) if split == "train" else (n - held_out, n)
+    if isinstance(examples, list):
+        return examples[start:stop]
+    return examples.select(range(start, stop))
+
+
 def _split(spec: str, split: str) -> list[dict[str, Any]]:
     train_path, test_path = jsonl_splits(spec)
-    if split not in ("train", "test"):
-        raise ValueError(f"Unknown split {split!r} of jsonl:{spec}; known: ['test', 'train'].")
+    _check_split(f"{JSONL_PREFIX}{spec}", split)
     if test_path is not None:
         return load_jsonl(train_path if split == "train" else test_path)
-    examples = load_jsonl(train_path)
-    if len(examples) < 2:
-        raise ValueError(
-            f"{str(train_path)!r} has one example: a single file needs two or more to hold "
-            "out a test split (or name a test file: jsonl:TRAIN_PATH,TEST_PATH)."
-        )
-    held_out = max(1, int(len(examples) * TEST_FRACTION))
-    return examples[:-held_out] if split == "train" else examples[-held_out:]
+    how = "or name a test file: jsonl:TRAIN_PATH,TEST_PATH"
+    return _hold_out(load_jsonl(train_path), split, repr(str(train_path)), how)
 
 
 def jsonl_prompt(example: Mapping[str, Any]) -> str:
@@ -122,6 +148,71 @@ class JsonlSource:
     def __call__(self, split: str, *, data_dir=None) -> list[dict[str, Any]]:
         del data_dir  # The file is the data: nothing is prepared.
         return _split(self.spec, split)
+
+
+def hf_splits(spec: str) -> tuple[Path, tuple[str, ...]]:
+    """(directory, named splits) of ``"PATH"`` or ``"PATH:TRAIN[,TEST]"``.
+
+    Raises:
+      ValueError: if PATH is not a dataset saved by ``save_to_disk``, or the ``datasets``
+        package is missing.
+    """
+    path, splits = Path(spec).expanduser(), ()
+    if not path.is_dir() and ":" in spec:
+        head, _, tail = spec.rpartition(":")
+        path, splits = Path(head).expanduser(), tuple(s.strip() for s in tail.split(","))
+        if len(splits) > 2 or not all(splits):
+            raise ValueError(f"expected hf:PATH or hf:PATH:TRAIN[,TEST], got {spec!r}.")
+    saved = ("dataset_dict.json", "state.json")
+    if not any((path / name).is_file() for name in saved):
+        raise ValueError(
+            f"{str(path)!r} is not a dataset saved by save_to_disk (no {' or '.join(saved)})."
+        )
+    if importlib.util.find_spec("datasets") is None:
+        raise ValueError("hf: tasks need the datasets package: pip install 'gac_jax[datasets]'.")
+    return path, splits
+
+
+def _load_hf(spec: str, split: str):
+    import datasets
+
+    path, splits = hf_splits(spec)
+    name = f"{HF_PREFIX}{spec}"
+    _check_split(name, split)
+    loaded = datasets.load_from_disk(os.fspath(path))
+    how = "or name a test split: hf:PATH:TRAIN,TEST"
+    if isinstance(loaded, datasets.Dataset):
+        if splits:
+            raise ValueError(f"{name}: {str(path)!r} holds one dataset, not named splits.")
+        data = _hold_out(loaded, split, repr(str(path)), how)
+    else:
+        names = splits or ("train", "test")
+        missing = [s for s in names if s not in loaded]
+        if missing:
+            raise ValueError(f"{name}: no split(s) {missing}; the dataset has {sorted(loaded)}.")
+        if len(names) == 2:
+            data = loaded[names[0] if split == "train" else names[1]]
+        else:
+            data = _hold_out(loaded[names[0]], split, f"split {names[0]!r}", how)
+    missing = [k for k in REQUIRED_FIELDS if k not in data.column_names]
+    if missing:
+        raise ValueError(
+            f"{name}: no column(s) {missing} (columns: {data.column_names}); rename them "
+            "before save_to_disk (Dataset.rename_column)."
+        )
+    return data
+
+
+@dataclasses.dataclass(frozen=True)
+class HfSource:
+    """``data_source(split, data_dir=...)`` of a saved Hugging Face dataset (`data_dir` is
+    unused): a `datasets.Dataset` (memory-mapped; ``len`` and indexing give dicts)."""
+
+    spec: str
+
+    def __call__(self, split: str, *, data_dir=None):
+        del data_dir  # The saved dataset is the data: nothing is prepared.
+        return _load_hf(self.spec, split)
 
 
 def resolve_reward(spec: str) -> Callable[[str, Mapping[str, Any]], float]:

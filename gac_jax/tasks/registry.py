@@ -2,8 +2,9 @@
 
 `TASK_NAMES` is the only list of valid names: ``countdown/<config>`` and
 ``arithmetic/<config>`` for each builder config, and ``gsm8k``. `TASK_FAMILIES` lists
-the names that take a parameter after their prefix: ``jsonl:TRAIN_PATH[,TEST_PATH]`` (a
-researcher's own data, see `gac_jax.tasks.custom`). `get_task` rejects any other name with
+the names that take a parameter after their prefix: ``jsonl:TRAIN_PATH[,TEST_PATH]`` and
+``hf:PATH[:TRAIN_SPLIT[,TEST_SPLIT]]`` (a researcher's own data, see
+`gac_jax.tasks.custom`). `get_task` rejects any other name with
 an error that lists them.
 
 Example::
@@ -164,6 +165,18 @@ def _jsonl_task(spec: str, /) -> Task:
     )
 
 
+def _hf_task(spec: str, /) -> Task:
+    custom.hf_splits(spec)  # Fails now, naming the directory.
+    return Task(
+        name=f"{custom.HF_PREFIX}{spec}",
+        make_builder=None,
+        prompt=custom.jsonl_prompt,
+        reference_completion=lambda ex: _text(ex["answer"]),
+        reward=custom.default_reward(),
+        source=custom.HfSource(spec),
+    )
+
+
 def _factories() -> dict[str, Callable[..., Task]]:
     factories: dict[str, Callable[..., Task]] = {}
     for config in Countdown.BUILDER_CONFIGS:
@@ -182,9 +195,12 @@ TASK_NAMES: tuple[str, ...] = tuple(sorted(_FACTORIES))
 #: Task families by prefix: ``<prefix><parameter>`` names a task, e.g.
 #: ``jsonl:data/train.jsonl,data/test.jsonl``.
 TASK_FAMILIES: Mapping[str, Callable[..., Task]] = MappingProxyType(
-    {custom.JSONL_PREFIX: _jsonl_task}
+    {custom.JSONL_PREFIX: _jsonl_task, custom.HF_PREFIX: _hf_task}
 )
-_FAMILY_FORMS = {custom.JSONL_PREFIX: "jsonl:TRAIN_PATH[,TEST_PATH]"}
+_FAMILY_FORMS = {
+    custom.JSONL_PREFIX: "jsonl:TRAIN_PATH[,TEST_PATH]",
+    custom.HF_PREFIX: "hf:PATH[:TRAIN_SPLIT[,TEST_SPLIT]]",
+}
 
 
 def _option_names(factory: Callable[..., Task]) -> list[str]:
@@ -197,7 +213,7 @@ def get_task(name: str, **options) -> Task:
 
     Args:
       name: one of `TASK_NAMES`, or a `TASK_FAMILIES` prefix and its parameter
-        (``jsonl:TRAIN_PATH`` or ``jsonl:TRAIN_PATH,TEST_PATH``).
+        (``jsonl:TRAIN_PATH[,TEST_PATH]``, ``hf:PATH[:TRAIN_SPLIT[,TEST_SPLIT]]``).
       **options: task options: ``format_score`` (countdown: reward of a well-formed wrong
         answer, default 0.0); ``manual_dir`` (gsm8k: directory holding the original
         ``train.jsonl`` and ``test.jsonl``, read instead of downloading).
@@ -207,8 +223,8 @@ def get_task(name: str, **options) -> Task:
 
     Raises:
       ValueError: if `name` is unknown (the message lists the known names), an option
-        does not apply to the task, an option value is invalid, or a JSONL file is
-        missing.
+        does not apply to the task, an option value is invalid, or a JSONL file or
+        saved dataset is missing.
       FileNotFoundError: if gsm8k's ``manual_dir`` lacks the release files.
     """
     factory = _FACTORIES.get(name)

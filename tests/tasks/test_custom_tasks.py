@@ -211,3 +211,59 @@ def test_matchers_stay_fast_on_hostile_text():
     for matcher in MATCHER_ORDER:
         assert matcher(hostile, {"answer": "1"}) == 0.0
     assert time.monotonic() - start < 2.0
+
+
+# --- Hugging Face datasets saved to disk -------------------------------------------------
+
+
+@pytest.fixture
+def saved_datasets(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    splits = {
+        "train": datasets.Dataset.from_list(ROWS[:10]),
+        "test": datasets.Dataset.from_list(ROWS[10:13]),
+        "extra": datasets.Dataset.from_list(ROWS[13:20]),
+    }
+    datasets.disable_progress_bars()
+    datasets.DatasetDict(splits).save_to_disk(tmp_path / "dict")
+    splits["train"].save_to_disk(tmp_path / "single")
+    renamed = splits["train"].rename_column("prompt", "question")
+    renamed.save_to_disk(tmp_path / "renamed")
+    return tmp_path
+
+
+def _ids(source):
+    return [source[i]["id"] for i in range(len(source))]
+
+
+def test_hf_dataset_dict_splits(saved_datasets):
+    task = get_task(f"hf:{saved_datasets / 'dict'}")
+    train, test = task.data_source("train"), task.data_source("test")
+    assert _ids(train) == list(range(10)) and _ids(test) == [10, 11, 12]
+    assert train[2] == ROWS[2]  # every column kept
+    named = get_task(f"hf:{saved_datasets / 'dict'}:extra,test")
+    assert _ids(named.data_source("train")) == list(range(13, 20))
+    assert _ids(named.data_source("test")) == [10, 11, 12]
+    one = get_task(f"hf:{saved_datasets / 'dict'}:extra")  # holds out its last tenth
+    assert _ids(one.data_source("train")) == list(range(13, 19))
+    assert _ids(one.data_source("test")) == [19]
+    example = test[0]
+    assert task.prompt(example) == "What is 10+1?"
+    assert task.reward("so 11", example) == 1.0 and task.reward("so 12", example) == 0.0
+
+
+def test_hf_single_dataset_holds_out_its_last_tenth(saved_datasets):
+    task = get_task(f"hf:{saved_datasets / 'single'}")
+    assert _ids(task.data_source("train")) == list(range(9))
+    assert _ids(task.data_source("test")) == [9]
+
+
+def test_hf_errors_name_the_place(saved_datasets):
+    with pytest.raises(ValueError, match=r"'.*nowhere' is not a dataset saved by save_to_disk"):
+        get_task(f"hf:{saved_datasets / 'nowhere'}")
+    with pytest.raises(ValueError, match=r"no split\(s\) \['valid'\]; the dataset has"):
+        get_task(f"hf:{saved_datasets / 'dict'}:valid").data_source("train")
+    with pytest.raises(ValueError, match=r"no column\(s\) \['prompt'\].*rename_column"):
+        get_task(f"hf:{saved_datasets / 'renamed'}").data_source("train")
+    with pytest.raises(ValueError, match="holds one dataset, not named splits"):
+        get_task(f"hf:{saved_datasets / 'single'}:train").data_source("train")

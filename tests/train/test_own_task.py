@@ -1,6 +1,7 @@
-"""A researcher's own task through the CLI: a JSONL file and a reward module written here,
-trained 3 steps; the logged reward is the module's reward of the completions the learner
-got. And the README's "Bring your own task" commands run as written (small sizes added)."""
+"""A researcher's own task through the CLI: a JSONL file (or a Hugging Face dataset saved to
+disk) and a reward module written here, trained 3 steps; the logged reward is the module's
+reward of the completions the learner got. And the README's "Bring your own task" commands
+run as written (small sizes added)."""
 
 import json
 import pathlib
@@ -44,21 +45,35 @@ def by_length(completion, example):
 """
 
 
+ROWS = [
+    {"prompt": f"{i}+{i}=", "answer": str(2 * i), "bonus": 0.1 * (i % 3), "system": "Add."}
+    for i in range(12)
+]
+
+
 @pytest.fixture
 def own_task(tmp_path, monkeypatch):
-    rows = [
-        {"prompt": f"{i}+{i}=", "answer": str(2 * i), "bonus": 0.1 * (i % 3), "system": "Add."}
-        for i in range(12)
-    ]
+    """The task name of a JSONL file, and a reward module on sys.path."""
     data = tmp_path / "data.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    data.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
     (tmp_path / "own_rewards.py").write_text(REWARD_MODULE)
     monkeypatch.syspath_prepend(str(tmp_path))
-    yield data
+    yield f"jsonl:{data}"
     sys.modules.pop("own_rewards", None)
 
 
-def test_jsonl_task_and_reward_module_train_through_the_cli(own_task, tmp_path, monkeypatch):
+@pytest.fixture(params=["jsonl", "hf"])
+def any_own_task(request, own_task, tmp_path):
+    """The JSONL task, or the same rows as a Hugging Face dataset saved to disk."""
+    if request.param == "jsonl":
+        return own_task
+    datasets = pytest.importorskip("datasets")
+    datasets.disable_progress_bars()
+    datasets.Dataset.from_list(ROWS).save_to_disk(tmp_path / "saved")
+    return f"hf:{tmp_path / 'saved'}"
+
+
+def test_own_task_and_reward_module_train_through_the_cli(any_own_task, tmp_path, monkeypatch):
     captured = []
 
     def recording_collate(rollouts, prompt_length):
@@ -68,13 +83,13 @@ def test_jsonl_task_and_reward_module_train_through_the_cli(own_task, tmp_path, 
     collate = loop.collate
     monkeypatch.setattr(loop, "collate", recording_collate)
     out = tmp_path / "run"
-    argv = ["train", "--config", "countdown_sync", "--set", f"task=jsonl:{own_task}"]
+    argv = ["train", "--config", "countdown_sync", "--set", f"task={any_own_task}"]
     argv += ["reward=own_rewards:by_length", *SMALL, "--out", str(out)]
     assert main(argv) == 0
 
     import own_rewards
 
-    train = get_task(f"jsonl:{own_task}").data_source("train")
+    train = get_task(any_own_task).data_source("train")
     tokenizer = models.CharTokenizer()  # init=random's tokenizer
     records = read_metrics(out / "metrics.jsonl")
     assert len(records) == len(captured) == 3
@@ -90,11 +105,11 @@ def test_jsonl_task_and_reward_module_train_through_the_cli(own_task, tmp_path, 
         np.testing.assert_allclose(np.concatenate([r.rewards for r in rollouts]), expected, 1e-6)
     config = json.loads((out / "config.json").read_text())
     assert config["reward"] == "own_rewards:by_length"
-    assert config["task"] == f"jsonl:{own_task}"
+    assert config["task"] == any_own_task
 
 
 def test_a_bad_reward_path_fails_before_anything_is_built(own_task, tmp_path, capsys):
-    argv = ["train", "--set", f"task=jsonl:{own_task}", "reward=own_rewards:nope", *SMALL]
+    argv = ["train", "--set", f"task={own_task}", "reward=own_rewards:nope", *SMALL]
     with pytest.raises(SystemExit):
         main([*argv, "--out", str(tmp_path / "bad")])
     err = capsys.readouterr().err.strip().splitlines()

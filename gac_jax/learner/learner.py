@@ -7,6 +7,7 @@ import dataclasses
 import functools
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
@@ -29,13 +30,19 @@ BATCH_AXES = ("data", "fsdp")
 
 def optimizer_shardings(tx, abstract_params, param_shardings, mesh: Mesh):
     """Shardings of `tx`'s state: each param-shaped leaf (moments, GAC's reference) takes
-    its param's sharding; scalars and counters are replicated."""
+    its param's sharding; scalars, counters and the leaves of a params-like tree with
+    other shapes (adafactor's factored row and column statistics) are replicated."""
     abstract_state = jax.eval_shape(tx.init, abstract_params)
     replicated = NamedSharding(mesh, P())
+
+    def sharding_of(leaf, param, sharding):
+        return sharding if jnp.shape(leaf) == jnp.shape(param) else replicated
+
     return optax.tree_utils.tree_map_params(
         tx,
-        lambda _, sharding: sharding,
+        sharding_of,
         abstract_state,
+        abstract_params,
         param_shardings,
         transform_non_params=lambda _: replicated,
         is_leaf=lambda x: isinstance(x, NamedSharding),

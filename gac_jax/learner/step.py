@@ -24,6 +24,7 @@ from flax import nnx
 from gac_jax import objectives
 from gac_jax.learner.batch import TrainBatch
 from gac_jax.learner.objective import LossConfig, Objective
+from gac_jax.learner.optimizer import injected_learning_rate
 from gac_jax.models.scoring import DEFAULT_CHUNK_SIZE, token_logps_and_entropy
 from gac_jax.numerics import masked_mean
 
@@ -130,6 +131,10 @@ def _chain_statistics(opt_state) -> dict[str, jax.Array]:
         value = optax.tree.get(opt_state, name, None)
         if value is not None:  # Chains without GAC or ESS simply lack these.
             metrics[name] = value
+    # The rate this update used, as the optimizer's state holds it (not recomputed).
+    learning_rate = injected_learning_rate(opt_state)
+    if learning_rate is not None:
+        metrics["learning_rate"] = learning_rate
     return metrics
 
 

@@ -141,6 +141,12 @@ def _validate_run_fields(config: TrainConfig) -> None:
 
 
 def _validate_across_sections(config: TrainConfig) -> None:
+    opt = config.optimizer
+    if opt.schedule != "constant" and opt.decay_steps is None and opt.warmup_steps >= config.steps:
+        raise ValueError(
+            f"optimizer.warmup_steps={opt.warmup_steps} must be < steps={config.steps} "
+            "(optimizer.decay_steps=null: the schedule lasts the run)."
+        )
     micro = config.learner.micro_batches
     if config.batch_size % micro:
         raise ValueError(

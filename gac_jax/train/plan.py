@@ -154,7 +154,7 @@ def plan(config: TrainConfig, device_memory_gib: float = 80.0) -> dict[str, Any]
     mesh = config.mesh.make()
     cfg = model_config(config)
     abstract = nnx.eval_shape(lambda: models.create_model(cfg, seed=0))
-    tx = make_optimizer(config.optimizer, config.gac, config.ess)
+    tx = make_optimizer(config.optimizer, config.gac, config.ess, steps=config.steps)
     learner = GRPOLearner(abstract, tx, mesh, loss=config.loss, config=config.learner)
     report = {
         "devices": int(mesh.devices.size),

@@ -12,11 +12,13 @@ import dataclasses
 import inspect
 import typing
 
+import numpy as np
 import optax
 import pytest
 from flax import nnx
 
 from gac_jax import models
+from gac_jax.learner.optimizer import injected_learning_rate
 from gac_jax.train import loop
 from gac_jax.train.cli import main
 from gac_jax.train.config import TrainConfig
@@ -56,11 +58,29 @@ def _ess(name):
     return lambda b, _: b["calls"]["ess"][name]
 
 
+OPTIMIZER_SPIES = ("adamw", "adafactor", "lion", "sgd")
+SCHEDULE_SPIES = ("constant_schedule", "warmup_cosine_decay_schedule", "linear_schedule")
+
+
+def _spied_among(names):
+    return lambda b, _: sorted(name for name in names if name in b["calls"])
+
+
+def _warmup_cosine(name):
+    return lambda b, _: b["calls"]["warmup_cosine_decay_schedule"][name]
+
+
+def _initial_learning_rate(b, _):
+    # The rate the first update will use, as the optimizer state holds it (float32).
+    return float(injected_learning_rate(b["run"].learner.opt_state))
+
+
 FIELDS = {
+    "optimizer.name": ("lion", _spied_among(OPTIMIZER_SPIES), ["lion"], "adam"),
     "optimizer.learning_rate": (
         "3e-4",
-        lambda b, _: b["calls"]["adamw"]["learning_rate"],
-        3e-4,
+        _initial_learning_rate,
+        float(np.float32(3e-4)),
         "-1",
     ),
     "optimizer.weight_decay": (
@@ -72,6 +92,21 @@ FIELDS = {
     "optimizer.b1": ("0.8", lambda b, _: b["calls"]["adamw"]["b1"], 0.8, "1.5"),
     "optimizer.b2": ("0.99", lambda b, _: b["calls"]["adamw"]["b2"], 0.99, "1.0"),
     "optimizer.clip_norm": ("0.5", lambda b, _: b["calls"]["clip"]["max_norm"], 0.5, "0"),
+    "optimizer.momentum": ("0.5", lambda b, _: b["calls"]["sgd"]["momentum"], 0.5, "1.5"),
+    "optimizer.schedule": (
+        "warmup_linear",
+        _spied_among(SCHEDULE_SPIES),
+        ["linear_schedule"],
+        "cosine",
+    ),
+    "optimizer.warmup_steps": ("5", _warmup_cosine("warmup_steps"), 5, "-1"),
+    "optimizer.decay_steps": ("50", _warmup_cosine("decay_steps"), 50, "0"),
+    "optimizer.end_lr_ratio": (
+        "0.1",
+        lambda b, _: _warmup_cosine("end_value")(b, _) / _warmup_cosine("peak_value")(b, _),
+        pytest.approx(0.1),
+        "1.5",
+    ),
     "gac.tau_low": ("0.3", _gac("tau_low"), 0.3, "0.95"),
     "gac.tau_high": ("0.9", _gac("tau_high"), 0.9, "0.1"),
     "gac.projection": ("full", _gac("projection"), "full", "half"),
@@ -229,6 +264,10 @@ FIELDS = {
 
 # Settings a field needs from another section to take effect or to be valid.
 CONTEXT = {
+    "optimizer.momentum": ["optimizer.name=sgd"],
+    "optimizer.warmup_steps": ["optimizer.schedule=warmup_cosine"],
+    "optimizer.decay_steps": ["optimizer.schedule=warmup_cosine"],
+    "optimizer.end_lr_ratio": ["optimizer.schedule=warmup_cosine"],
     "ess": ["ess={}"],
     "loss.grad_norm": ["loss.advantage=vcpo"],
     "loss.correction": ["loss.policy_loss=reinforce"],
@@ -275,6 +314,10 @@ def model():
 
 SPIED = {
     "adamw": (optax, "adamw"),
+    "adafactor": (optax, "adafactor"),
+    "lion": (optax, "lion"),
+    "sgd": (optax, "sgd"),
+    **{name: (optax.schedules, name) for name in SCHEDULE_SPIES},
     "clip": (optax, "clip_by_global_norm"),
     "gac": (alignment, "gradient_alignment_control"),
     "ess": (ess_scaling, "scale_by_ess"),

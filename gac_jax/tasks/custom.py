@@ -3,9 +3,10 @@ and rewards by import path.
 
 **JSONL tasks** (``get_task("jsonl:PATH")``): one JSON object a line with the fields
 ``prompt`` and ``answer``, optionally ``system`` (written before the prompt, a blank line
-between; no chat template is applied here), and any others, which stay in the example and
-reach the reward. Splits: ``jsonl:TRAIN_PATH,TEST_PATH`` names both files; with one path,
-the last tenth of its lines (at least one) is the ``test`` split and the rest ``train``.
+between; under a chat template, the system message: `gac_jax.tasks.chat`), and any
+others, which stay in the example and reach the reward. Splits:
+``jsonl:TRAIN_PATH,TEST_PATH`` names both files; with one path, the last tenth of its
+lines (at least one) is the ``test`` split and the rest ``train``.
 The default reward is `gac_jax.tasks.rewards.lenient_match`.
 
 The examples are read into memory (a list of dicts) each time a split is opened, not
@@ -137,6 +138,13 @@ def jsonl_prompt(example: Mapping[str, Any]) -> str:
     """The prompt of a JSONL example: its ``system`` text, a blank line, its ``prompt``."""
     system = example.get("system")
     return f"{system}\n\n{example['prompt']}" if system else example["prompt"]
+
+
+def jsonl_messages(example: Mapping[str, Any]) -> list[dict[str, str]]:
+    """The chat messages of a JSONL example: its ``system`` (if any), then its ``prompt``."""
+    messages = [{"role": "user", "content": example["prompt"]}]
+    system = example.get("system")
+    return [{"role": "system", "content": system}, *messages] if system else messages
 
 
 @dataclasses.dataclass(frozen=True)

@@ -63,6 +63,9 @@ class Task:
       download_config: passed to ``download_and_prepare`` when the data is prepared.
       source: ``source(split, data_dir=...) -> sequence of examples`` for a task without
         a builder (a JSONL file read into memory); None for the tfds tasks.
+      messages: ``messages(example) -> [{"role": ..., "content": ...}, ...]``, the prompt
+        as chat messages for a chat template (`gac_jax.tasks.chat`); None: one user
+        message holding ``prompt(example)``.
     """
 
     name: str
@@ -72,6 +75,7 @@ class Task:
     reward: Callable[[str, Mapping[str, Any]], float]
     download_config: tfds.download.DownloadConfig | None = None
     source: Callable[..., Sequence[Mapping[str, Any]]] | None = None
+    messages: Callable[[Mapping[str, Any]], list[dict[str, Any]]] | None = None
 
     def builder(self, data_dir: str | os.PathLike | None = None) -> tfds.core.DatasetBuilder:
         """The task's tfds builder (not prepared yet if it never was)."""
@@ -162,6 +166,7 @@ def _jsonl_task(spec: str, /) -> Task:
         reference_completion=lambda ex: _text(ex["answer"]),
         reward=custom.default_reward(),
         source=custom.JsonlSource(spec),
+        messages=custom.jsonl_messages,
     )
 
 
@@ -174,6 +179,7 @@ def _hf_task(spec: str, /) -> Task:
         reference_completion=lambda ex: _text(ex["answer"]),
         reward=custom.default_reward(),
         source=custom.HfSource(spec),
+        messages=custom.jsonl_messages,
     )
 
 

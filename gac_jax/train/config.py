@@ -34,6 +34,13 @@ class TrainConfig:
         ``(completion, example)`` and returning a float, or a built-in matcher's name
         (``boxed``, ``hashes``, ``answer_tag``, ``last_number``, ``lenient``); None keeps
         the task's own. A call that raises counts as 0 (logged once per run).
+      chat_template: "auto" renders prompts with the chat template of the `init` model
+        directory when it has one (`gac_jax.tasks.chat`); None (``none`` on the command
+        line) keeps raw prompts.
+      system_prompt: the system message of every prompt that brings none (without a
+        chat template: text before the prompt, a blank line between); None: none.
+      enable_thinking: the chat template's ``enable_thinking`` variable (Qwen3's thinking
+        switch); None leaves it to the template. Needs a chat template.
       data_dir: tfds data dir; None for ~/tensorflow_datasets.
       model: a `gac_jax.models` preset.
       init: "warm_start" (supervised on the task: the shipped checkpoint for countdown on
@@ -49,6 +56,9 @@ class TrainConfig:
 
     task: str = "countdown/n3_max20"
     reward: str | None = None
+    chat_template: str | None = "auto"
+    system_prompt: str | None = None
+    enable_thinking: bool | None = None
     data_dir: str | None = None
     model: str = "tiny"
     init: str = "warm_start"
@@ -128,6 +138,7 @@ def _validate_run_fields(config: TrainConfig) -> None:
             resolve_reward(config.reward)
         except ValueError as error:
             raise ValueError(f"reward={config.reward!r}: {error}") from None
+    _validate_chat(config)
     if config.init not in INIT_MODES and not os.path.isdir(config.init):
         raise ValueError(
             f"init={config.init!r} is neither one of {list(INIT_MODES)} nor an existing "
@@ -138,6 +149,38 @@ def _validate_run_fields(config: TrainConfig) -> None:
             get_config(config.model)
         except ValueError as error:
             raise ValueError(f"model={config.model!r}: {error}") from None
+
+
+CHAT_TEMPLATE_MODES = ("auto", None)
+
+
+def run_chat_template(config: TrainConfig):
+    """The `ChatTemplate` the run renders prompts with, or None (see `chat_template`)."""
+    from gac_jax.tasks.chat import ChatTemplate
+
+    if config.chat_template is None or not os.path.isdir(config.init):
+        return None
+    return ChatTemplate.from_directory(config.init)
+
+
+def _validate_chat(config: TrainConfig) -> None:
+    if config.chat_template not in CHAT_TEMPLATE_MODES:
+        raise ValueError(
+            f"chat_template={config.chat_template!r} must be 'auto' or null (raw prompts)."
+        )
+    if config.system_prompt is not None and not isinstance(config.system_prompt, str):
+        raise ValueError(f"system_prompt={config.system_prompt!r} must be a string or null.")
+    if config.enable_thinking is not None and not isinstance(config.enable_thinking, bool):
+        raise ValueError(f"enable_thinking={config.enable_thinking!r} must be true, false or null.")
+    try:
+        template = run_chat_template(config)
+    except Exception as error:  # A template that does not compile, a bad JSON file.
+        raise ValueError(f"chat_template: the template of init={config.init!r}: {error}") from None
+    if config.enable_thinking is not None and template is None:
+        raise ValueError(
+            f"enable_thinking={config.enable_thinking} needs a chat template: init= a model "
+            "directory with one, and chat_template='auto'."
+        )
 
 
 def _validate_across_sections(config: TrainConfig) -> None:

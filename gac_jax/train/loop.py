@@ -35,10 +35,11 @@ from gac_jax.rollout import (
 from gac_jax.rollout import make_source as make_rollout_source
 from gac_jax.rollout.placement import RolloutPlacement, rollout_mesh, split_devices
 from gac_jax.tasks import get_task
+from gac_jax.tasks.chat import with_chat_template, with_system_prompt
 from gac_jax.tasks.custom import GuardedReward, resolve_reward
 from gac_jax.train import config_io, processes
 from gac_jax.train.checkpoint import CheckpointManager
-from gac_jax.train.config import TrainConfig
+from gac_jax.train.config import TrainConfig, run_chat_template
 from gac_jax.train.evaluation import evaluate_policy
 from gac_jax.train.interrupt import RunInterrupted, StopSignals
 from gac_jax.train.run_checkpoint import (  # noqa: F401 - part of the loop's API
@@ -121,12 +122,24 @@ def build_learner(config: TrainConfig, model, mesh) -> GRPOLearner:
 
 def build_task(config: TrainConfig):
     """The run's task: `config.task` with `config.reward` (if set) as its reward, guarded
-    (a call that raises counts as 0 and is logged once per run)."""
+    (a call that raises counts as 0 and is logged once per run), and its prompts in the
+    chat template of the `init` model directory (`config.chat_template`)."""
     task = get_task(config.task)
-    if config.reward is None:
-        return task
-    reward = GuardedReward(resolve_reward(config.reward), config.reward)
-    return dataclasses.replace(task, reward=reward)
+    if config.reward is not None:
+        reward = GuardedReward(resolve_reward(config.reward), config.reward)
+        task = dataclasses.replace(task, reward=reward)
+    template = run_chat_template(config)
+    if template is not None:
+        thinking = (
+            {} if config.enable_thinking is None else {"enable_thinking": config.enable_thinking}
+        )
+        # The generator adds the tokenizer's BOS id itself, so the template's text goes.
+        task = with_chat_template(
+            task, template, system=config.system_prompt, strip_bos=True, **thinking
+        )
+    elif config.system_prompt is not None:
+        task = with_system_prompt(task, config.system_prompt)
+    return task
 
 
 def build_run(config: TrainConfig) -> Run:

@@ -132,9 +132,9 @@ def _cmd_export_hf(args, parser) -> int:
     checkpoint = Path(args.run)
     config = _checkpoint_config(args, parser, checkpoint)
     try:
-        out = _loop().export_checkpoint(
-            config, checkpoint, args.out, step=args.step, dtype=args.dtype
-        )
+        from gac_jax.train.export import export_checkpoint
+
+        out = export_checkpoint(config, checkpoint, args.out, step=args.step, dtype=args.dtype)
     except (ValueError, FileNotFoundError) as error:
         parser.error(str(error))
     print(out)

@@ -419,38 +419,3 @@ def evaluate_checkpoint(
     scores = evaluate_run(run, jax.random.key(config.seed + 2))
     scores["step"] = step
     return scores
-
-
-# Files of a Hugging Face model directory that describe its tokenizer, copied on export.
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "vocab.json",
-    "merges.txt",
-    "generation_config.json",
-)
-
-
-def export_checkpoint(
-    config: TrainConfig,
-    checkpoint_dir: str | os.PathLike,
-    out_dir: str | os.PathLike,
-    *,
-    step: int | None = None,
-    dtype: str | None = None,
-) -> Path:
-    """Writes a checkpoint's policy as a Hugging Face model directory (config.json and
-    safetensors, `dtype` or the params' own), with the tokenizer files of `config.init`
-    when it is a Hugging Face directory; returns `out_dir`."""
-    from flax import nnx
-
-    run, _ = load_checkpoint(config, checkpoint_dir, step=step)
-    model = nnx.merge(run.learner.graphdef, run.learner.params)
-    out_dir = Path(out_dir)
-    models.save_hf_checkpoint(model, out_dir, dtype=dtype)
-    source = Path(config.init)
-    for name in TOKENIZER_FILES:
-        if (source / name).is_file():
-            shutil.copyfile(source / name, out_dir / name)
-    return out_dir

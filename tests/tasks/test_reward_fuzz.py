@@ -1,5 +1,5 @@
 """Every task's reward on hostile text: no exception, a reward in [0, 1], and time linear in
-the text (at most 10 ms per call up to 100 kB).
+the text (at most 20 ms per call up to 100 kB, on a loaded machine).
 
 10,000 strings in all: 8,000 from a seeded generator (random text, tag and marker soups,
 adversarial runs at 1 kB to 100 kB) and 2,000 drawn by hypothesis (derandomized), plus a
@@ -16,7 +16,10 @@ from hypothesis import strategies as st
 
 from gac_jax.tasks import TASK_NAMES, get_task
 
-_BOUND_S = 0.010  # per call, for texts up to _BOUNDED_CHARS
+# Per call, for texts up to _BOUNDED_CHARS. The worst texts take 3-4 ms alone and up to
+# 10.4 ms (best of three) while another test worker shares the two cores; the quadratic
+# parsers this guards against took 26-60 ms.
+_BOUND_S = 0.020
 _BOUNDED_CHARS = 100_000
 
 # Plain examples (the registry accepts Python values as well as data-source dicts).
@@ -198,4 +201,4 @@ def test_markers_without_valid_numbers_stay_within_the_bound(unit):
         value, _ = _call_time(gsm8k.reward, text, _EXAMPLES["gsm8k"])
         assert value == 0.0
         best = min(_call_time(gsm8k.reward, text, _EXAMPLES["gsm8k"])[1] for _ in "abc")
-        assert best < 0.010, (unit, size, best)
+        assert best < _BOUND_S, (unit, size, best)

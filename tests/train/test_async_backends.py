@@ -5,6 +5,7 @@ import time
 import numpy as np
 import pytest
 
+from gac_jax import models
 from gac_jax.rollout import GenerationConfig, RolloutConfig
 from gac_jax.train import loop
 from gac_jax.train.config import TrainConfig
@@ -118,6 +119,8 @@ def test_ray_backend_trains_within_the_bound(tmp_path, ray_cluster, monkeypatch)
         assert all(0 <= step - r.policy_version <= 1 for r in batch)
         # Real samples from the actors: tokens within the vocabulary, behaviour log-probs
         # of real tokens negative and finite.
+        vocab = models.get_config(config.model).vocab_size
         for r in batch:
             logp = r.behaviour_logp[r.completion_mask]
+            assert r.completion_mask.any() and np.all(r.completion_tokens < vocab)
             assert np.all(np.isfinite(logp)) and np.all(logp <= 0)

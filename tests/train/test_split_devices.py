@@ -111,7 +111,7 @@ def test_async_training_on_split_devices(tmp_path, digit_task, monkeypatch):
     records = read_metrics(out / "metrics.jsonl")
     assert [r["step"] for r in records] == [0, 1, 2, 3]
     assert all(r["version_gap_max"] <= 1 for r in records)
-    assert "eval/accuracy" in records[-1] or any(k.startswith("eval/") for k in records[-1])
+    assert any(k.startswith("eval/") for k in records[-1])  # Evaluated on the rollout mesh.
 
     # A reference learner (same init, same 6 devices) fed the same rollouts ends with the
     # same params, bit for bit.

@@ -2,6 +2,12 @@
 
     python benchmarks/learner.py [--quick]
 
+Part 2 (`OPTIONS`): on the ~10M config, with the plain chain ("off" below), the cost of the
+learner's options as step-time ratios to the plain step, measured interleaved in one run:
+a KL penalty to the frozen reference model (one extra forward pass per batch), the same
+with the reference offloaded to host memory, and LoRA (rank 8 on q, k, v, o) instead of
+full fine-tuning.
+
 For the "tiny" preset and a ~10M-parameter config (6 layers, width 384, SwiGLU 1024,
 6 query heads of 64, 2 KV heads, vocabulary 512, tied embeddings, fp32), one
 `GRPOLearner.step` (PPO-clip loss, GRPO advantages, host batch in, metrics out) runs on
@@ -35,7 +41,14 @@ import numpy as np
 from flax import nnx
 
 from gac_jax import models
-from gac_jax.learner import GRPOLearner, OptimizerConfig, TrainBatch, make_optimizer
+from gac_jax.learner import (
+    GRPOLearner,
+    LearnerConfig,
+    LossConfig,
+    OptimizerConfig,
+    TrainBatch,
+    make_optimizer,
+)
 from gac_jax.rollout import Rollout, collate
 from gac_jax.transforms import ESSConfig, GACConfig
 
@@ -174,6 +187,51 @@ def report(name, config, times, regimes, peak):
     )
 
 
+OPTIONS = {
+    "plain": {},
+    "kl reference": dict(loss=LossConfig(kl_coef=1e-3)),
+    "kl reference offloaded": dict(
+        loss=LossConfig(kl_coef=1e-3), config=LearnerConfig(reference_offload=True)
+    ),
+    "lora r8": dict(lora=models.LoraConfig(rank=8)),
+}
+
+
+def _options_learner(config, options):
+    model = models.create_model(config, seed=0)
+    kwargs = dict(options)
+    trainable = None
+    if "lora" in kwargs:
+        model = models.apply_lora(model, kwargs.pop("lora"), rngs=nnx.Rngs(params=0))
+        trainable = models.lora_filter
+    tx = make_optimizer(**variants()["off"])
+    return GRPOLearner(model, tx, models.make_mesh(), trainable=trainable, **kwargs)
+
+
+def bench_options(config, rounds):
+    """Step times {option: [seconds]}, interleaved round by round."""
+    learners = {name: _options_learner(config, o) for name, o in OPTIONS.items()}
+    batches = [fake_batch(config, seed=s, version=0) for s in range(NUM_BATCHES)]
+    for learner in learners.values():
+        for step in range(2):
+            learner.step(batches[step], step)
+    times = {name: [] for name in learners}
+    for r in range(rounds):
+        for name, learner in learners.items():
+            start = time.perf_counter()
+            learner.step(batches[r % NUM_BATCHES], 2 + r)
+            times[name].append(time.perf_counter() - start)
+    base = statistics.median(times["plain"])
+    print("\noptions on 10M, plain chain: step time, and ratio to the plain step")
+    for name, t in times.items():
+        median = statistics.median(t)
+        ratios = [a / b for a, b in zip(t, times["plain"], strict=True)]
+        print(
+            f"  {name:<24} {1e3 * median:7.1f} ms  ratio {median / base:.3f} "
+            f"(per-round ratios {min(ratios):.2f}-{max(ratios):.2f})"
+        )
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="3 timed rounds instead of 10")
@@ -201,6 +259,7 @@ def main():
     print("model FLOPs/token = 6 * N_matmul + 12 * layers * heads * head_dim * seq_len")
     for name, (times, regimes) in results.items():
         report(name, CONFIGS[name], times, regimes, peak)
+    bench_options(CONFIGS["10M"], rounds)
 
 
 if __name__ == "__main__":

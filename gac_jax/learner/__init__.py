@@ -1,14 +1,8 @@
 """The GRPO learner: batches, the optimizer chain, the train step, mesh and shardings."""
 
 from gac_jax.learner.batch import TrainBatch
-from gac_jax.learner.learner import (
-    BATCH_AXES,
-    GRPOLearner,
-    LearnerConfig,
-    NonFiniteStepError,
-    ShardedLearner,
-    optimizer_shardings,
-)
+from gac_jax.learner.grpo import GRPOLearner, LearnerConfig, NonFiniteStepError
+from gac_jax.learner.learner import BATCH_AXES, ShardedLearner, optimizer_shardings
 from gac_jax.learner.objective import LossConfig, Objective
 from gac_jax.learner.optimizer import OptimizerConfig, make_optimizer
 from gac_jax.learner.step import make_train_step, per_example_grad_sq_norms

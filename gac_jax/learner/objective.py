@@ -37,6 +37,19 @@ class LossConfig:
         the loss mask; e.g. sequence TIS is ``correction="tis"``,
         ``correction_kwargs={"level": "sequence"}`` with ``policy_loss="reinforce"``.
       correction_kwargs: the correction's keyword arguments.
+      kl_coef: beta >= 0 of a KL penalty to the frozen reference policy (the learner's
+        `reference`); 0 computes no reference log-probs unless the loss needs them (`tb`).
+      kl_estimator: Schulman's estimator of KL(pi || pi_ref) per token
+        (`objectives.kl_estimate`): "k1", "k2" or "k3" (GRPO's).
+      kl_penalty: where the penalty goes. "loss": ``beta * agg_t k(pi_theta, pi_ref)`` is
+        added to the loss with the policy loss's aggregation (GRPO, arXiv 2402.03300 Eq. 3;
+        verl's ``use_kl_loss``); the gradient flows through it. "reward": each sequence's
+        reward loses ``beta * sum_t k(pi_behaviour, pi_ref)`` before the advantages are
+        computed (InstructGPT's per-sample penalty; verl's ``use_kl_in_reward``); no
+        gradient flows through it.
+      entropy_coef: c >= 0 of an entropy bonus: the loss loses ``c * agg_t H_t``, the
+        entropy of each predicted token's distribution, with the policy loss's
+        aggregation.
     """
 
     policy_loss: str = "ppo"
@@ -45,6 +58,10 @@ class LossConfig:
     grad_norm: str = "exact"
     correction: str | None = None
     correction_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
+    kl_coef: float = 0.0
+    kl_estimator: str = "k3"
+    kl_penalty: str = "loss"
+    entropy_coef: float = 0.0
 
     def validate(self) -> None:
         """Raises ValueError naming the first bad field."""
@@ -80,6 +97,26 @@ def _dry_run(what: str, fn, *args, **kwargs) -> None:
         raise ValueError(f"{what}: {error}") from None
 
 
+KL_PENALTY_PLACES = ("loss", "reward")
+
+
+def _check_coefficient(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
+        raise ValueError(f"{name}={value!r} must be a number >= 0.")
+
+
+def _check_penalties(config: LossConfig) -> None:
+    _check_coefficient("kl_coef", config.kl_coef)
+    _check_coefficient("entropy_coef", config.entropy_coef)
+    if config.kl_estimator not in objectives.KL_ESTIMATORS:
+        raise ValueError(
+            f"kl_estimator={config.kl_estimator!r} must be one of {list(objectives.KL_ESTIMATORS)}."
+        )
+    if config.kl_penalty not in KL_PENALTY_PLACES:
+        places = list(KL_PENALTY_PLACES)
+        raise ValueError(f"kl_penalty={config.kl_penalty!r} must be one of {places}.")
+
+
 class Objective:
     """What the train step computes for a `LossConfig`, by asking the registry entries.
 
@@ -106,6 +143,7 @@ class Objective:
         _check_keywords("loss_kwargs", self.spec.fn, config.loss_kwargs, allowed)
         self.loss_kwargs = dict(config.loss_kwargs)
         self.aggregation = self.loss_kwargs.get("aggregation", self.spec.default_aggregation)
+        _check_penalties(config)
         self.correct = None
         if config.correction is not None:
             self.correct = self._correction(config)
@@ -127,11 +165,39 @@ class Objective:
     def _dry_run(self) -> None:
         token = jax.ShapeDtypeStruct((2, 3), jnp.float32)
         mask = jax.ShapeDtypeStruct((2, 3), jnp.bool_)
-        _dry_run(
-            "loss_kwargs", self.loss, token, token, jax.ShapeDtypeStruct((2,), jnp.float32), mask
-        )
+        inputs = {}
+        if self.needs_reference:
+            inputs = dict(reference_logp=token, group_ids=jax.ShapeDtypeStruct((2,), jnp.int32))
+        if self.config.entropy_coef > 0:
+            inputs["entropy"] = token
+        rows = jax.ShapeDtypeStruct((2,), jnp.float32)
+
+        def loss(logp, behaviour, advantages, mask, inputs):
+            return self.loss(logp, behaviour, advantages, mask, **inputs)
+
+        _dry_run("loss_kwargs", loss, token, token, rows, mask, inputs)
         if self.correct is not None:
             _dry_run("correction_kwargs", self.correct, token, token, mask)
+
+    @property
+    def needs_reference(self) -> bool:
+        """The step needs a frozen reference policy's log-probs (a KL penalty, or `tb`)."""
+        return self.spec.needs_reference or self.config.kl_coef > 0
+
+    @property
+    def kl_in_loss(self) -> bool:
+        return self.config.kl_coef > 0 and self.config.kl_penalty == "loss"
+
+    def penalised_rewards(self, rewards, behaviour_logp, reference_logp, mask):
+        """`(rewards, penalty)`: the rewards less the KL penalty when it goes in the reward
+        (`kl_penalty="reward"`), and the penalty [B] (zeros otherwise)."""
+        if self.config.kl_coef == 0 or self.config.kl_penalty != "reward":
+            return rewards, jnp.zeros_like(rewards)
+        kl_bt = objectives.kl_estimate(
+            behaviour_logp, reference_logp, estimator=self.config.kl_estimator
+        )
+        penalty = self.config.kl_coef * jnp.sum(jnp.where(mask, kl_bt, 0.0), axis=-1)
+        return rewards - penalty, penalty
 
     @property
     def needs_log_weights(self) -> bool:
@@ -154,20 +220,28 @@ class Objective:
             _sg(logp), behaviour_logp, advantages, mask, **self.loss_kwargs
         )
 
-    def loss(self, logp, behaviour_logp, advantages, mask, statistics=None):
+    def loss(self, logp, behaviour_logp, advantages, mask, statistics=None, **inputs):
         """``(loss, aux, size)``: the loss of these rows, its diagnostics, and their
         `aggregation_size` (with the correction's mask, when there is one).
 
         Args:
           logp: [N, T] log-probs of the policy being trained (the gradient flows here).
-          behaviour_logp, advantages, mask: as the policy losses take them.
+          behaviour_logp, advantages, mask: as the policy losses take them (raw rewards
+            in the advantages position for a loss that `takes_rewards`).
           statistics: the whole batch's `batch_statistics`, or None to compute them on
             these rows (right when the rows are the whole batch).
+          **inputs: what the configured terms read, [N, T] unless said: `proximal_logp`
+            (None: the current policy held fixed, right for one update per batch),
+            `reference_logp` and `group_ids` [N] (a KL penalty, `tb`), `entropy` (the
+            entropy bonus; the gradient flows through it).
         """
         extra, aux = {}, {}
         if self.spec.needs_proximal:
-            # One update per batch: the proximal policy is the current one, held fixed.
-            extra["proximal_logp"] = _sg(logp)
+            proximal = inputs.get("proximal_logp")
+            extra["proximal_logp"] = _sg(logp) if proximal is None else proximal
+        if self.spec.needs_reference:
+            extra["reference_logp"] = inputs["reference_logp"]
+            extra["group_ids"] = inputs["group_ids"]
         if self.correct is not None:
             weights = self.correct(_sg(logp), behaviour_logp, mask)
             extra["is_weights"], mask = weights.weights, weights.mask
@@ -178,4 +252,25 @@ class Objective:
             logp, behaviour_logp, advantages, mask, **self.loss_kwargs, **extra
         )
         size = objectives.aggregation_size(mask, self.aggregation)
+        loss = loss + self._penalties(logp, mask, aux, inputs)
         return loss, dict(loss_aux, **aux), size
+
+    def _penalties(self, logp, mask, aux, inputs):
+        """The KL (in the loss) and entropy terms, aggregated as the policy loss is, so
+        micro-batching stays exact; their values go to `aux`."""
+        total = jnp.zeros((), jnp.float32)
+        if self.kl_in_loss:
+            kl, kl_aux = objectives.kl_penalty(
+                logp,
+                inputs["reference_logp"],
+                mask,
+                estimator=self.config.kl_estimator,
+                coef=self.config.kl_coef,
+                aggregation=self.aggregation,
+            )
+            total, aux["kl"] = total + kl, kl_aux["kl"]
+        if self.config.entropy_coef > 0:
+            entropy = objectives.aggregate(inputs["entropy"], mask, self.aggregation)
+            total = total - self.config.entropy_coef * entropy
+            aux["entropy_bonus"] = _sg(self.config.entropy_coef * entropy)
+        return total

@@ -37,6 +37,7 @@ from gac_jax.models.hf_checkpoint import (
     save_hf_checkpoint,
 )
 from gac_jax.models.layers import rope_inverse_frequencies
+from gac_jax.models.lora import LoraConfig, apply_lora, lora_filter, merge_lora
 from gac_jax.models.refill_sampler import InflightSampleOutput, RefillSampler
 from gac_jax.models.sampler import (
     SampleOutput,
@@ -75,6 +76,7 @@ __all__ = [
     "Decoder",
     "HFTokenizer",
     "InflightSampleOutput",
+    "LoraConfig",
     "ModelConfig",
     "RefillSampler",
     "RopeScaling",
@@ -85,6 +87,9 @@ __all__ = [
     "Tokenizer",
     "decode_completion",
     "chunked_token_logps_and_entropy",
+    "apply_lora",
+    "lora_filter",
+    "merge_lora",
     "config_from_hf",
     "config_to_hf",
     "create_model",

@@ -28,7 +28,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from gac_jax.models.config import ModelConfig
+from gac_jax.models.config import DTYPES, ModelConfig
 from gac_jax.models.decoder import Decoder
 from gac_jax.models.hf_config import CONFIG_FILE, config_from_hf, config_to_hf, read_hf_config
 from gac_jax.models.sharding import ShardingRules, host_array, state_shardings
@@ -235,6 +235,31 @@ def _place(array: np.ndarray, sharding) -> jax.Array:
     return jax.make_array_from_callback(array.shape, sharding, lambda index: array[index])
 
 
+def checkpoint_dtype(hf_config: dict[str, Any]) -> str | None:
+    """The dtype a checkpoint's `config.json` says its weights are stored in
+    (``torch_dtype`` in transformers 4, ``dtype`` in 5), if it is one of `DTYPES`."""
+    for key in ("dtype", "torch_dtype"):
+        value = hf_config.get(key)
+        if isinstance(value, str) and value.removeprefix("torch.") in DTYPES:
+            return value.removeprefix("torch.")
+    return None
+
+
+def hf_model_config(path: str | os.PathLike, **config_overrides: Any) -> ModelConfig:
+    """The `ModelConfig` of a checkpoint directory, computing in the checkpoint's dtype.
+
+    The compute dtype follows `config.json`'s stored dtype, so a float32 checkpoint
+    computes in float32 (the `ModelConfig` default, bfloat16, would add about 3e-3 relative
+    logit error) and a bfloat16 one in bfloat16; parameters stay in `ModelConfig`'s float32
+    default, which holds every stored dtype exactly. `config_overrides` (e.g.
+    ``dtype="bfloat16"``, ``param_dtype="bfloat16"``) win over both.
+    """
+    hf_config = read_hf_config(path)
+    stored = checkpoint_dtype(hf_config)
+    defaults = {} if stored is None else {"dtype": stored}
+    return config_from_hf(hf_config, **{**defaults, **config_overrides})
+
+
 def load_hf_checkpoint(
     path: str | os.PathLike,
     *,
@@ -253,10 +278,11 @@ def load_hf_checkpoint(
         to the default device.
       rules: logical-to-mesh rules; `ShardingRules()` by default.
       **config_overrides: `ModelConfig` fields to change, e.g. `param_dtype="bfloat16"`,
-        `dtype="float32"`, `remat="full"`.
+        `dtype="bfloat16"`, `remat="full"`. Without `dtype`, the model computes in the
+        checkpoint's own dtype (`hf_model_config`): float32 for a float32 checkpoint.
 
     Returns:
-      The decoder, parameters cast to `param_dtype`.
+      The decoder, parameters cast to `param_dtype` (float32 unless overridden).
 
     Raises:
       FileNotFoundError: if the directory lacks the files above.
@@ -266,7 +292,7 @@ def load_hf_checkpoint(
         corrupt or truncated (each message names the file or entry).
     """
     path = Path(path)
-    config = config_from_hf(read_hf_config(path), **config_overrides)
+    config = hf_model_config(path, **config_overrides)
     rules = ShardingRules() if rules is None else rules
     abstract = nnx.eval_shape(lambda: Decoder(config, rules, rngs=nnx.Rngs(0)))
     graphdef, abstract_state = nnx.split(abstract)

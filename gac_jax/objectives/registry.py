@@ -112,8 +112,6 @@ POLICY_LOSS_SPECS: Mapping[str, PolicyLossSpec] = MappingProxyType(
             default_aggregation="seq-mean-token-sum",
             needs_reference=True,
             takes_rewards=True,
-            unsupported="trajectory balance needs a reference model's log-probs, which the "
-            "learner does not compute yet",
         ),
     }
 )

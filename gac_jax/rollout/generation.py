@@ -39,6 +39,11 @@ class GenerationConfig:
         ends hands its slot to the next; faster when completion lengths vary a lot).
       slots: the refill sampler's decode slots (its KV cache holds `slots` rows); None
         decodes all rows of a call together. Only with ``sampler="refill"``.
+      stop: stop strings: a completion ends at the first one it contains (besides EOS and
+        `max_new_tokens`). Applied on the host after sampling (`cut_at_stop`), as vLLM
+        does by default: the reward sees the text before the stop string, the loss mask
+        keeps the tokens through the one that completes it, and the tokens after are
+        masked out (the sampler still decodes them, to EOS or `max_new_tokens`).
     """
 
     group_size: int = 8
@@ -50,6 +55,7 @@ class GenerationConfig:
     greedy: bool = False
     sampler: str = "fixed"
     slots: int | None = None
+    stop: tuple[str, ...] = ()
 
     def validate(self) -> None:
         """Raises ValueError naming a bad field."""
@@ -74,6 +80,10 @@ class GenerationConfig:
             raise ValueError(f"top_k={self.top_k!r} must be an int >= 0.")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p={self.top_p!r} must be in (0, 1].")
+        if not isinstance(self.stop, tuple | list) or not all(
+            isinstance(s, str) and s for s in self.stop
+        ):
+            raise ValueError(f"stop={self.stop!r} must be a list of non-empty strings.")
         if self.sampler not in SAMPLERS:
             raise ValueError(f"sampler={self.sampler!r} must be one of {list(SAMPLERS)}.")
         if self.slots is not None:
@@ -149,6 +159,7 @@ class TaskGroupGenerator:
         self.prompt_length = config.prompt_length
         temperature = 0.0 if config.greedy else config.temperature
         self.sampling = dict(temperature=temperature, top_k=config.top_k, top_p=config.top_p)
+        self.stop = tuple(config.stop)
 
     def encode_prompt(self, prompt_id: int) -> np.ndarray:
         text = self.task.prompt(self.examples[prompt_id])
@@ -180,21 +191,17 @@ class TaskGroupGenerator:
         rollouts = []
         for i, request in enumerate(requests):
             rows_i = slice(i * g, (i + 1) * g)
-            completion_tokens = np.asarray(out.tokens[rows_i], np.int32)
-            completion_mask = np.asarray(out.completion_mask[rows_i], bool)
+            completion_tokens = np.array(out.tokens[rows_i], np.int32)
+            completion_mask = np.array(out.completion_mask[rows_i], bool)
+            behaviour_logp = np.array(out.policy_logps[rows_i], np.float32)
+            start = time.monotonic()
+            texts = self._texts(completion_tokens, completion_mask, behaviour_logp)
             versions_i = None if token_versions is None else np.asarray(token_versions[rows_i])
             group_version = version
             if versions_i is not None and completion_mask.any():
                 group_version = int(versions_i[completion_mask].min())
-            start = time.monotonic()
             example = self.examples[request.prompt_id]
-            rewards = np.asarray(
-                [
-                    self.task.reward(decode_completion(self.tokenizer, row[row_mask]), example)
-                    for row, row_mask in zip(completion_tokens, completion_mask, strict=True)
-                ],
-                np.float32,
-            )
+            rewards = np.asarray([self.task.reward(t, example) for t in texts], np.float32)
             rollouts.append(
                 Rollout(
                     prompt_id=request.prompt_id,
@@ -202,7 +209,7 @@ class TaskGroupGenerator:
                     prompt_tokens=prompts[i],
                     completion_tokens=completion_tokens,
                     completion_mask=completion_mask,
-                    behaviour_logp=np.asarray(out.policy_logps[rows_i], np.float32),
+                    behaviour_logp=behaviour_logp,
                     rewards=rewards,
                     policy_version=int(group_version),
                     token_versions=versions_i,
@@ -211,6 +218,19 @@ class TaskGroupGenerator:
                 )
             )
         return rollouts
+
+    def _texts(self, tokens: np.ndarray, mask: np.ndarray, logps: np.ndarray) -> list[str]:
+        """The rows' completion texts; rows that hold a stop string are cut in place (mask
+        shortened, the tokens after it padded, their log-probabilities zeroed)."""
+        texts = []
+        for row, (row_tokens, row_mask) in enumerate(zip(tokens, mask, strict=True)):
+            text, kept = cut_at_stop(self.tokenizer, row_tokens, row_mask, self.stop)
+            if not np.array_equal(kept, row_mask):
+                mask[row] = kept
+                tokens[row, ~kept] = self.tokenizer.pad_id
+                logps[row, ~kept] = 0.0
+            texts.append(text)
+        return texts
 
     def _sample_inflight(self, params, version, tokens, mask, key):
         """Samples starting from `(params, version)`, then from the newest version at each
@@ -232,6 +252,43 @@ class TaskGroupGenerator:
             chunk_steps=self.chunk_steps,
             **self.sampling,
         )
+
+
+def cut_at_stop(
+    tokenizer: Tokenizer, tokens: np.ndarray, mask: np.ndarray, stop: Sequence[str]
+) -> tuple[str, np.ndarray]:
+    """One sampled row's completion text and loss mask under stop strings.
+
+    The completion ends with the first token after which its text holds a stop string (the
+    shortest such prefix, found by bisection: a stop string in a prefix's text is in every
+    longer prefix's); the text is cut before the stop string, as vLLM returns it by
+    default, while the mask keeps the tokens through that last one: the policy sampled
+    them, the tokens after it are no longer part of the completion.
+
+    Args:
+      tokenizer: decodes the row (`decode_completion`: special tokens skipped).
+      tokens: [L] int, the sampled row.
+      mask: [L] bool, True on its generated tokens (a prefix of the row, EOS included).
+      stop: stop strings; none keeps the row whole.
+
+    Returns:
+      `(text, mask)`: the completion's text and its mask, `mask` itself when no stop
+      string occurs.
+    """
+    ids = tokens[mask]
+    text = decode_completion(tokenizer, ids)
+    if not any(s in text for s in stop):
+        return text, mask
+    low, high = 1, len(ids)  # The shortest prefix holding a stop string has `high` tokens.
+    while low < high:
+        middle = (low + high) // 2
+        if any(s in decode_completion(tokenizer, ids[:middle]) for s in stop):
+            high = middle
+        else:
+            low = middle + 1
+    text = decode_completion(tokenizer, ids[:high])
+    text = text[: min(text.find(s) for s in stop if s in text)]
+    return text, mask & (np.cumsum(mask) <= high)
 
 
 def make_sampler(model_config, tokenizer: Tokenizer, config: GenerationConfig) -> Sampler:

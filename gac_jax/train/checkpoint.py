@@ -24,8 +24,10 @@ each parameter onto that model's own sharding::
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -107,6 +109,28 @@ def abstract_tree(tree, shardings=None):
     )
 
 
+class _DropReadOnlyNotice(logging.Filter):
+    """Drops orbax's "Given directory is read only" record, which it logs as a warning for
+    every read-only manager: reading a checkpoint (the shipped warm start, ``eval``) is
+    the intended use, not a problem to report."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Given directory is read only")
+
+
+@contextlib.contextmanager
+def _quiet_read_only_notice():
+    """Only that one record of the ``absl`` logger (orbax logs through absl) is dropped,
+    and only while a read-only manager opens."""
+    notice_filter = _DropReadOnlyNotice()
+    absl_logger = logging.getLogger("absl")
+    absl_logger.addFilter(notice_filter)
+    try:
+        yield
+    finally:
+        absl_logger.removeFilter(notice_filter)
+
+
 class CheckpointManager:
     """A directory of step checkpoints, each a pytree of arrays plus JSON metadata.
 
@@ -145,7 +169,10 @@ class CheckpointManager:
         if read_only and not self.directory.is_dir():
             raise FileNotFoundError(f"No checkpoint directory at {str(self.directory)!r}.")
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=max_to_keep,
+            # A reader is given the settings orbax would force for read_only itself, so it
+            # has nothing to warn about (it logs each one it overrides).
+            max_to_keep=None if read_only else max_to_keep,
+            save_interval_steps=0 if read_only else 1,
             enable_async_checkpointing=async_save,
             read_only=read_only,
             create=not read_only,
@@ -153,14 +180,15 @@ class CheckpointManager:
             # deletes them on opening (a reader never touches the directory).
             cleanup_tmp_directories=not read_only,
         )
-        self._manager = ocp.CheckpointManager(
-            self.directory,
-            options=options,
-            item_handlers={
-                STATE_ITEM: ocp.StandardCheckpointHandler(),
-                METADATA_ITEM: ocp.JsonCheckpointHandler(),
-            },
-        )
+        with _quiet_read_only_notice() if read_only else contextlib.nullcontext():
+            self._manager = ocp.CheckpointManager(
+                self.directory,
+                options=options,
+                item_handlers={
+                    STATE_ITEM: ocp.StandardCheckpointHandler(),
+                    METADATA_ITEM: ocp.JsonCheckpointHandler(),
+                },
+            )
 
     def __enter__(self) -> CheckpointManager:
         return self

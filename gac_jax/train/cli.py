@@ -65,6 +65,24 @@ def _resume_config(parser, out_dir: Path, overrides: Sequence[str], resumable):
     return config
 
 
+def _missing_task_data(config, command: str) -> bool:
+    """Prints one line and returns True when the run's task data is not on this machine.
+
+    Checked before the loop starts: offline, tfds would otherwise retry GSM8K's download
+    for minutes before failing. The CLI never downloads GSM8K (README, "GSM8K data").
+    """
+    if config.task != "gsm8k":
+        return False
+    from gac_jax.tasks.gsm8k import require_gsm8k_offline
+
+    try:
+        require_gsm8k_offline(config.data_dir)
+    except FileNotFoundError as error:
+        print(f"gac-jax {command}: error: {error}", file=sys.stderr)
+        return True
+    return False
+
+
 def _cmd_train(args, parser) -> int:
     if args.resume and args.config is not None:
         parser.error("--resume continues the run's own config.json: drop --config.")
@@ -83,6 +101,8 @@ def _cmd_train(args, parser) -> int:
         config = _resume_config(parser, out_dir, args.set, loop.RESUMABLE_FIELDS)
     else:
         config = _resolve(parser, name, args.set)
+    if _missing_task_data(config, "train"):
+        return 1
     try:
         loop.train(config, out_dir, resume=args.resume, overwrite=args.overwrite)
     except (loop.RunExistsError, ValueError) as error:
@@ -144,6 +164,8 @@ def _cmd_export_hf(args, parser) -> int:
 def _cmd_eval(args, parser) -> int:
     checkpoint = Path(args.checkpoint)
     config = _checkpoint_config(args, parser, checkpoint)
+    if _missing_task_data(config, "eval"):
+        return 1
     try:
         metrics = _loop().evaluate_checkpoint(config, checkpoint, step=args.step)
     except (ValueError, FileNotFoundError) as error:

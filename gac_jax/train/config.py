@@ -3,6 +3,7 @@
 Each section is the config of one component, defined next to its code and passed to it
 whole: `OptimizerConfig` (the optax chain), `GACConfig` and `ESSConfig` (the
 transformations, one field per argument), `LossConfig` (the objective), `LearnerConfig`,
+`LoraConfig` (adapters that train instead of the whole model),
 `GenerationConfig` (the sampler and rollout generator), `RolloutConfig` (the source of
 batches), `BufferConfig` (the asynchronous buffer), `MeshConfig` and `ComputeConfig` (the
 model's dtypes and remat). `TrainConfig` adds
@@ -17,7 +18,7 @@ import os
 from typing import Any
 
 from gac_jax.learner import LearnerConfig, LossConfig, OptimizerConfig
-from gac_jax.models import ComputeConfig, MeshConfig
+from gac_jax.models import ComputeConfig, LoraConfig, MeshConfig
 from gac_jax.rollout import BufferConfig, GenerationConfig, RolloutConfig
 from gac_jax.transforms import ESSConfig, GACConfig
 
@@ -42,9 +43,15 @@ class TrainConfig:
       enable_thinking: the chat template's ``enable_thinking`` variable (Qwen3's thinking
         switch); None leaves it to the template. Needs a chat template.
       data_dir: tfds data dir; None for ~/tensorflow_datasets.
-      model: a `gac_jax.models` preset.
+      model: a `gac_jax.models` preset: the architecture of ``init=random`` and
+        ``warm_start``. With a Hugging Face `init` the architecture is the checkpoint's:
+        the default ("tiny") then means "the checkpoint's", and any other preset must match
+        its `config.json` (validation fails otherwise, rather than ignore it); `gac-jax
+        plan` builds this preset when the checkpoint is not downloaded yet.
       init: "warm_start" (supervised on the task: the shipped checkpoint for countdown on
         tiny, else trained once and cached), "random", or a Hugging Face checkpoint dir.
+        The Qwen3 presets name the directories of `PRESET_CHECKPOINTS`, which may be
+        absent until a run builds its model (`require_init`).
       steps: learner updates.
       seed: model initialisation (random init), prompt order and sampling.
       eval_every: held-out evaluation every this many steps; 0 disables it.
@@ -52,6 +59,15 @@ class TrainConfig:
       eval_samples: k of pass@k.
       checkpoint_every: checkpoint every this many steps (and at the end); 0 disables it.
       keep_checkpoints: checkpoints kept.
+      samples_every: write sampled completions (prompt, completion, reward, version gap)
+        to ``samples.jsonl`` and a TensorBoard text table every this many steps; 0
+        disables it.
+      samples_per_log: completions written each time, the first ones of the batch in
+        order (whole groups first); None writes the whole batch (process 0's share).
+      wandb_project: also log metrics and the sample tables to this Weights & Biases
+        project (needs ``pip install 'gac_jax[wandb]'``); None: no W&B.
+      wandb_mode: "online", or "offline" (files under the run directory's ``wandb/``,
+        uploaded later with ``wandb sync``).
     """
 
     task: str = "countdown/n3_max20"
@@ -69,11 +85,16 @@ class TrainConfig:
     eval_samples: int = 8
     checkpoint_every: int = 50
     keep_checkpoints: int = 2
+    samples_every: int = 25
+    samples_per_log: int | None = 8
+    wandb_project: str | None = None
+    wandb_mode: str = "online"
     optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
     gac: GACConfig = dataclasses.field(default_factory=lambda: GACConfig(monitor_only=True))
     ess: ESSConfig | None = None
     loss: LossConfig = dataclasses.field(default_factory=LossConfig)
     learner: LearnerConfig = dataclasses.field(default_factory=LearnerConfig)
+    lora: LoraConfig = dataclasses.field(default_factory=LoraConfig)
     generation: GenerationConfig = dataclasses.field(default_factory=GenerationConfig)
     rollout: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)
     buffer: BufferConfig = dataclasses.field(default_factory=BufferConfig)
@@ -84,6 +105,12 @@ class TrainConfig:
     def batch_size(self) -> int:
         """Sequences per learner step."""
         return self.rollout.groups_per_batch * self.generation.group_size
+
+    @property
+    def optimizer_steps(self) -> int:
+        """Optimizer steps of the run: `steps` rollout batches, each
+        `learner.mini_batches` x `learner.epochs` updates (the schedule's unit)."""
+        return self.steps * self.learner.updates_per_batch
 
     def validate(self) -> None:
         """Raises ValueError naming the first bad field (as ``section.field``)."""
@@ -115,7 +142,6 @@ def _int_at_least(config, name: str, low: int) -> None:
 
 
 def _validate_run_fields(config: TrainConfig) -> None:
-    from gac_jax.models import get_config
     from gac_jax.tasks import get_task
     from gac_jax.tasks.custom import resolve_reward
 
@@ -127,8 +153,10 @@ def _validate_run_fields(config: TrainConfig) -> None:
         ("checkpoint_every", 0),
         ("keep_checkpoints", 1),
         ("seed", 0),
+        ("samples_every", 0),
     ):
         _int_at_least(config, name, low)
+    _validate_logging(config)
     try:
         get_task(config.task)
     except ValueError as error:
@@ -139,16 +167,91 @@ def _validate_run_fields(config: TrainConfig) -> None:
         except ValueError as error:
             raise ValueError(f"reward={config.reward!r}: {error}") from None
     _validate_chat(config)
-    if config.init not in INIT_MODES and not os.path.isdir(config.init):
+    _validate_init(config)
+
+
+# The checkpoints the Qwen3 presets train, by the directory the README says to download
+# them into (relative to where gac-jax runs) -> their Hugging Face model id. Validation
+# lets them be absent, so `plan` and `show-config` work before the download; building the
+# run's model then fails in one line naming the download (`require_init`).
+PRESET_CHECKPOINTS = {
+    "checkpoints/Qwen3-0.6B": "Qwen/Qwen3-0.6B",
+    "checkpoints/Qwen3-1.7B": "Qwen/Qwen3-1.7B",
+}
+# The `ModelConfig` fields a `model` preset must share with a Hugging Face `init`.
+_ARCHITECTURE = ("family", "vocab_size", "embed_dim", "num_layers", "num_heads",
+                 "num_kv_heads", "head_dim", "mlp_dim", "tie_word_embeddings")  # fmt: skip
+
+
+def require_init(config: TrainConfig) -> None:
+    """Raises a one-line ValueError when `init` is a preset's checkpoint directory that
+    has not been downloaded."""
+    if config.init in PRESET_CHECKPOINTS and not os.path.isdir(config.init):
+        raise ValueError(
+            f"init={config.init} does not exist: download {PRESET_CHECKPOINTS[config.init]} "
+            'there (README, "On real hardware"), or set init= to a copy of it.'
+        )
+
+
+def _validate_init(config: TrainConfig) -> None:
+    from gac_jax.models import get_config
+
+    present = os.path.isdir(config.init)
+    if config.init not in INIT_MODES and not present and config.init not in PRESET_CHECKPOINTS:
         raise ValueError(
             f"init={config.init!r} is neither one of {list(INIT_MODES)} nor an existing "
             "directory (a Hugging Face checkpoint with config.json)."
         )
-    if config.init in INIT_MODES:
+    if config.init in INIT_MODES or not present or config.model != TrainConfig.model:
         try:
-            get_config(config.model)
+            preset = get_config(config.model)
         except ValueError as error:
             raise ValueError(f"model={config.model!r}: {error}") from None
+    if config.init not in INIT_MODES and present and config.model != TrainConfig.model:
+        _check_model_matches_init(config, preset)
+
+
+def _check_model_matches_init(config: TrainConfig, preset) -> None:
+    """`model` names a preset while `init` is a checkpoint: they must be one architecture."""
+    from gac_jax.models.hf_config import config_from_hf, read_hf_config
+
+    if not os.path.isfile(os.path.join(config.init, "config.json")):
+        return  # Not a checkpoint yet: building the model says so.
+    try:
+        checkpoint = config_from_hf(read_hf_config(config.init))
+    except ValueError as error:
+        raise ValueError(f"init={config.init!r}: {error}") from None
+    differ = [
+        f"{name} {getattr(preset, name)} vs {getattr(checkpoint, name)}"
+        for name in _ARCHITECTURE
+        if getattr(preset, name) != getattr(checkpoint, name)
+    ]
+    if differ:
+        raise ValueError(
+            f"model={config.model!r} is not the architecture of init={config.init!r} "
+            f"(model vs checkpoint: {', '.join(differ[:3])}): the model is the checkpoint's; "
+            "set model= to its "
+            f"preset, or to {TrainConfig.model!r} (the default: the checkpoint's own)."
+        )
+
+
+WANDB_MODES = ("online", "offline")
+
+
+def _validate_logging(config: TrainConfig) -> None:
+    import importlib.util
+
+    if config.samples_per_log is not None:
+        _int_at_least(config, "samples_per_log", 1)
+    if config.wandb_mode not in WANDB_MODES:
+        raise ValueError(f"wandb_mode={config.wandb_mode!r} must be one of {list(WANDB_MODES)}.")
+    project = config.wandb_project
+    if project is not None and (not isinstance(project, str) or not project):
+        raise ValueError(f"wandb_project={project!r} must be a non-empty string or null.")
+    if project is not None and importlib.util.find_spec("wandb") is None:
+        raise ValueError(
+            f"wandb_project={project!r} needs the wandb package: pip install 'gac_jax[wandb]'."
+        )
 
 
 CHAT_TEMPLATE_MODES = ("auto", None)
@@ -185,16 +288,24 @@ def _validate_chat(config: TrainConfig) -> None:
 
 def _validate_across_sections(config: TrainConfig) -> None:
     opt = config.optimizer
-    if opt.schedule != "constant" and opt.decay_steps is None and opt.warmup_steps >= config.steps:
+    total = config.optimizer_steps
+    if opt.schedule != "constant" and opt.decay_steps is None and opt.warmup_steps >= total:
         raise ValueError(
-            f"optimizer.warmup_steps={opt.warmup_steps} must be < steps={config.steps} "
-            "(optimizer.decay_steps=null: the schedule lasts the run)."
+            f"optimizer.warmup_steps={opt.warmup_steps} must be < the run's {total} optimizer "
+            "steps (steps x learner.mini_batches x learner.epochs; optimizer.decay_steps=null: "
+            "the schedule lasts the run)."
         )
-    micro = config.learner.micro_batches
-    if config.batch_size % micro:
+    micro, mini = config.learner.micro_batches, config.learner.mini_batches
+    if config.batch_size % (micro * mini):
         raise ValueError(
-            f"learner.micro_batches={micro} must divide the batch of {config.batch_size} "
-            "sequences (rollout.groups_per_batch x generation.group_size)."
+            f"learner.mini_batches x learner.micro_batches = {mini} x {micro} must divide the "
+            f"batch of {config.batch_size} sequences (rollout.groups_per_batch x "
+            "generation.group_size)."
+        )
+    if config.loss.policy_loss == "tb" and micro * config.learner.updates_per_batch > 1:
+        raise ValueError(
+            "loss.policy_loss='tb' estimates each group's partition function from the rows "
+            "it is given: set learner.micro_batches, learner.mini_batches and learner.epochs to 1."
         )
     rollout, buffer = config.rollout, config.buffer
     if rollout.version_choice == "oldest_allowed" and buffer.stale_policy != "block":
@@ -247,11 +358,13 @@ def _preset_countdown_sweep() -> TrainConfig:
 SWEEP_LEARNING_RATE = 6e-4
 
 
-def _preset_qwen3_gsm8k(model: str, micro_batches: int) -> TrainConfig:
+def _preset_qwen3_gsm8k(model: str, init: str, micro_batches: int) -> TrainConfig:
+    # `init` is the downloaded checkpoint (`PRESET_CHECKPOINTS`): a random 151,936-token
+    # model with the 128-symbol character tokenizer would learn nothing.
     return TrainConfig(
         task="gsm8k",
         model=model,
-        init="random",
+        init=init,
         steps=500,
         optimizer=OptimizerConfig(learning_rate=1e-6, weight_decay=0.1),
         gac=GACConfig(),
@@ -267,15 +380,26 @@ def _preset_qwen3_gsm8k(model: str, micro_batches: int) -> TrainConfig:
 PRESETS: dict[str, Any] = {
     # The embedded default: countdown from the shipped warm start, async GRPO with GAC.
     "demo": _preset_demo,
-    "countdown_sync": lambda: TrainConfig(rollout=RolloutConfig(mode="sync")),
-    "countdown_lagged8": lambda: TrainConfig(rollout=RolloutConfig(mode="lagged", lag=8)),
+    # From the same warm start, so at the demo's rate: 40 steps here raised the batch reward
+    # at 2e-4 (mean of the first and last 10 steps: sync 0.21 -> 0.25, lagged8 0.22 -> 0.27)
+    # and collapsed it at the default 1e-3 (lagged8 0.22 -> 0.04).
+    "countdown_sync": lambda: TrainConfig(
+        optimizer=OptimizerConfig(learning_rate=2e-4), rollout=RolloutConfig(mode="sync")
+    ),
+    "countdown_lagged8": lambda: TrainConfig(
+        optimizer=OptimizerConfig(learning_rate=2e-4), rollout=RolloutConfig(mode="lagged", lag=8)
+    ),
     "countdown_sweep": _preset_countdown_sweep,
     # Real hardware: Qwen3 on GSM8K from a Hugging Face checkpoint (see README). Sized with
     # `gac-jax plan` to fit 8 devices of 80 GB, with half of it spare (README, "Will it fit?").
     # Micro-batches: 4 sequences a device at 0.6B, 2 at 1.7B (`gac-jax plan`: 34.4 and
     # 29.3 GiB a device; 1.7B at 4 a device needed 52.7).
-    "qwen3_0_6b_gsm8k": lambda: _preset_qwen3_gsm8k("qwen3_0_6b", micro_batches=16),
-    "qwen3_1_7b_gsm8k": lambda: _preset_qwen3_gsm8k("qwen3_1_7b", micro_batches=32),
+    "qwen3_0_6b_gsm8k": lambda: _preset_qwen3_gsm8k(
+        "qwen3_0_6b", "checkpoints/Qwen3-0.6B", micro_batches=16
+    ),
+    "qwen3_1_7b_gsm8k": lambda: _preset_qwen3_gsm8k(
+        "qwen3_1_7b", "checkpoints/Qwen3-1.7B", micro_batches=32
+    ),
 }
 
 

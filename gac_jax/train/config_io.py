@@ -84,6 +84,26 @@ def _check_keys(cls: type, values: Mapping[str, Any], prefix: str = "") -> None:
             _check_keys(section, value, f"{prefix}{name}.")
 
 
+def _is_sequence(tp: Any) -> bool:
+    return any(typing.get_origin(t) in (tuple, list) for t in _leaf_types(tp))
+
+
+def _wrap_strings(cls: type, values: Mapping[str, Any]) -> dict[str, Any]:
+    """`values` with a bare string given for a sequence field made a one-element list:
+    ``generation.stop=</answer>`` means one stop string (draccus would split it into
+    characters). Keys are checked first (`_check_keys`)."""
+    types_ = _field_types(cls)
+    out = {}
+    for name, value in values.items():
+        section = _section_type(types_[name])
+        if section is not None and isinstance(value, Mapping):
+            value = _wrap_strings(section, value)
+        elif isinstance(value, str) and _is_sequence(types_[name]):
+            value = [value]
+        out[name] = value
+    return out
+
+
 def config_to_dict(config: Any) -> dict[str, Any]:
     """The config as plain nested dicts, lists and scalars (what YAML and JSON hold)."""
     return draccus.encode(config)
@@ -110,6 +130,7 @@ def config_from_dict(values: Mapping[str, Any], base: TrainConfig | None = None)
     if "base" in values:
         base = get_preset(values.pop("base"))
     _check_keys(TrainConfig, values)
+    values = _wrap_strings(TrainConfig, values)
     merged = _merge(config_to_dict(base or TrainConfig()), values)
     try:
         config = draccus.decode(TrainConfig, merged)

@@ -10,7 +10,8 @@ import numpy as np
 from flax import nnx
 
 from gac_jax.models import Sampler, left_pad
-from gac_jax.models.tokenizers import Tokenizer, decode_completion
+from gac_jax.models.tokenizers import Tokenizer
+from gac_jax.rollout.generation import cut_at_stop
 from gac_jax.tasks import Task
 
 
@@ -37,6 +38,7 @@ def evaluate_policy(
     num_samples: int = 8,
     key: jax.Array,
     batch_rows: int = 256,
+    stop: Sequence[str] = (),
 ) -> dict[str, float]:
     """Greedy accuracy, mean sampled reward and pass@1 / pass@k on the first problems.
 
@@ -49,6 +51,8 @@ def evaluate_policy(
       num_samples: n samples per problem at temperature 1; pass@k for k = 1 and n.
       key: sampling key.
       batch_rows: most rows per sampler call.
+      stop: stop strings: a completion is scored up to the first (`cut_at_stop`), as
+        the rollouts are.
 
     Returns:
       `{"greedy_accuracy", "sampled_reward", "pass@1", f"pass@{n}"}`.
@@ -73,7 +77,7 @@ def evaluate_policy(
                 sampler(graphdef, params, tokens, mask, sub, temperature=temperature)
             )
             for j, (row, row_mask) in enumerate(zip(out.tokens, out.completion_mask, strict=True)):
-                text = decode_completion(tokenizer, row[row_mask])
+                text, _ = cut_at_stop(tokenizer, row, row_mask, stop)
                 out_rewards[start + j] = task.reward(text, problems[owners[start + j]])
         return out_rewards.reshape(num_problems, rows_per_problem)
 

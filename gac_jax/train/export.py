@@ -33,9 +33,10 @@ def export_checkpoint(
 ) -> Path:
     """Writes a checkpoint's policy as a Hugging Face model directory (config.json and
     safetensors, `dtype` or the params' own), with the tokenizer files of `config.init`
-    when it is a Hugging Face directory; returns `out_dir`."""
+    when it is a Hugging Face directory; returns `out_dir`. A LoRA run writes its merged
+    weights (W + (alpha / r) A @ B), a plain model that loads without adapters."""
     run, _ = load_checkpoint(config, checkpoint_dir, step=step)
-    model = nnx.merge(run.learner.graphdef, run.learner.params)
+    model = nnx.merge(run.policy.graphdef, run.policy.params())  # A LoRA run's merged.
     out_dir = Path(out_dir)
     models.save_hf_checkpoint(model, out_dir, dtype=dtype)
     source = Path(config.init)

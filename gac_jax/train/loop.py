@@ -21,9 +21,11 @@ from typing import Any
 
 import jax
 import numpy as np
+from flax import nnx
 
 from gac_jax import models
 from gac_jax.learner import GRPOLearner, TrainBatch, make_optimizer
+from gac_jax.models.lora import Policy
 from gac_jax.rollout import (
     ParamStore,
     PromptOrder,
@@ -39,7 +41,7 @@ from gac_jax.tasks.chat import with_chat_template, with_system_prompt
 from gac_jax.tasks.custom import GuardedReward, resolve_reward
 from gac_jax.train import config_io, processes
 from gac_jax.train.checkpoint import CheckpointManager
-from gac_jax.train.config import TrainConfig, run_chat_template
+from gac_jax.train.config import TrainConfig, require_init, run_chat_template
 from gac_jax.train.evaluation import evaluate_policy
 from gac_jax.train.interrupt import RunInterrupted, StopSignals
 from gac_jax.train.run_checkpoint import (  # noqa: F401 - part of the loop's API
@@ -68,6 +70,7 @@ class Run:
     store: ParamStore
     placement: RolloutPlacement
     rollout_pool: Any = None  # The Ray actors of `rollout.backend=ray` (`make_source`).
+    policy: Policy | None = None  # What the sampler runs (a LoRA run's merged decoder).
 
 
 def resolve_mesh(config: TrainConfig) -> jax.sharding.Mesh:
@@ -104,6 +107,7 @@ def build_model(config: TrainConfig, mesh):
             lambda: models.create_model(model_config, seed=config.seed), mesh
         )
         return model, models.CharTokenizer()
+    require_init(config)  # A preset's checkpoint not downloaded yet.
     path = Path(config.init)
     if not (path / "config.json").is_file():
         raise ValueError(
@@ -115,9 +119,14 @@ def build_model(config: TrainConfig, mesh):
 
 
 def build_learner(config: TrainConfig, model, mesh) -> GRPOLearner:
-    """The sharded learner of `config`: its optax chain, objective and settings."""
-    tx = make_optimizer(config.optimizer, config.gac, config.ess, steps=config.steps)
-    return GRPOLearner(model, tx, mesh, loss=config.loss, config=config.learner)
+    """The sharded learner of `config`: its optax chain, objective and settings (with
+    `config.lora.rank`, LoRA adapters train and the model is frozen)."""
+    tx = make_optimizer(config.optimizer, config.gac, config.ess, steps=config.optimizer_steps)
+    model = models.apply_lora(model, config.lora, rngs=nnx.Rngs(params=config.seed))
+    trainable = models.lora_filter if config.lora.rank else None
+    return GRPOLearner(
+        model, tx, mesh, loss=config.loss, config=config.learner, trainable=trainable
+    )
 
 
 def build_task(config: TrainConfig):
@@ -145,6 +154,7 @@ def build_task(config: TrainConfig):
 def build_run(config: TrainConfig) -> Run:
     """Builds the task, model, learner, sampler and generator of a run."""
     config.validate()
+    require_init(config)  # Before the data and the model are built.
     task = build_task(config)
     train_examples, test_examples = _data_sources(task, config.data_dir)
     mesh = resolve_mesh(config)
@@ -155,8 +165,9 @@ def build_run(config: TrainConfig) -> Run:
     placement = resolve_placement(config, mesh)
     store = ParamStore(history=store_history(config.rollout, config.buffer))
     inflight = config.rollout.inflight_updates
+    policy = Policy(learner)
     generator = TaskGroupGenerator(
-        learner.graphdef,
+        policy.graphdef,
         sampler,
         task,
         train_examples,
@@ -177,6 +188,7 @@ def build_run(config: TrainConfig) -> Run:
         generator,
         store,
         placement,
+        policy=policy,
     )
 
 
@@ -253,12 +265,13 @@ def _prepare_directory(out_dir: Path, *, resume: bool, overwrite: bool) -> None:
         shutil.rmtree(path) if path.is_dir() else path.unlink()
 
 
-def _train_step(run: Run, source, step: int, eval_key) -> dict[str, float]:
-    """Publishes version `step`, takes its batch, updates, evaluates when due."""
+def _train_step(run: Run, source, step: int, eval_key) -> tuple[dict[str, float], list]:
+    """Publishes version `step`, takes its batch, updates, evaluates when due; returns the
+    metrics and the batch's rollouts."""
     config, learner, store = run.config, run.learner, run.store
     if store.latest_version is None or store.latest_version < step:
         # A copy on the sampler's devices (the learner donates its own to the next step).
-        store.publish(run.placement.to_rollout(learner.params), step)
+        store.publish(run.placement.to_rollout(run.policy.params()), step)
     started = time.monotonic()
     rollouts = source.next_batch(step)
     waited = time.monotonic() - started
@@ -275,7 +288,7 @@ def _train_step(run: Run, source, step: int, eval_key) -> dict[str, float]:
         metrics["rollout_actor_replacements"] = run.rollout_pool.replacements
     if config.eval_every and (step + 1) % config.eval_every == 0:
         metrics.update(evaluate_run(run, jax.random.fold_in(eval_key, step)))
-    return metrics
+    return metrics, rollouts
 
 
 def train(
@@ -296,8 +309,9 @@ def train(
     `out_dir` (shared storage): each makes its share of every batch, process 0 writes the
     files that are not checkpoints, and all of them write their checkpoint shards.
     """
-    from gac_jax.train.metrics import MetricWriter, NullMetricWriter, ProgressLine
+    from gac_jax.train.metrics import NullMetricWriter, ProgressLine, run_writer
     from gac_jax.train.plots import plot_run
+    from gac_jax.train.samples import sample_logger
 
     out_dir = Path(out_dir)
     primary = processes.is_primary()
@@ -316,15 +330,19 @@ def train(
     if primary:
         config_json = json.dumps(config_io.config_to_dict(run.config), indent=2)
         (out_dir / "config.json").write_text(config_json)
+    writer = run_writer(config, out_dir, start_step=start_step) if primary else NullMetricWriter()
+    samples = sample_logger(config, out_dir, writer, run.tokenizer, start_step, primary)
     source = make_source(run, rollout_state)
     eval_key = jax.random.key(config.seed + 1)
     progress = ProgressLine(total=config.steps, quiet=not primary)
-    writer = MetricWriter(out_dir, start_step=start_step) if primary else NullMetricWriter()
     try:
-        with StopSignals() as stop, writer:
+        with StopSignals() as stop, writer, samples:
             for step in range(start_step, config.steps):
-                metrics = _train_step(run, source, step, eval_key)
-                writer.write(step, metrics)
+                metrics, rollouts = _train_step(run, source, step, eval_key)
+                # One record per optimizer step (`learner.mini_batches` x `learner.epochs`).
+                for record in [*metrics.pop("updates", [])[:-1], metrics]:
+                    writer.write(step, record)
+                samples.write(step, rollouts)
                 progress.update(step + 1, metrics)
                 last = step + 1 == config.steps
                 due = (step + 1) % config.checkpoint_every == 0 if config.checkpoint_every else 0
@@ -355,11 +373,11 @@ def evaluate_run(run: Run, key) -> dict[str, float]:
     """Held-out evaluation of the run's current policy as configured (`eval_size` problems,
     `eval_samples` samples each), with keys prefixed ``eval/``."""
     c = run.config
-    params = run.learner.params
+    params = run.policy.params()
     if not run.placement.shared:  # Sample on the rollout devices (process-local).
         params = run.placement.to_rollout(params)
     scores = evaluate_policy(
-        run.learner.graphdef,
+        run.policy.graphdef,
         params,
         run.sampler,
         run.task,
@@ -369,6 +387,7 @@ def evaluate_run(run: Run, key) -> dict[str, float]:
         num_problems=c.eval_size,
         num_samples=c.eval_samples,
         key=key,
+        stop=c.generation.stop,
     )
     return {f"eval/{k}": v for k, v in scores.items()}
 
@@ -404,7 +423,7 @@ def load_checkpoint(
             target={
                 "params": run.learner.params,
                 "opt_state": run.learner.opt_state,
-                "history": {str(v): run.learner.params for v in versions},
+                "history": {str(v): run.policy.like() for v in versions},
             },
         )
     run.learner.params = restored.state["params"]

@@ -2,7 +2,9 @@
 
 `MetricWriter(out_dir)` appends one JSON object per `write(step, metrics)` to
 ``out_dir/metrics.jsonl``, flushed at once so a crash loses nothing already written, and
-writes the numeric values as TensorBoard scalars under ``out_dir/tensorboard/``.
+writes the numeric values as TensorBoard scalars under ``out_dir/tensorboard/`` and, given a
+Weights & Biases run (`start_wandb`, `run_writer`), to W&B too; `write_table` adds a table
+(a TensorBoard markdown text and a ``wandb.Table``).
 Non-finite floats are stored as the strings ``"nan"``, ``"inf"`` and ``"-inf"`` (the file is
 always strict JSON); `read_metrics` turns them back into floats.
 """
@@ -78,6 +80,66 @@ def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
     return records
 
 
+def keep_before(path: Path, start_step: int) -> None:
+    """Drops the records of steps >= `start_step` from a JSON-lines file (atomically): a
+    resumed run writes them again."""
+    kept = [r for r in read_metrics(path) if r["step"] < start_step]
+    tmp = path.with_suffix(".jsonl.tmp")
+    with tmp.open("w") as f:
+        for record in kept:
+            f.write(MetricWriter._dumps(record))
+    os.replace(tmp, path)
+
+
+def markdown_table(columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """A markdown table (what TensorBoard's text tab renders), cells escaped so that a
+    completion's ``|``, ``*`` or newlines do not break or restyle it."""
+
+    def cell(value: Any) -> str:
+        text = _format_value(to_json_scalar(value)) if not isinstance(value, str) else value
+        for char in "\\`*_[]<>#|":
+            text = text.replace(char, "\\" + char)
+        return text.replace("\r", "").replace("\n", "<br>") or " "
+
+    lines = ["| " + " | ".join(map(cell, columns)) + " |", "|" + " --- |" * len(columns)]
+    lines += ["| " + " | ".join(map(cell, row)) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def start_wandb(project: str, *, mode: str, out_dir: str | os.PathLike, config: Mapping):
+    """A Weights & Biases run logging under `out_dir` (its ``wandb/`` folder), with `config`
+    as the run's config; a one-line ImportError when wandb is not installed."""
+    try:
+        import wandb
+    except ImportError:
+        raise ImportError(
+            f"wandb_project={project!r} needs the wandb package: pip install 'gac_jax[wandb]'."
+        ) from None
+    out_dir = Path(out_dir)
+    return wandb.init(
+        project=project,
+        mode=mode,
+        dir=str(out_dir),
+        name=out_dir.resolve().name,
+        config=dict(config),
+        settings=wandb.Settings(quiet=True),
+    )
+
+
+def run_writer(config, out_dir: str | os.PathLike, *, start_step: int | None) -> MetricWriter:
+    """The writer of a training run of `config` (a `TrainConfig`): metrics.jsonl,
+    TensorBoard and, when `config.wandb_project` is set, W&B."""
+    wandb_run = None
+    if config.wandb_project is not None:
+        from gac_jax.train import config_io
+
+        settings = config_io.config_to_dict(config)
+        wandb_run = start_wandb(
+            config.wandb_project, mode=config.wandb_mode, out_dir=out_dir, config=settings
+        )
+    return MetricWriter(out_dir, start_step=start_step, wandb_run=wandb_run)
+
+
 def metric_series(records: Sequence[Mapping[str, Any]], key: str) -> tuple[list[int], list[float]]:
     """(steps, values) of the records that hold a numeric `key` (non-finite values kept)."""
     steps, values = [], []
@@ -100,6 +162,8 @@ class MetricWriter:
         dropped (from TensorBoard too, through its ``purge_step``) as they will be written
         again; 0 is thus the same as None.
       tensorboard: also write TensorBoard events (needs ``tensorboardX``).
+      wandb_run: a W&B run (`start_wandb`) that gets the numeric metrics and the tables
+        too; finished by `close`.
     """
 
     def __init__(
@@ -108,17 +172,14 @@ class MetricWriter:
         *,
         start_step: int | None = None,
         tensorboard: bool = True,
+        wandb_run: Any = None,
     ):
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.out_dir / METRICS_FILE
         if start_step is not None and self.path.exists():
-            kept = [r for r in read_metrics(self.path) if r["step"] < start_step]
-            tmp = self.path.with_suffix(".jsonl.tmp")
-            with tmp.open("w") as f:
-                for record in kept:
-                    f.write(self._dumps(record))
-            os.replace(tmp, self.path)
+            keep_before(self.path, start_step)
+        self._wandb = wandb_run
         self._file = self.path.open("a" if start_step is not None else "w")
         self._tb = None
         if tensorboard:
@@ -146,26 +207,49 @@ class MetricWriter:
         clean = self._clean(record)  # Converts (and checks) every value before writing any.
         self._file.write(json.dumps(clean, allow_nan=False) + "\n")
         self._file.flush()
+        values = {k: _from_json_value(v) for k, v in clean.items() if k != "step"}
+        numbers = {k: float(v) for k, v in values.items() if isinstance(v, int | float)}
+        # Runs with several optimizer steps per batch write one record per optimizer step:
+        # their charts count optimizer steps.
+        x = int(numbers.get("optimizer_step", step))
         if self._tb is not None:
-            for key, value in clean.items():
-                value = _from_json_value(value)
-                if key != "step" and isinstance(value, int | float):
-                    self._tb.add_scalar(key, float(value), global_step=step)
+            for key, value in numbers.items():
+                self._tb.add_scalar(key, value, global_step=x)
             self._tb.flush()
+        if self._wandb is not None:
+            self._wandb.log(numbers, step=x)
 
-    def close(self) -> None:
+    def write_table(
+        self, step: int, tag: str, columns: Sequence[str], rows: Sequence[Sequence[Any]]
+    ) -> None:
+        """Records a table at `step`: TensorBoard text `tag` (markdown) and W&B table `tag`."""
+        if self._file is None:
+            raise RuntimeError("MetricWriter is closed.")
+        if self._tb is not None:
+            self._tb.add_text(tag, markdown_table(columns, rows), global_step=int(step))
+            self._tb.flush()
+        if self._wandb is not None:
+            import wandb
+
+            table = wandb.Table(columns=list(columns), data=[list(row) for row in rows])
+            self._wandb.log({tag: table}, step=int(step))
+
+    def close(self, exit_code: int = 0) -> None:
         if self._file is not None:
             self._file.close()
             self._file = None
         if self._tb is not None:
             self._tb.close()
             self._tb = None
+        if self._wandb is not None:
+            self._wandb.finish(exit_code=exit_code)
+            self._wandb = None
 
     def __enter__(self) -> MetricWriter:
         return self
 
-    def __exit__(self, *exc_info) -> None:
-        self.close()
+    def __exit__(self, exc_type, *exc_info) -> None:
+        self.close(exit_code=0 if exc_type is None else 1)
 
 
 class NullMetricWriter:
@@ -174,6 +258,9 @@ class NullMetricWriter:
 
     def write(self, step: int, metrics: Mapping[str, Any]) -> None:
         del step, metrics
+
+    def write_table(self, step, tag, columns, rows) -> None:
+        del step, tag, columns, rows
 
     def close(self) -> None:
         pass

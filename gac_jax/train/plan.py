@@ -18,7 +18,7 @@ measurement of the accelerator).
 
 from __future__ import annotations
 
-from pathlib import Path
+import os
 from typing import Any
 
 import jax
@@ -28,23 +28,30 @@ from flax import nnx
 
 from gac_jax import models
 from gac_jax.learner import GRPOLearner, TrainBatch, make_optimizer
-from gac_jax.models.hf_config import config_from_hf, read_hf_config
+from gac_jax.models.hf_checkpoint import hf_model_config
 from gac_jax.rollout import make_sampler
 from gac_jax.train.config import TrainConfig
 
 GIB = 2**30
 
 
+def _from_checkpoint(config: TrainConfig) -> bool:
+    """Whether the run's model is read from its `init` directory; a preset's checkpoint
+    not downloaded yet is planned from the `model` preset (the same architecture)."""
+    return config.init not in ("random", "warm_start") and os.path.isdir(config.init)
+
+
 def model_config(config: TrainConfig) -> models.ModelConfig:
-    """The run's architecture and dtypes, read without loading a weight."""
+    """The run's architecture and dtypes, read without loading a weight (a checkpoint's
+    as `load_hf_checkpoint` reads them: computing in its stored dtype by default)."""
     overrides = config.compute.overrides()
-    if config.init in ("random", "warm_start"):
+    if not _from_checkpoint(config):
         return models.get_config(config.model, **overrides)
-    return config_from_hf(read_hf_config(Path(config.init)), **overrides)
+    return hf_model_config(config.init, **overrides)
 
 
 def _tokenizer(config: TrainConfig):
-    if config.init in ("random", "warm_start"):
+    if not _from_checkpoint(config):
         return models.CharTokenizer()
     return models.HFTokenizer.from_directory(config.init)
 
@@ -97,10 +104,13 @@ def plan_learner(config: TrainConfig, learner: GRPOLearner) -> dict[str, Any]:
     )
     micro_batches = learner.budget_micro_batches(rows, width)
     batch = _abstract_batch(learner, rows, width)
-    lowered = learner.lower(batch, np.int32(0), step=learner.step_for(micro_batches))
+    step = learner.step_for(micro_batches)
+    lowered = learner.lower(batch, np.int32(0), learner.reference, step=step)
     memory = _memory(lowered.compile())
-    # One micro-batch's FLOPs (the loop's body) times the micro-batches: the whole step.
-    per_step = memory.pop("tflops_loop_bodies_once") * micro_batches
+    # One micro-batch's FLOPs (the loop's body) times the micro-batches and the optimizer
+    # steps per batch: the whole step (the batch's reference and proximal passes aside).
+    updates = learner.config.updates_per_batch
+    per_step = memory.pop("tflops_loop_bodies_once") * micro_batches * updates
     return {
         "batch": [rows, width],
         "micro_batches": micro_batches,
@@ -154,7 +164,7 @@ def plan(config: TrainConfig, device_memory_gib: float = 80.0) -> dict[str, Any]
     mesh = config.mesh.make()
     cfg = model_config(config)
     abstract = nnx.eval_shape(lambda: models.create_model(cfg, seed=0))
-    tx = make_optimizer(config.optimizer, config.gac, config.ess, steps=config.steps)
+    tx = make_optimizer(config.optimizer, config.gac, config.ess, steps=config.optimizer_steps)
     learner = GRPOLearner(abstract, tx, mesh, loss=config.loss, config=config.learner)
     report = {
         "devices": int(mesh.devices.size),

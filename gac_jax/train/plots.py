@@ -2,10 +2,13 @@
 
 Figures are drawn with matplotlib's object API and its Agg renderer, never through pyplot,
 so plotting neither needs a display nor changes the backend of a notebook that imports this.
+A run's ``plot.png`` (`plot_run`) draws each metric smoothed over its faint raw values, with
+the held-out evaluations as markers on the curve they compare with.
 """
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -32,16 +35,75 @@ def _available(records) -> list[str]:
     return sorted({k for r in records for k in r if k != "step"})
 
 
-def plot_run(
+#: Held-out evaluations (`gac_jax.train.loop.evaluate_run`, every ``eval_every`` steps)
+#: drawn as markers on the training curve they are comparable with: the sampled reward
+#: and greedy accuracy on test problems against the batch reward, pass@1 against the batch
+#: accuracy.
+EVAL_MARKERS: Mapping[str, tuple[str, ...]] = {
+    "reward": ("eval/sampled_reward", "eval/greedy_accuracy"),
+    "accuracy": ("eval/pass@1", "eval/greedy_accuracy"),
+}
+
+#: Weight of the exponential moving average `plot_run` draws (about a 10-step window).
+DEFAULT_SMOOTHING = 0.9
+
+
+def ema_smooth(values: Sequence[float], weight: float = DEFAULT_SMOOTHING) -> list[float]:
+    """TensorBoard's smoothing: a debiased exponential moving average of the finite values.
+
+    ``s_n = (1 - w) * sum_{i<=n} w^(n-i) x_i / (1 - w^n)`` over the first n finite values,
+    so the first point is the first value rather than a pull towards zero. A non-finite
+    value stays as it is (a gap) and does not enter the average.
+
+    Raises:
+      ValueError: if `weight` is not in [0, 1).
+    """
+    if not 0.0 <= weight < 1.0:
+        raise ValueError(f"smoothing={weight!r} must be in [0, 1).")
+    average, count, smoothed = 0.0, 0, []
+    for value in values:
+        if not math.isfinite(value):
+            smoothed.append(value)
+            continue
+        average = weight * average + (1.0 - weight) * value
+        count += 1
+        smoothed.append(average / (1.0 - weight**count))
+    return smoothed
+
+
+def _eval_points(records, key: str) -> dict[str, tuple[list[int], list[float]]]:
+    """The held-out evaluations drawn on `key`'s panel, by metric (those present only)."""
+    points = {name: metric_series(records, name) for name in EVAL_MARKERS.get(key, ())}
+    return {name: series for name, series in points.items() if series[0]}
+
+
+def _draw_panel(ax, key: str, series, evals, smoothing: float) -> None:
+    steps, values = series
+    if key.startswith("eval/"):  # Already sparse: every point is an evaluation.
+        ax.plot(steps, values, marker="o", linewidth=1.2)
+    else:
+        (raw,) = ax.plot(steps, values, linewidth=0.8, alpha=0.3)
+        ax.plot(steps, ema_smooth(values, smoothing), color=raw.get_color(), linewidth=1.5)
+    for (name, (eval_steps, eval_values)), marker in zip(evals.items(), "os", strict=False):
+        label = f"held-out {name.removeprefix('eval/')}"
+        ax.plot(eval_steps, eval_values, linestyle="none", marker=marker, label=label)
+    if evals:
+        ax.legend(fontsize="small")
+    ax.set_ylabel(key)
+    ax.grid(True, alpha=0.3)
+
+
+def run_figure(
     metrics_jsonl_path: str | os.PathLike,
-    png_path: str | os.PathLike,
     keys: Sequence[str] = DEFAULT_KEYS,
     *,
+    smoothing: float = DEFAULT_SMOOTHING,
     title: str | None = None,
-) -> Path:
-    """Plots each of `keys` against step, one panel each; returns the PNG's path.
+):
+    """The figure `plot_run` saves (a matplotlib ``Figure``, one panel per present key).
 
-    Keys absent from the run are skipped (non-finite values leave gaps).
+    Each training metric is drawn raw (faint) and smoothed with `ema_smooth`; the held-out
+    evaluations of `EVAL_MARKERS` are markers on their panel.
 
     Raises:
       ValueError: if none of `keys` has a numeric value in the run, listing the keys it has.
@@ -56,13 +118,32 @@ def plot_run(
         )
     fig = _figure(len(series))
     axes = fig.subplots(len(series), 1, sharex=True, squeeze=False)[:, 0]
-    for ax, (key, (steps, values)) in zip(axes, series.items(), strict=True):
-        ax.plot(steps, values, linewidth=1.2)
-        ax.set_ylabel(key)
-        ax.grid(True, alpha=0.3)
+    for ax, (key, steps_values) in zip(axes, series.items(), strict=True):
+        _draw_panel(ax, key, steps_values, _eval_points(records, key), smoothing)
     axes[-1].set_xlabel("step")
     if title is not None:
         fig.suptitle(title)
+    return fig
+
+
+def plot_run(
+    metrics_jsonl_path: str | os.PathLike,
+    png_path: str | os.PathLike,
+    keys: Sequence[str] = DEFAULT_KEYS,
+    *,
+    smoothing: float = DEFAULT_SMOOTHING,
+    title: str | None = None,
+) -> Path:
+    """Plots each of `keys` against step, one panel each; returns the PNG's path.
+
+    Curves are smoothed (`ema_smooth`, the raw values faint underneath) and carry the
+    held-out evaluations as markers (`EVAL_MARKERS`); see `run_figure`. Keys absent from
+    the run are skipped (non-finite values leave gaps).
+
+    Raises:
+      ValueError: if none of `keys` has a numeric value in the run, listing the keys it has.
+    """
+    fig = run_figure(metrics_jsonl_path, keys, smoothing=smoothing, title=title)
     return _save(fig, png_path)
 
 

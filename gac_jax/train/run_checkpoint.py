@@ -1,9 +1,11 @@
 """A run's checkpoints: what `train` saves at a step and restores on `--resume`.
 
-Saved: the learner's params and optimizer state, the ParamStore's history (on the
-learner's shardings, whatever devices the sampler uses), and JSON metadata: the next step,
-the config hash, and each learner process's rollout source state (group numbering, buffer
-accounting). Never saved from non-finite state.
+Saved: the learner's params and optimizer state (a LoRA run's adapters only: its frozen
+base is rebuilt from `init` as the run first built it), the ParamStore's history (the
+policies the sampler ran, merged in a LoRA run, on the learner's shardings, whatever
+devices the sampler uses), and JSON metadata: the next step, the config hash, and each
+learner process's rollout source state (group numbering, buffer accounting). Never saved
+from non-finite state.
 """
 
 from __future__ import annotations
@@ -32,6 +34,10 @@ RESUMABLE_FIELDS = (
     "eval_samples",
     "checkpoint_every",
     "keep_checkpoints",
+    "samples_every",
+    "samples_per_log",
+    "wandb_project",
+    "wandb_mode",
 )
 
 
@@ -47,8 +53,8 @@ def resume_hash(config: TrainConfig) -> str:
 
 
 def _checkpoint_state(run: Run) -> dict[str, Any]:
-    store, params = run.store, run.learner.params
-    history = {str(v): run.placement.to_learner(store.get(v), params) for v in store.versions()}
+    store, params, like = run.store, run.learner.params, run.policy.like()
+    history = {str(v): run.placement.to_learner(store.get(v), like) for v in store.versions()}
     return {"params": params, "opt_state": run.learner.opt_state, "history": history}
 
 
@@ -107,7 +113,7 @@ def restore_run(run: Run, checkpoints: CheckpointManager, out_dir: Path) -> tupl
     target = {
         "params": run.learner.params,
         "opt_state": run.learner.opt_state,
-        "history": {str(v): run.learner.params for v in versions},
+        "history": {str(v): run.policy.like() for v in versions},
     }
     restored = checkpoints.restore(target=target).state
     run.learner.params = restored["params"]

@@ -211,5 +211,6 @@ def test_the_run_checks_warmup_against_its_steps():
         steps=10,
         optimizer=OptimizerConfig(schedule="warmup_cosine", warmup_steps=10),
     )
-    with pytest.raises(ValueError, match=r"^optimizer\.warmup_steps=10 must be < steps=10"):
+    message = r"^optimizer\.warmup_steps=10 must be < the run.s 10 optimizer steps"
+    with pytest.raises(ValueError, match=message):
         config.validate()

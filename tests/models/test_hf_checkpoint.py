@@ -4,6 +4,7 @@ The reference is `transformers`' own PyTorch Qwen3ForCausalLM and LlamaForCausal
 (randomly initialised, tiny), which nobody here wrote.
 """
 
+import copy
 import json
 
 import jax
@@ -107,6 +108,25 @@ def test_logits_match_transformers(hf, tokens):
     assert error < 1e-4
 
 
+def test_a_float32_checkpoint_computes_in_float32_by_default(hf, tokens):
+    family, hf_model, path = hf
+    stored = json.loads((path / "config.json").read_text())
+    assert "float32" in (stored.get("dtype"), stored.get("torch_dtype"))
+    model = load_hf_checkpoint(path)  # No dtype given: the checkpoint's own.
+    assert (model.config.dtype, model.config.param_dtype) == ("float32", "float32")
+    got = np.asarray(_logits(*nnx.split(model), jnp.asarray(tokens)), np.float64)
+    # The reference: transformers on the same weights in float64, where its own float32
+    # rounding (about 7e-7 of the largest logit here) is gone.
+    exact = copy.deepcopy(hf_model).double()
+    with torch.no_grad():
+        want = exact(torch.as_tensor(np.asarray(tokens), dtype=torch.long)).logits.numpy()
+    error = _rel_error(got, want)
+    print(f"{family}, default dtype: max |ours - transformers f64| / max |logit| = {error:.2e}")
+    assert error < 1e-6
+    # Against transformers' float32 run both roundings add up (measured 7.7e-7, 1.2e-6).
+    assert _rel_error(got, _torch_logits(hf_model, tokens)) < 2e-6
+
+
 def test_rope_frequencies_match_transformers(hf):
     _, hf_model, _ = hf
     config = config_from_hf(hf_model.config.to_dict())
@@ -202,6 +222,10 @@ def test_bfloat16_checkpoint(hf, tmp_path):
     assert embedding.dtype == jnp.bfloat16
     want = bf16_model.model.embed_tokens.weight.detach().float().numpy()
     np.testing.assert_array_equal(np.asarray(embedding, np.float32), want)
+    # By default a bfloat16 checkpoint computes in bfloat16, its params kept in float32.
+    default = load_hf_checkpoint(tmp_path)
+    assert (default.config.dtype, default.config.param_dtype) == ("bfloat16", "float32")
+    assert load_hf_checkpoint(tmp_path, dtype="float32").config.dtype == "float32"
 
 
 def test_checkpoint_errors(hf, tmp_path):

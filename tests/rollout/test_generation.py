@@ -1,5 +1,5 @@
 """GenerationConfig's sampler choice: validation, `make_sampler`, and the generator with
-either sampler."""
+either sampler; stop strings."""
 
 import types
 
@@ -10,6 +10,7 @@ from flax import nnx
 
 from gac_jax import models
 from gac_jax.rollout import GenerationConfig, TaskGroupGenerator, make_sampler
+from gac_jax.rollout.generation import cut_at_stop
 from gac_jax.rollout.worker import GroupRequest
 
 
@@ -20,6 +21,8 @@ from gac_jax.rollout.worker import GroupRequest
         (dict(sampler="refill", slots=0), "slots=0 must be an int >= 1 or None"),
         (dict(sampler="refill", slots=True), "slots=True must be an int >= 1 or None"),
         (dict(slots=4), "slots=4 is only used with sampler='refill'"),
+        (dict(stop=("</a>", "")), r"stop=\('</a>', ''\) must be a list of non-empty strings"),
+        (dict(stop="</a>"), "stop='</a>' must be a list of non-empty strings"),
     ],
 )
 def test_bad_sampler_settings_raise(fields, message):
@@ -62,3 +65,80 @@ def test_the_generator_gives_the_same_greedy_rollouts_with_either_sampler():
         np.testing.assert_array_equal(a.completion_mask, b.completion_mask)
         np.testing.assert_array_equal(a.rewards, b.rewards)
         np.testing.assert_allclose(a.behaviour_logp, b.behaviour_logp, atol=1e-5)
+
+
+class PieceTokenizer:
+    """Ids are multi-character pieces, so a stop string can span tokens and end inside one."""
+
+    pieces = ("", "a", "b", "\n", "\n\n", "b\nQ", "Q:", "ab")
+    pad_id = 0
+    vocab_size = len(pieces)
+
+    def decode(self, ids):
+        return "".join(self.pieces[i] for i in ids)
+
+
+def _cut_by_scan(pieces, ids, stop):
+    """Reference: grow the completion a token at a time until its text holds a stop string."""
+    for n in range(1, len(ids) + 1):
+        text = "".join(pieces[i] for i in ids[:n])
+        found = [text.index(s) for s in stop if s in text]
+        if found:
+            return text[: min(found)], n
+    return "".join(pieces[i] for i in ids), len(ids)
+
+
+@pytest.mark.parametrize("stop", [("\n\n",), ("Q:", "b\n"), ("ab", "\n\nQ"), ("zz",)])
+def test_cut_at_stop_ends_at_the_token_that_completes_the_first_stop_string(stop):
+    tokenizer, rng = PieceTokenizer(), np.random.default_rng(0)
+    for _ in range(200):
+        length, generated = 12, int(rng.integers(0, 13))
+        tokens = rng.integers(1, tokenizer.vocab_size, length)
+        tokens[generated:] = 0
+        mask = np.arange(length) < generated
+        text, kept = cut_at_stop(tokenizer, tokens, mask, stop)
+        want_text, want_kept = _cut_by_scan(tokenizer.pieces, tokens[:generated], stop)
+        assert text == want_text
+        np.testing.assert_array_equal(kept, np.arange(length) < want_kept)
+
+
+def test_the_generator_cuts_completions_at_stop_strings():
+    model = models.create_model(models.get_config("tiny"), seed=0)
+    graphdef, params = nnx.split(model)
+    tokenizer = models.CharTokenizer()
+    examples = ["1+2=", "13+4=", "7+70=", "2+2="]
+    seen = []
+    task = types.SimpleNamespace(prompt=lambda e: e, reward=lambda c, e: seen.append(c) or 1.0)
+    requests = [GroupRequest(prompt_id=i, group_id=i) for i in range(4)]
+
+    def generate(stop):
+        config = GenerationConfig(
+            group_size=2, prompt_length=8, max_new_tokens=12, temperature=0.0, greedy=True,
+            stop=stop,
+        )  # fmt: skip
+        sampler = make_sampler(model.config, tokenizer, config)
+        generator = TaskGroupGenerator(graphdef, sampler, task, examples, tokenizer, config)
+        seen.clear()
+        return generator(params, 0, requests, jax.random.key(0)), list(seen)
+
+    whole, whole_texts = generate(())
+    # Two characters from the middle of the first completion: a stop string it holds.
+    stop = whole_texts[0][4:6]
+    cut, cut_texts = generate((stop,))
+    rows = [(r, row) for r in range(4) for row in range(2)]
+    for (r, row), text, cut_text in zip(rows, whole_texts, cut_texts, strict=True):
+        a, b = whole[r], cut[r]
+        # The character tokenizer: one token per character, so the stop string found at
+        # character j ends the completion after token j + len(stop).
+        end = text.find(stop) + len(stop) if stop in text else int(a.completion_mask[row].sum())
+        assert cut_text == (text[: text.find(stop)] if stop in text else text)
+        np.testing.assert_array_equal(b.completion_mask[row], np.arange(12) < end)
+        np.testing.assert_array_equal(
+            b.completion_tokens[row, :end], a.completion_tokens[row, :end]
+        )
+        assert (b.completion_tokens[row, end:] == tokenizer.pad_id).all()
+        np.testing.assert_array_equal(b.behaviour_logp[row, :end], a.behaviour_logp[row, :end])
+        assert (b.behaviour_logp[row, end:] == 0).all()
+    # The stop string did cut: the first completion holds it, and loses tokens.
+    assert stop in whole_texts[0]
+    assert cut[0].completion_mask[0].sum() < whole[0].completion_mask[0].sum()

@@ -145,7 +145,10 @@ def test_train_from_a_json_file(fake_loop, tmp_path):
         (["train", "--set", "gac.skip=maybe"], "'maybe'"),
         (["train", "--set", "steps"], "Override 'steps' is not of the form key=value"),
         (["show-config", "--set", "optimizer.learning_rate=-1"], "optimizer.learning_rate=-1"),
-        (["show-config", "--set", "loss.policy_loss=tb"], "not supported by the learner"),
+        (
+            ["show-config", "--set", "loss.policy_loss=tb", "--set", "learner.mini_batches=2"],
+            "partition function",
+        ),
         (["train", "--config", "nosuch"], "'nosuch'"),
         (["show-config", "--set", "gac.tau_low=0.9"], "gac.tau_low=0.9"),
     ],

@@ -10,8 +10,10 @@ are observed through spies that record the arguments they receive and call the r
 
 import dataclasses
 import inspect
+import json
 import typing
 
+import jax
 import numpy as np
 import optax
 import pytest
@@ -21,7 +23,7 @@ from gac_jax import models
 from gac_jax.learner.optimizer import injected_learning_rate
 from gac_jax.train import loop
 from gac_jax.train.cli import main
-from gac_jax.train.config import TrainConfig
+from gac_jax.train.config import TrainConfig, get_preset
 from gac_jax.train.config_io import apply_overrides
 from gac_jax.transforms import alignment, ess_scaling
 
@@ -42,6 +44,15 @@ SECTIONS = (
 def _model(built):
     learner = built["run"].learner
     return nnx.merge(learner.graphdef, learner.params)
+
+
+def _step_arguments(built):
+    """What the learner's train step factory receives."""
+    return built["run"].learner._make_step.keywords
+
+
+def _objective(built):
+    return built["run"].learner.objective
 
 
 def _NoFunction():  # The observed "function" of a run without a correction.
@@ -178,6 +189,20 @@ FIELDS = {
         4096,
         "0",
     ),
+    "learner.mini_batches": ("2", lambda b, _: _step_arguments(b)["mini_batches"], 2, "0"),
+    "learner.epochs": ("2", lambda b, _: _step_arguments(b)["epochs"], 2, "0"),
+    "learner.shuffle": ("false", lambda b, _: _step_arguments(b)["shuffle"], False, "maybe"),
+    "learner.shuffle_seed": ("7", lambda b, _: _step_arguments(b)["seed"], 7, "-1"),
+    "learner.reference_offload": (
+        "true",
+        lambda b, _: jax.tree.leaves(b["run"].learner.reference)[0].sharding.memory_kind,
+        "pinned_host",
+        "sometimes",
+    ),
+    "loss.kl_coef": ("0.1", lambda b, _: _objective(b).config.kl_coef, 0.1, "-1"),
+    "loss.kl_estimator": ("k2", lambda b, _: _objective(b).config.kl_estimator, "k2", "k4"),
+    "loss.kl_penalty": ("reward", lambda b, _: _objective(b).config.kl_penalty, "reward", "both"),
+    "loss.entropy_coef": ("0.01", lambda b, _: _objective(b).config.entropy_coef, 0.01, "-0.1"),
     "generation.group_size": ("4", lambda b, _: b["run"].generator.group_size, 4, "1"),
     "generation.prompt_length": ("40", lambda b, _: b["run"].generator.prompt_length, 40, "0"),
     "generation.max_new_tokens": ("12", lambda b, _: b["run"].sampler.max_new_tokens, 12, "0"),
@@ -202,6 +227,7 @@ FIELDS = {
         "paged",
     ),
     "generation.slots": ("4", lambda b, _: getattr(b["run"].sampler, "slots", None), 4, "0"),
+    "generation.stop": ('["</a>"]', lambda b, _: b["run"].generator.stop, ("</a>",), '[""]'),
     "rollout.mode": ("async", lambda b, _: type(b["source"]).__name__, "AsyncRollouts", "never"),
     "rollout.lag": ("3", lambda b, _: b["source"].lag, 3, "-1"),
     "rollout.groups_per_batch": ("4", lambda b, _: b["source"].buffer.groups_per_batch, 4, "0"),
@@ -270,6 +296,9 @@ CONTEXT = {
     "optimizer.end_lr_ratio": ["optimizer.schedule=warmup_cosine"],
     "ess": ["ess={}"],
     "loss.grad_norm": ["loss.advantage=vcpo"],
+    "loss.kl_estimator": ["loss.kl_coef=0.1"],
+    "loss.kl_penalty": ["loss.kl_coef=0.1"],
+    "learner.reference_offload": ["loss.kl_coef=0.1"],
     "loss.correction": ["loss.policy_loss=reinforce"],
     "loss.correction_kwargs": ["loss.policy_loss=reinforce", "loss.correction=mis"],
     "generation.slots": ["generation.sampler=refill"],
@@ -411,3 +440,56 @@ def test_transform_configs_mirror_their_factories_one_to_one(config_type, factor
     params = inspect.signature(factory).parameters
     fields = {f.name: f.default for f in dataclasses.fields(config_type)}
     assert fields == {name: p.default for name, p in params.items()}
+
+
+def _hf_dir(path, preset):
+    """A checkpoint directory's config.json (no weights: validation reads only this)."""
+    path.mkdir()
+    hf = models.config_to_hf(models.get_config(preset))
+    (path / "config.json").write_text(json.dumps(hf))
+    return str(path)
+
+
+def test_model_must_be_the_architecture_of_an_hf_init(tmp_path):
+    tiny = _hf_dir(tmp_path / "tiny", "tiny")
+    base = TrainConfig(task="arithmetic/add2", init=tiny)
+    base.validate()  # The default model: the checkpoint's own architecture.
+    dataclasses.replace(base, model="tiny").validate()
+    message = (
+        r"model='tiny_llama' is not the architecture of init='.*tiny' "
+        r"\(model vs checkpoint: family llama vs qwen3"
+    )
+    with pytest.raises(ValueError, match=message):
+        dataclasses.replace(base, model="tiny_llama").validate()
+    with pytest.raises(ValueError, match="model='qwen3_0_6b' is not the architecture"):
+        dataclasses.replace(base, model="qwen3_0_6b").validate()
+    qwen = _hf_dir(tmp_path / "qwen", "qwen3_0_6b")
+    dataclasses.replace(base, model="qwen3_0_6b", init=qwen).validate()
+    with pytest.raises(ValueError, match="model='qwen3_1_7b' is not the architecture"):
+        dataclasses.replace(base, model="qwen3_1_7b", init=qwen).validate()
+
+
+@pytest.mark.parametrize(
+    ("preset", "directory", "repo"),
+    [
+        ("qwen3_0_6b_gsm8k", "checkpoints/Qwen3-0.6B", "Qwen/Qwen3-0.6B"),
+        ("qwen3_1_7b_gsm8k", "checkpoints/Qwen3-1.7B", "Qwen/Qwen3-1.7B"),
+    ],
+)
+def test_the_qwen_presets_train_their_downloaded_checkpoint(
+    preset, directory, repo, tmp_path, monkeypatch, capsys
+):
+    monkeypatch.chdir(tmp_path)  # No checkpoints/ here.
+    config = get_preset(preset)  # Valid without it: `plan` and `show-config` work.
+    assert config.init == directory
+    with pytest.raises(SystemExit) as e:
+        # Another task: the GSM8K files are checked first (and are not here either).
+        main(["train", "--config", preset, "--set", "task=arithmetic/add2", "--out", "run"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert f"init={directory} does not exist: download {repo} there" in err[-1]
+    assert not any("Traceback" in line for line in err)
+    # Downloaded (here: its config.json), the directory is the run's init.
+    (tmp_path / "checkpoints").mkdir()
+    _hf_dir(tmp_path / directory, config.model)
+    assert apply_overrides(config, ["steps=3"]).init == directory

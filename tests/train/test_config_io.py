@@ -229,3 +229,11 @@ def test_config_hash_ignores_only_the_excluded_fields():
     other = apply_overrides(base, ["gac.adaptive_k=3"])
     assert config_hash(base, exclude=("steps",)) != config_hash(other, exclude=("steps",))
     assert len(config_hash(base)) == 16
+
+
+def test_a_bare_string_for_a_sequence_field_is_one_item():
+    config = apply_overrides(TrainConfig(), ["generation.stop=</answer>", "lora.targets=q_proj"])
+    assert config.generation.stop == ("</answer>",)
+    assert config.lora.targets == ("q_proj",)
+    config = apply_overrides(TrainConfig(), ['generation.stop=["a", "</b>"]'])
+    assert config.generation.stop == ("a", "</b>")

@@ -5,10 +5,11 @@ import json
 
 import pytest
 
+from gac_jax import models
 from gac_jax.train.cli import main
-from gac_jax.train.config import get_preset
+from gac_jax.train.config import TrainConfig, get_preset
 from gac_jax.train.config_io import apply_overrides
-from gac_jax.train.plan import plan
+from gac_jax.train.plan import model_config, plan
 
 SMALL = [
     "mesh.data=1",
@@ -64,3 +65,24 @@ def test_the_step_flops_do_not_depend_on_the_micro_batches():
         for m in (1, 4)
     ]
     assert flops[1] == pytest.approx(flops[0], rel=0.15)
+
+
+def test_a_preset_checkpoint_not_downloaded_is_planned_from_its_model(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # No checkpoints/Qwen3-0.6B here.
+    config = get_preset("qwen3_0_6b_gsm8k")
+    assert model_config(config) == models.get_config("qwen3_0_6b", remat="full")
+    # The whole plan, on a model small enough to compile here (the check cannot compare
+    # it with a checkpoint that is absent).
+    report = plan(apply_overrides(config, [*SMALL, "model=tiny", "generation.prompt_length=64"]))
+    assert report["parameters"] == 82_304 and report["fits"]
+
+
+@pytest.mark.parametrize("stored", ["float32", "bfloat16"])
+def test_a_checkpoint_is_planned_in_its_own_dtype(tmp_path, stored):
+    hf = models.config_to_hf(models.get_config("tiny"), dtype=stored)
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    config = TrainConfig(task="arithmetic/add2", init=str(tmp_path))
+    # As `load_hf_checkpoint` builds it: computing in the stored dtype, params in float32.
+    assert (model_config(config).dtype, model_config(config).param_dtype) == (stored, "float32")
+    bf16 = apply_overrides(config, ["compute.dtype=bfloat16"])
+    assert model_config(bf16).dtype == "bfloat16"

@@ -1,14 +1,17 @@
 """Tests of the PNG plots of run metrics."""
 
+import numpy as np
 import pytest
 
 from gac_jax.train.metrics import MetricWriter
 from gac_jax.train.plots import (
+    ema_smooth,
     plot_distributions,
     plot_grouped_bars,
     plot_run,
     plot_runs,
     plot_seed_curves,
+    run_figure,
 )
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -91,3 +94,71 @@ def test_sweep_plots_write_pngs_and_reject_empty_input(tmp_path):
         plot_seed_curves({"a": []}, tmp_path / "x.png", ylabel="y")
     with pytest.raises(ValueError, match="at least one group"):
         plot_grouped_bars({}, tmp_path / "x.png", ylabel="y")
+
+
+def _ema_reference(values, weight):
+    """Debiased EMA of the finite values as one weighted sum each (float64), NaN/inf kept."""
+    values = np.asarray(values, dtype=np.float64)
+    finite = np.isfinite(values)
+    x = values[finite]
+    out = values.copy()
+    smoothed = []
+    for n in range(1, len(x) + 1):
+        powers = weight ** np.arange(n - 1, -1, -1, dtype=np.float64)
+        smoothed.append((1 - weight) * np.dot(powers, x[:n]) / (1 - weight**n))
+    out[finite] = smoothed
+    return out
+
+
+@pytest.mark.parametrize("weight", [0.0, 0.6, 0.9, 0.99])
+def test_ema_smooth_matches_a_numpy_reference(weight):
+    rng = np.random.default_rng(1)
+    values = rng.normal(size=60)
+    values[[0, 7, 8, 30]] = [np.nan, np.nan, np.inf, np.nan]
+    got = np.asarray(ema_smooth(values.tolist(), weight))
+    np.testing.assert_allclose(got, _ema_reference(values, weight), rtol=1e-12, equal_nan=True)
+    assert np.isnan(got[[0, 7, 30]]).all() and got[8] == np.inf
+    assert got[1] == pytest.approx(values[1], rel=1e-12)  # Debiased: no pull towards 0.
+    with pytest.raises(ValueError, match=r"smoothing=1\.0 must be in \[0, 1\)"):
+        ema_smooth([1.0], 1.0)
+
+
+def _run_with_evals(directory):
+    rng = np.random.default_rng(2)
+    rewards = rng.random(20)
+    evals = {4: (0.3, 0.25), 9: (0.4, 0.5), 19: (0.6, 0.75)}
+    with MetricWriter(directory, tensorboard=False) as writer:
+        for step in range(20):
+            metrics = {"reward": float(rewards[step]), "ess_ratio": 1.0}
+            if step in evals:
+                metrics["eval/sampled_reward"], metrics["eval/greedy_accuracy"] = evals[step]
+            writer.write(step, metrics)
+    return directory / "metrics.jsonl", rewards, evals
+
+
+def _line_data(line):
+    return np.asarray(line.get_xdata(), dtype=float), np.asarray(line.get_ydata(), dtype=float)
+
+
+def test_plot_run_smooths_and_marks_the_held_out_evaluations(tmp_path):
+    metrics, rewards, evals = _run_with_evals(tmp_path / "run")
+    fig = run_figure(metrics, smoothing=0.8)
+    reward_ax, ess_ax = fig.axes
+    raw, smoothed, sampled, greedy = reward_ax.get_lines()
+    np.testing.assert_allclose(_line_data(raw)[1], rewards)
+    np.testing.assert_allclose(_line_data(smoothed)[1], _ema_reference(rewards, 0.8), rtol=1e-12)
+    assert raw.get_alpha() < 1 and smoothed.get_alpha() is None
+    steps = sorted(evals)
+    for line, column in ((sampled, 0), (greedy, 1)):
+        assert line.get_linestyle() == "None" and line.get_marker() in ("o", "s")
+        x, y = _line_data(line)
+        np.testing.assert_array_equal(x, steps)
+        np.testing.assert_allclose(y, [evals[s][column] for s in steps])
+    labels = [t.get_text() for t in reward_ax.get_legend().get_texts()]
+    assert labels == ["held-out sampled_reward", "held-out greedy_accuracy"]
+    assert len(ess_ax.get_lines()) == 2 and ess_ax.get_legend() is None  # No evaluation.
+    # An evaluation metric asked for by name is its own panel, drawn point by point.
+    (eval_line,) = run_figure(metrics, keys=("eval/greedy_accuracy",)).axes[0].get_lines()
+    np.testing.assert_allclose(_line_data(eval_line)[1], [evals[s][1] for s in steps])
+    png = plot_run(metrics, tmp_path / "plot.png")
+    assert _png_size(png)[0] >= 300

@@ -1,0 +1,327 @@
+"""`GRPOLearner`: the GRPO step (`make_train_step`) on a `ShardedLearner`, and its config:
+token-budget micro-batches, PPO mini-batches and epochs, the frozen reference policy, and
+the guard against runs of non-finite updates."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.experimental import multihost_utils
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from gac_jax.learner.batch import TrainBatch
+from gac_jax.learner.learner import BATCH_AXES, ShardedLearner, _is_abstract, _with_shardings
+from gac_jax.learner.objective import LossConfig, Objective
+from gac_jax.learner.step import make_train_step
+from gac_jax.learner.token_budget import budget_micro_batches, trim_padding, used_columns
+from gac_jax.models.sharding import ShardingRules
+
+# Trimmed batches are this many columns wide, times some integer (few widths, few compiles).
+WIDTH_MULTIPLE = 64
+
+
+class NonFiniteStepError(RuntimeError):
+    """Too many consecutive train steps had a non-finite loss, gradient or update.
+
+    Each was skipped (params and optimizer state untouched), so the learner's state is that
+    of the last finite step and safe to checkpoint; the run cannot make progress, though.
+    """
+
+
+@dataclasses.dataclass(frozen=True)
+class LearnerConfig:
+    """How the learner runs the step (the objective itself is a `LossConfig`).
+
+    Attributes:
+      micro_batches: gradient accumulation: the batch is split into this many chunks, whose
+        gradients are summed exactly (`make_train_step`); it must divide the batch.
+      max_consecutive_nonfinite: a step with a non-finite loss, gradient or update is
+        skipped (`make_train_step`); this many skipped in a row raise `NonFiniteStepError`.
+      logits_chunk_size: the step never materialises the logits [B, T, V]: log-probs and
+        entropies are computed this many positions at a time, in the forward and the
+        backward pass (`gac_jax.models.chunked_logprobs`), so the logits take
+        B x logits_chunk_size x V float32s at a time. Any value gives the same result;
+        smaller saves memory, larger means fewer, bigger matmuls.
+      max_tokens_per_micro_batch: None, or a token budget per device: each batch is first
+        trimmed to the columns its rows use (rounded up to a multiple of 64), then split
+        into the fewest micro-batches (at least `micro_batches`) whose rows on one device
+        hold at most this many padded tokens (`gac_jax.learner.token_budget`). A batch of
+        short completions then runs in few micro-batches and one long completion does not
+        set the memory of every batch; the step compiles once per width and count met.
+      mini_batches: optimizer steps per pass over a rollout batch (PPO's mini-batches,
+        verl's ``ppo_mini_batch_size`` as a count); each is split into `micro_batches`.
+      epochs: passes over each rollout batch (PPO's ``ppo_epochs``). With
+        ``mini_batches x epochs`` > 1, decoupled PPO's proximal policy is the params before
+        the batch's first update, and the metrics hold one record per optimizer step.
+      shuffle: shuffle the rows before each pass (a key from `shuffle_seed`, the learner
+        version and the epoch), as verl and AReaL do; False keeps the batch's order.
+      shuffle_seed: the shuffling key's seed.
+      reference_offload: keep the frozen reference policy (a KL penalty, `tb`) in host
+        memory between uses; it is copied to the devices for the batch's one reference
+        pass. Saves a params-sized buffer per device, costs one transfer per batch.
+    """
+
+    micro_batches: int = 1
+    max_consecutive_nonfinite: int = 3
+    logits_chunk_size: int = 512
+    max_tokens_per_micro_batch: int | None = None
+    mini_batches: int = 1
+    epochs: int = 1
+    shuffle: bool = True
+    shuffle_seed: int = 0
+    reference_offload: bool = False
+
+    @property
+    def updates_per_batch(self) -> int:
+        """Optimizer steps per rollout batch."""
+        return self.mini_batches * self.epochs
+
+    def validate(self) -> None:
+        """Raises ValueError naming a bad field."""
+        for name in ("micro_batches", "mini_batches", "epochs"):
+            m = getattr(self, name)
+            if isinstance(m, bool) or not isinstance(m, int) or m < 1:
+                raise ValueError(f"{name}={m!r} must be an int >= 1.")
+        for name in ("shuffle", "reference_offload"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}={getattr(self, name)!r} must be true or false.")
+        seed = self.shuffle_seed
+        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+            raise ValueError(f"shuffle_seed={seed!r} must be an int >= 0.")
+        k = self.max_consecutive_nonfinite
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ValueError(f"max_consecutive_nonfinite={k!r} must be an int >= 1.")
+        c = self.logits_chunk_size
+        if isinstance(c, bool) or not isinstance(c, int) or c < 1:
+            raise ValueError(f"logits_chunk_size={c!r} must be an int >= 1.")
+        b = self.max_tokens_per_micro_batch
+        if b is not None and (isinstance(b, bool) or not isinstance(b, int) or b < 1):
+            raise ValueError(f"max_tokens_per_micro_batch={b!r} must be an int >= 1 or null.")
+
+
+class GRPOLearner(ShardedLearner):
+    """Holds params and optimizer state on a mesh and runs the GRPO step on batches.
+
+    A `ShardedLearner` whose step is `make_train_step`'s. Under `jax.distributed`, each
+    process passes its own rows (`local_batch`) and they form one global batch.
+
+    Args:
+      model: a `gac_jax.models.Decoder` (its params are resharded onto `mesh`).
+      tx: the optimizer chain (`make_optimizer`).
+      mesh: a mesh with axes ("data", "fsdp", "tensor").
+      loss: the objective (`LossConfig()` by default).
+      config: the learner's own settings (`LearnerConfig()` by default).
+      rules: logical-to-mesh sharding rules.
+      trainable: None, or an nnx filter of the params that train (`ShardedLearner`).
+      reference: the frozen reference policy of a KL penalty or `tb` (a model of the same
+        architecture), when the objective `needs_reference`; None: the initial params.
+        Kept on the devices, or in host memory with `config.reference_offload`.
+    """
+
+    def __init__(
+        self,
+        model: nnx.Module,
+        tx: optax.GradientTransformationExtraArgs,
+        mesh: Mesh,
+        *,
+        loss: LossConfig | None = None,
+        config: LearnerConfig | None = None,
+        rules: ShardingRules | None = None,
+        trainable=None,
+        reference: nnx.Module | None = None,
+    ):
+        self.config = LearnerConfig() if config is None else config
+        self.config.validate()
+        self.objective = Objective(LossConfig() if loss is None else loss)
+        self.micro_batches = self.config.micro_batches
+        self.max_consecutive_nonfinite = self.config.max_consecutive_nonfinite
+        self.logits_chunk_size = self.config.logits_chunk_size
+        self.max_tokens_per_micro_batch = self.config.max_tokens_per_micro_batch
+        self.consecutive_nonfinite = 0
+        # Learner versions of the last finite step and of the first of the skipped run.
+        self._last_finite_step: int | None = None
+        self._first_nonfinite_step: int | None = None
+        self._make_step = functools.partial(
+            make_train_step,
+            nnx.graphdef(model),
+            tx,
+            loss,
+            logits_chunk_size=self.logits_chunk_size,
+            mini_batches=self.config.mini_batches,
+            epochs=self.config.epochs,
+            shuffle=self.config.shuffle,
+            seed=self.config.shuffle_seed,
+            place_reference=self._reference_to_devices,
+            shard_rows=self._shard_rows,
+        )
+        step = self._make_step(micro_batches=self.micro_batches)
+        super().__init__(model, tx, mesh, step, num_extra=2, rules=rules, trainable=trainable)
+        self._steps = {self.micro_batches: self._step}  # By micro-batch count.
+        self.reference = self._place_reference(reference, trainable)
+
+    def _place_reference(self, reference, trainable):
+        """The reference params on the params' shardings (host memory when offloaded), or
+        None when the objective reads no reference."""
+        if not self.objective.needs_reference:
+            return None
+        if reference is None:  # The initial params (LoRA: the adapters at zero).
+            state = jax.tree.map(jnp.copy, self.params)
+        elif trainable is not None:
+            raise ValueError("a reference model with a `trainable` filter (LoRA) is not supported.")
+        else:
+            state = nnx.state(reference)
+        shardings = self.param_shardings
+        if self.config.reference_offload:
+            shardings = jax.tree.map(lambda s: s.with_memory_kind("pinned_host"), shardings)
+        if _is_abstract(state):
+            return _with_shardings(state, shardings)
+        return jax.device_put(state, shardings)
+
+    def _reference_to_devices(self, reference):
+        if not self.config.reference_offload:
+            return reference
+        return jax.device_put(reference, self.param_shardings)
+
+    def _shard_rows(self, x):
+        """Keeps a per-row array split over the batch axes (after a shuffle's gather)."""
+        spec = P(BATCH_AXES, *([None] * (x.ndim - 1)))
+        return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
+
+    def step_for(self, micro_batches: int):
+        """The jitted step that splits a batch into `micro_batches` (compiled once)."""
+        if micro_batches not in self._steps:
+            step = self._make_step(micro_batches=micro_batches)
+            self._steps[micro_batches] = self.compile_step(step)
+        return self._steps[micro_batches]
+
+    def budget_micro_batches(self, rows: int, width: int) -> int:
+        """Micro-batches for a batch of `rows` x `width` (the token budget's, or the
+        configured count without a budget)."""
+        if not self.max_tokens_per_micro_batch:
+            return self.micro_batches
+        return budget_micro_batches(
+            rows // self.config.mini_batches,  # The rows of one optimizer step.
+            width,
+            self.max_tokens_per_micro_batch,
+            minimum=self.micro_batches,
+            devices=self.batch_divisor,
+        )
+
+    def _fit_budget(self, local_batch: TrainBatch) -> tuple[TrainBatch, int]:
+        """The host batch trimmed to its used columns (the same ones in every process) and
+        the micro-batch count its token budget needs (`token_budget`)."""
+        columns = used_columns(local_batch.attention_mask)
+        if jax.process_count() > 1:
+            bounds = multihost_utils.process_allgather(np.asarray(columns))
+            columns = (int(bounds[:, 0].min()), int(bounds[:, 1].max()))
+        batch = trim_padding(local_batch, WIDTH_MULTIPLE, columns)
+        rows, width = batch.num_sequences * jax.process_count(), batch.tokens.shape[1]
+        return batch, self.budget_micro_batches(rows, width)
+
+    def place_batch(self, local_batch: TrainBatch) -> TrainBatch:
+        """Host rows -> one global batch sharded over ("data", "fsdp").
+
+        With several processes, each passes its own rows (the same count everywhere);
+        `jax.make_array_from_process_local_data` assembles the global arrays. Group ids are
+        local to each process's rows (`collate` numbers groups from 0 everywhere), so they
+        are made globally distinct first: `id * process_count + process_index`.
+        """
+        rows = local_batch.num_sequences * jax.process_count()
+        if rows % self.batch_divisor:
+            raise ValueError(
+                f"the global batch of {rows} sequences is not divisible by the "
+                f"{self.batch_divisor} devices of the mesh's data x fsdp axes "
+                f"({dict(self.mesh.shape)})."
+            )
+        if jax.process_count() == 1:
+            return jax.device_put(local_batch, self.batch_sharding)
+        group_ids = np.asarray(local_batch.group_ids)
+        local_batch = dataclasses.replace(
+            local_batch,
+            group_ids=group_ids * jax.process_count() + jax.process_index(),
+        )
+        batch = jax.tree.map(
+            lambda x: jax.make_array_from_process_local_data(self.batch_sharding, x),
+            local_batch,
+        )
+        if batch.num_sequences != rows:
+            # The batch axes do not split the processes apart: each would claim the same rows.
+            raise ValueError(
+                f"the mesh's data x fsdp axes ({dict(self.mesh.shape)}) must give every one of "
+                f"the {jax.process_count()} processes its own rows; the global batch has "
+                f"{batch.num_sequences} sequences, not {rows}."
+            )
+        return batch
+
+    def step(self, batch: TrainBatch, learner_version: int) -> dict[str, Any]:
+        """The updates of one rollout batch (host or placed); returns its metrics as Python
+        floats.
+
+        With several optimizer steps per batch (`config.mini_batches` x `config.epochs`),
+        the metrics of each update are also listed under ``"updates"`` (with its
+        ``optimizer_step``, ``epoch`` and ``mini_batch``), and the top-level ones are the
+        last update's. A non-finite update is skipped (metric `nonfinite_step` = 1.0, state
+        untouched); `config.max_consecutive_nonfinite` of them in a row raise
+        `NonFiniteStepError`.
+        """
+        micro_batches = self.micro_batches
+        placed = (
+            isinstance(batch.tokens, jax.Array) and batch.tokens.sharding == self.batch_sharding
+        )
+        if self.max_tokens_per_micro_batch and not placed:
+            batch, micro_batches = self._fit_budget(batch)
+        if not placed:
+            batch = self.place_batch(batch)
+        step = self.step_for(micro_batches)
+        metrics = self.run_step(batch, np.int32(learner_version), self.reference, step=step)
+        metrics["micro_batches"] = float(micro_batches)
+        updates = self._per_update(metrics, learner_version)
+        for update in updates:
+            self._count_nonfinite(update["nonfinite_step"], learner_version)
+        return metrics
+
+    def _per_update(self, metrics: dict[str, Any], learner_version: int) -> list[dict]:
+        """Splits stacked per-update metrics into one record per optimizer step."""
+        count = self.config.updates_per_batch
+        if count == 1:
+            return [metrics]
+        stacked = {k: v for k, v in metrics.items() if isinstance(v, list)}
+        updates = []
+        for u in range(count):
+            record = {k: v[u] for k, v in stacked.items()}
+            record.update(
+                optimizer_step=learner_version * count + u,
+                epoch=u // self.config.mini_batches,
+                mini_batch=u % self.config.mini_batches,
+            )
+            updates.append(record)
+        metrics.update(updates[-1])
+        metrics["updates"] = updates
+        return updates
+
+    def _count_nonfinite(self, nonfinite: float, learner_version: int) -> None:
+        if nonfinite == 0.0:
+            self.consecutive_nonfinite = 0
+            self._last_finite_step = learner_version
+            return
+        if self.consecutive_nonfinite == 0:
+            self._first_nonfinite_step = learner_version
+        self.consecutive_nonfinite += 1
+        if self.consecutive_nonfinite >= self.max_consecutive_nonfinite:
+            kept = (
+                f"those of step {self._last_finite_step}"
+                if self._last_finite_step is not None
+                else f"those from before step {self._first_nonfinite_step}"
+            )
+            raise NonFiniteStepError(
+                f"step {learner_version}: {self.consecutive_nonfinite} consecutive non-finite "
+                f"steps (loss, gradient, update or reward); params and optimizer state are {kept}"
+            )

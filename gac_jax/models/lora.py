@@ -1,0 +1,204 @@
+"""LoRA adapters on the decoder's projections, their merge, and the policy a sampler runs.
+
+`apply_lora` replaces each chosen projection weight ``W`` (an `nnx.Param` such as
+``attn.q_dnh`` [D, N, H]) with a `LoraWeight`: ``W`` kept as is plus two
+`nnx.LoRAParam` factors ``A`` [*in, r] and ``B`` [r, *out], read by the layer exactly as
+the weight it replaces (``w[...]``)::
+
+    W' = W + (alpha / r) * tensordot(A, B)
+
+``B`` starts at zero, so the adapted model starts equal to the base. Training only the
+`lora_filter` params (`gac_jax.learner.ShardedLearner`'s ``trainable``) keeps the
+optimizer's, GAC's and ESS's state the adapters' size. `merge_lora` folds the deltas
+back into a plain `Decoder` (what the sampler runs and `save_hf_checkpoint` writes).
+
+Why not an interception library (qwix's `LoraProvider`): it recognises a weight by
+tracing the operands of intercepted ``jnp.dot`` calls back to a module's ``nnx.Param``.
+The decoder multiplies reshaped, cast weights (`gac_jax.models.layers.dense`) and keeps
+q, k, v and o in one module, so qwix 0.1.8 created no adapters on it, and could not
+target q apart from k. The adapters here cost one weight-sized delta per adapted
+projection and forward pass, instead of the ``x @ A @ B`` side path; for the small ranks
+and models LoRA is used with here, that is a small part of a step.
+
+Reference: Hu et al., "LoRA: Low-Rank Adaptation of Large Language Models", 2021, eq. 3.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from gac_jax.models.sharding import logical_axes_of, state_shardings
+
+# Projection names (as Hugging Face / PEFT name them) -> (submodule of a decoder layer,
+# weight attribute, number of leading input axes of the weight). The only list of valid
+# `LoraConfig.targets`.
+PROJECTIONS = {
+    "q_proj": ("attn", "q_dnh", 1),
+    "k_proj": ("attn", "k_dkh", 1),
+    "v_proj": ("attn", "v_dkh", 1),
+    "o_proj": ("attn", "o_nhd", 2),
+    "gate_proj": ("mlp", "gate_df", 1),
+    "up_proj": ("mlp", "up_df", 1),
+    "down_proj": ("mlp", "down_fd", 1),
+}
+
+# The nnx filter of the adapter params: what a LoRA run trains.
+lora_filter = nnx.LoRAParam
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraConfig:
+    """Low-rank adapters on chosen projections (`apply_lora`).
+
+    Attributes:
+      rank: r, the adapters' rank; 0 turns LoRA off (all params train).
+      alpha: the delta's scale is alpha / r.
+      targets: names of `PROJECTIONS` to adapt, e.g. ("q_proj", "v_proj").
+    """
+
+    rank: int = 0
+    alpha: float = 16.0
+    targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+    def validate(self) -> None:
+        """Raises ValueError naming a bad field."""
+        r = self.rank
+        if isinstance(r, bool) or not isinstance(r, int) or r < 0:
+            raise ValueError(f"rank={r!r} must be an int >= 0 (0: LoRA off).")
+        a = self.alpha
+        if isinstance(a, bool) or not isinstance(a, (int, float)) or not math.isfinite(a) or a <= 0:
+            raise ValueError(f"alpha={a!r} must be a finite number > 0.")
+        t = self.targets
+        if not isinstance(t, (tuple, list)) or not t or len(set(t)) != len(t):
+            raise ValueError(f"targets={t!r} must be a non-empty list of distinct names.")
+        unknown = [name for name in t if name not in PROJECTIONS]
+        if unknown:
+            raise ValueError(f"targets={t!r}: unknown {unknown}; known: {list(PROJECTIONS)}.")
+
+
+class LoraWeight(nnx.Module):
+    """A weight plus its low-rank delta, read as ``w[...]`` like the `nnx.Param` it
+    replaces.
+
+    Attributes:
+      base: the original weight [*in, *out] (frozen in a LoRA run).
+      lora_a: A [*in, r], he-uniform at init.
+      lora_b: B [r, *out], zero at init.
+      scale: alpha / r.
+    """
+
+    def __init__(self, base: nnx.Param, num_in: int, rank: int, alpha: float, *, rngs: nnx.Rngs):
+        shape, axes = base.shape, logical_axes_of(base) or (None,) * base.ndim
+        in_shape, out_shape = shape[:num_in], shape[num_in:]
+        # Adapters train in at least float32 whatever the base's storage dtype.
+        dtype = jnp.promote_types(base.dtype, jnp.float32)
+        init_a = nnx.initializers.he_uniform(in_axis=tuple(range(num_in)), out_axis=-1)
+        self.base = base
+        self.scale = float(alpha) / rank
+        self.lora_a = nnx.LoRAParam(
+            init_a(rngs.params(), (*in_shape, rank), jnp.float32).astype(dtype),
+            out_sharding=(*axes[:num_in], None),
+            eager_sharding=False,
+        )
+        self.lora_b = nnx.LoRAParam(
+            jnp.zeros((rank, *out_shape), dtype),
+            out_sharding=(None, *axes[num_in:]),
+            eager_sharding=False,
+        )
+
+    def delta(self) -> jax.Array:
+        """(alpha / r) A @ B, the base weight's shape, in the adapters' dtype."""
+        return self.scale * jnp.tensordot(self.lora_a[...], self.lora_b[...], axes=1)
+
+    def __getitem__(self, index) -> jax.Array:
+        """The adapted weight W + (alpha / r) A @ B (float32 or wider), indexed."""
+        return (self.base[...] + self.delta())[index]
+
+
+def _adapted(model, config: LoraConfig):
+    """(module, attribute, num_in) of every projection `config.targets` names."""
+    for layer in model.layers:
+        for name in config.targets:
+            module_name, attribute, num_in = PROJECTIONS[name]
+            yield getattr(layer, module_name), attribute, num_in
+
+
+def apply_lora(model: nnx.Module, config: LoraConfig, *, rngs: nnx.Rngs) -> nnx.Module:
+    """Adds adapters to `model` (a `Decoder`) in place on `config.targets`; returns it.
+
+    With ``config.rank == 0`` the model is returned unchanged. The adapted model's
+    outputs equal the base's until B moves away from zero.
+
+    Args:
+      model: a `gac_jax.models.Decoder` without adapters.
+      config: rank, alpha and targets (validated here).
+      rngs: `rngs.params` draws the A factors.
+    """
+    config.validate()
+    if config.rank == 0:
+        return model
+    for module, attribute, _ in _adapted(model, LoraConfig(targets=tuple(PROJECTIONS))):
+        if isinstance(getattr(module, attribute), LoraWeight):
+            raise ValueError("the model already has LoRA adapters; apply_lora it once.")
+    for module, attribute, num_in in _adapted(model, config):
+        base = getattr(module, attribute)
+        setattr(module, attribute, LoraWeight(base, num_in, config.rank, config.alpha, rngs=rngs))
+    return model
+
+
+def merge_lora(model: nnx.Module) -> nnx.Module:
+    """A plain `Decoder` with every adapter folded in, ``W + (alpha / r) A @ B`` in the
+    base weight's dtype; `model` is left as it is (unadapted weights are shared)."""
+    # New modules; the variables (shared with `model`) are replaced, never written to.
+    model = nnx.merge(*nnx.split(model))
+    for module, attribute, _ in _adapted(model, LoraConfig(targets=tuple(PROJECTIONS))):
+        weight = getattr(module, attribute)
+        if isinstance(weight, LoraWeight):
+            merged = weight[...].astype(weight.base.dtype)
+            setattr(module, attribute, nnx.Param(merged, **weight.base.get_metadata()))
+    return model
+
+
+def _merged_state(graphdef, params, frozen) -> nnx.State:
+    return nnx.state(merge_lora(nnx.merge(graphdef, params, frozen)))
+
+
+class Policy:
+    """The decoder a learner's sampler runs: its own graphdef and params, or, for a
+    learner with frozen params (LoRA), the merged plain decoder's (a jitted merge, laid
+    out on the learner's mesh as a plain learner's params would be).
+
+    Attributes:
+      graphdef: the graphdef the sampler merges the params with.
+    """
+
+    def __init__(self, learner):
+        self._learner = learner
+        self.graphdef = learner.graphdef
+        self._merge = self._like = None
+        if learner.frozen is None:
+            return
+        abstract = nnx.eval_shape(lambda: merge_lora(learner.model()))
+        self.graphdef, state = nnx.split(abstract)
+        shardings = state_shardings(state, learner.mesh, learner.rules)
+        self._like = jax.tree.map(
+            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, shardings
+        )
+        merge = functools.partial(_merged_state, learner.graphdef)
+        self._merge = jax.jit(merge, out_shardings=shardings)
+
+    def params(self) -> nnx.State:
+        """The current params of the decoder the sampler runs."""
+        if self._merge is None:
+            return self._learner.params
+        return self._merge(self._learner.params, self._learner.frozen)
+
+    def like(self):
+        """A tree with `params()`'s structure and shardings (a restore target)."""
+        return self._learner.params if self._like is None else self._like

@@ -135,6 +135,11 @@ def test_micro_batches_are_exact_with_corrections_and_estimators(setup, loss):
     _assert_same(setup, loss)
 
 
-def test_a_loss_the_learner_cannot_feed_fails_when_configured():
-    with pytest.raises(ValueError, match="not supported by the learner"):
-        LossConfig("tb").validate()
+def test_a_loss_that_reads_whole_groups_refuses_micro_batches():
+    with pytest.raises(ValueError, match="partition function"):
+        make_train_step(
+            nnx.graphdef(models.create_model(CONFIG)),
+            optax.sgd(0.1),
+            LossConfig("tb"),
+            micro_batches=2,
+        )

@@ -17,7 +17,7 @@ from gac_jax.learner import (
     make_train_step,
     per_example_grad_sq_norms,
 )
-from gac_jax.learner import step as step_module
+from gac_jax.learner import update as update_module
 from gac_jax.models import chunked_token_logps_and_entropy, token_logps_from_logits
 from gac_jax.rollout import Rollout, collate
 
@@ -228,7 +228,7 @@ def test_learner_step_equals_the_dense_step(loss, micro_batches, monkeypatch):
         return jax.device_get(jax.jit(step)(params, tx.init(params), batch, jnp.int32(1)))
 
     chunked = run(3)  # T = 11: ten positions in four chunks of 3, padded by 2.
-    monkeypatch.setattr(step_module, "token_logps_and_entropy", _dense_token_logps_and_entropy)
+    monkeypatch.setattr(update_module, "token_logps_and_entropy", _dense_token_logps_and_entropy)
     dense = run(3)
     assert chunked[2].keys() == dense[2].keys()
     for key in dense[2]:

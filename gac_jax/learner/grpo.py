@@ -67,6 +67,12 @@ class LearnerConfig:
       reference_offload: keep the frozen reference policy (a KL penalty, `tb`) in host
         memory between uses; it is copied to the devices for the batch's one reference
         pass. Saves a params-sized buffer per device, costs one transfer per batch.
+      noise_scale: log each update's gradient noise scale estimate (`noise/grad_sq`,
+        `noise/trace`, `noise/b_simple`, `noise/batch_size`: McCandlish et al.'s two
+        batch sizes, from the micro-batches and the whole mini-batch); needs
+        micro_batches >= 2.
+      policy_change: log how far each batch's updates moved the policy on its tokens
+        (`policy_change/kl`, `policy_change/log_ratio_sq`; one more forward pass).
     """
 
     micro_batches: int = 1
@@ -78,6 +84,8 @@ class LearnerConfig:
     shuffle: bool = True
     shuffle_seed: int = 0
     reference_offload: bool = False
+    noise_scale: bool = False
+    policy_change: bool = False
 
     @property
     def updates_per_batch(self) -> int:
@@ -90,12 +98,17 @@ class LearnerConfig:
             m = getattr(self, name)
             if isinstance(m, bool) or not isinstance(m, int) or m < 1:
                 raise ValueError(f"{name}={m!r} must be an int >= 1.")
-        for name in ("shuffle", "reference_offload"):
+        for name in ("shuffle", "reference_offload", "noise_scale", "policy_change"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be true or false.")
         seed = self.shuffle_seed
         if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
             raise ValueError(f"shuffle_seed={seed!r} must be an int >= 0.")
+        if self.noise_scale and self.micro_batches < 2:
+            raise ValueError(
+                "noise_scale=true compares micro-batch gradients with the whole one: it needs "
+                f"micro_batches >= 2, got {self.micro_batches}."
+            )
         k = self.max_consecutive_nonfinite
         if isinstance(k, bool) or not isinstance(k, int) or k < 1:
             raise ValueError(f"max_consecutive_nonfinite={k!r} must be an int >= 1.")
@@ -161,6 +174,8 @@ class GRPOLearner(ShardedLearner):
             seed=self.config.shuffle_seed,
             place_reference=self._reference_to_devices,
             shard_rows=self._shard_rows,
+            noise_scale=self.config.noise_scale,
+            policy_change=self.config.policy_change,
         )
         step = self._make_step(micro_batches=self.micro_batches)
         super().__init__(model, tx, mesh, step, num_extra=2, rules=rules, trainable=trainable)

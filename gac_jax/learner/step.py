@@ -38,6 +38,7 @@ from gac_jax.learner.update import (  # noqa: F401 - guarded_update is part of t
     whole_batch_logp,
 )
 from gac_jax.models.scoring import DEFAULT_CHUNK_SIZE
+from gac_jax.numerics import masked_mean
 
 
 def per_example_grad_sq_norms(
@@ -110,6 +111,20 @@ def _batch_metrics(batch: TrainBatch, learner_version, adv_n) -> dict[str, jax.A
     }
 
 
+def _policy_change(forward_fn, params, batch: TrainBatch, before, parts: int, frozen):
+    """How far the updates moved the policy on the batch's tokens (`make_train_step`)."""
+    chunks = jax.tree.map(lambda x: split_rows(x, parts), batch)
+    after = whole_batch_logp(functools.partial(forward_fn, frozen=frozen), params, chunks)
+    delta = jnp.where(batch.loss_mask, after - before, 0.0)
+    return {
+        "policy_change/kl": masked_mean(
+            objectives.kl_estimate(jnp.zeros_like(delta), delta, estimator="k3"),
+            batch.loss_mask,
+        ),
+        "policy_change/log_ratio_sq": masked_mean(0.5 * delta * delta, batch.loss_mask),
+    }
+
+
 def _check_count(name: str, value) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name}={value!r} must be an int >= 1.")
@@ -128,6 +143,8 @@ def make_train_step(
     logits_chunk_size: int = DEFAULT_CHUNK_SIZE,
     place_reference=None,
     shard_rows=None,
+    noise_scale: bool = False,
+    policy_change: bool = False,
 ):
     """The step function (not jitted: the learner adds shardings and donation).
 
@@ -153,6 +170,15 @@ def make_train_step(
         host memory to the devices when the learner offloads them); None: as given.
       shard_rows: applied to every per-row array after shuffling (the learner's sharding
         constraint, so a shuffled batch stays split over devices); None: none.
+      noise_scale: log each update's gradient noise scale estimate (`noise/*`,
+        `noise_scale_metrics`) from its micro-batches' and its whole gradient (needs
+        micro_batches >= 2).
+      policy_change: log how far the batch's updates moved the policy, on the batch's
+        tokens (one more forward pass): ``policy_change/kl``, the mean k3 estimate of
+        KL(pi_before || pi_after), and ``policy_change/log_ratio_sq``, the mean of
+        ``(log pi_after - log pi_before)^2 / 2``. The tokens are the behaviour policy's
+        samples, so these are the change where the data lies (exact sampling estimates
+        only for on-policy data).
 
     The step takes `reference` (the frozen reference policy's params, needed when the
     objective `needs_reference`) and `frozen` (the untrained rest of the model, merged
@@ -176,9 +202,14 @@ def make_train_step(
             f"policy_loss={objective.config.policy_loss!r} estimates each group's partition "
             "function from the rows it is given: use micro_batches=1, mini_batches=1, epochs=1."
         )
+    if noise_scale and m < 2:
+        raise ValueError(
+            "noise_scale compares micro-batch gradients with the whole one: it needs "
+            f"micro_batches >= 2, got {m}."
+        )
     c = logits_chunk_size
     forward_fn = functools.partial(forward, graphdef, logits_chunk_size=c)
-    update = make_update(graphdef, tx, objective, m, c)
+    update = make_update(graphdef, tx, objective, m, c, noise_scale)
     place_reference = place_reference or (lambda r: r)
     shard_rows = shard_rows or (lambda x: x)
 
@@ -197,7 +228,7 @@ def make_train_step(
             needs_current = objective.spec.needs_proximal
         else:  # One update: whole-batch statistics over micro-batches read it.
             needs_current = m > 1 and objective.spec.batch_statistics is not None
-        needs_current = needs_current or objective.needs_log_weights
+        needs_current = needs_current or objective.needs_log_weights or policy_change
         if needs_current:
             current = whole_batch_logp(functools.partial(forward_fn, frozen=frozen), params, chunks)
         inputs, extra_metrics = {}, {}
@@ -260,6 +291,8 @@ def make_train_step(
             params, opt_state, update_metrics = passes(
                 params, opt_state, batch, inputs, learner_version, frozen
             )
+        if policy_change:
+            metrics.update(_policy_change(forward_fn, params, batch, current, m * k, frozen))
         metrics = {**_batch_metrics(batch, learner_version, adv_n), **metrics, **update_metrics}
         return params, opt_state, metrics
 

@@ -115,14 +115,53 @@ def guarded_update(tx, grads, opt_state, params, loss, rewards=None, **extra_arg
     return params, opt_state, metrics
 
 
-def make_update(graphdef, tx, objective: Objective, micro_batches: int, logits_chunk_size: int):
+def noise_scale_metrics(small_sq, small_size, big_sq, big_size) -> dict[str, jax.Array]:
+    r"""McCandlish et al.'s two-batch-size estimate of the gradient noise scale
+    (arXiv 1812.06162, App. A.1) from the squared norms of mean gradients over batches of
+    two sizes:
+
+    .. math::
+
+        |G|^2 pprox rac{B_{big}|G_{big}|^2 - B_{small}|G_{small}|^2}{B_{big} - B_{small}},
+        \qquad
+        \operatorname{tr}\Sigma pprox rac{|G_{small}|^2 - |G_{big}|^2}
+                                            {1/B_{small} - 1/B_{big}},
+        \qquad
+        B_{simple} = \operatorname{tr}\Sigma / |G|^2
+
+    Each estimate is unbiased but noisy from one step; average `noise/grad_sq` and
+    `noise/trace` over steps before taking their ratio, as the paper does. Sizes are in the
+    loss normaliser's unit (tokens for token-mean, sequences for sequence means).
+    """
+    span = big_size - small_size
+    grad_sq = (big_size * big_sq - small_size * small_sq) / jnp.where(span > 0, span, 1.0)
+    inverse_span = 1.0 / jnp.maximum(small_size, 1e-12) - 1.0 / jnp.maximum(big_size, 1e-12)
+    trace = (small_sq - big_sq) / jnp.where(inverse_span > 0, inverse_span, 1.0)
+    return {
+        "noise/grad_sq": grad_sq,
+        "noise/trace": trace,
+        "noise/b_simple": trace / jnp.where(grad_sq != 0, grad_sq, 1.0),
+        "noise/batch_size": big_size,
+    }
+
+
+def make_update(
+    graphdef,
+    tx,
+    objective: Objective,
+    micro_batches: int,
+    logits_chunk_size: int,
+    noise_scale: bool = False,
+):
     """``update(params, opt_state, rows, inputs, frozen, current_logp) -> (params, opt_state,
     metrics)``: one optimizer step on the mini-batch `rows`.
 
     `inputs` holds per-row arrays: ``advantages`` [N] (raw rewards for a loss that takes
     them) and, when the objective reads them, ``proximal_logp`` and ``reference_logp``
     [N, T]. `current_logp`: the rows' log-probs under `params`, when the caller has them
-    (saves a forward pass for whole-batch statistics), else None.
+    (saves a forward pass for whole-batch statistics), else None. With `noise_scale`
+    (micro_batches >= 2), the metrics also hold `noise_scale_metrics` of the micro-batches'
+    and the mini-batch's mean gradients.
     """
     m = micro_batches
     forward_fn = functools.partial(forward, graphdef, logits_chunk_size=logits_chunk_size)
@@ -150,10 +189,11 @@ def make_update(graphdef, tx, objective: Objective, micro_batches: int, logits_c
         def accumulate(grads, xs):
             chunk, inputs, stats = xs
             (scaled, aux), g = grad_fn(params, chunk, inputs, stats, frozen)
-            return jax.tree.map(jnp.add, grads, g), (scaled, *aux)
+            g_sq = optax.tree.norm(g, squared=True) if noise_scale else jnp.zeros(())
+            return jax.tree.map(jnp.add, grads, g), (scaled, *aux, g_sq)
 
         zeros = jax.tree.map(jnp.zeros_like, params)
-        grads, (scaled, sizes, logps, entropies) = jax.lax.scan(
+        grads, (scaled, sizes, logps, entropies, g_sqs) = jax.lax.scan(
             accumulate, zeros, (chunks, chunk_inputs, stat_chunks)
         )
         total = jnp.sum(scaled)
@@ -162,7 +202,13 @@ def make_update(graphdef, tx, objective: Objective, micro_batches: int, logits_c
             inverse = jnp.where(norm > 0, 1.0 / jnp.where(norm > 0, norm, 1.0), 0.0)
             grads = jax.tree.map(lambda g: (g * inverse).astype(g.dtype), grads)
             total = total * inverse
-        return grads, total, merge_rows(logps), merge_rows(entropies)
+        noise = {}
+        if noise_scale:  # Micro-batch j's mean gradient is its scaled gradient / its size.
+            sizes = sizes.astype(jnp.float32)
+            small_sq = jnp.mean(g_sqs / jnp.maximum(sizes, 1e-12) ** 2)
+            big_sq = optax.tree.norm(grads, squared=True)
+            noise = noise_scale_metrics(small_sq, jnp.mean(sizes), big_sq, jnp.sum(sizes))
+        return grads, total, merge_rows(logps), merge_rows(entropies), noise
 
     def update(params, opt_state, rows: TrainBatch, inputs, frozen=None, current_logp=None):
         chunks = jax.tree.map(lambda x: split_rows(x, m), rows)
@@ -179,7 +225,7 @@ def make_update(graphdef, tx, objective: Objective, micro_batches: int, logits_c
             None if statistics is None else jax.tree.map(lambda x: split_rows(x, m), statistics)
         )
         chunk_inputs = jax.tree.map(lambda x: split_rows(x, m), inputs)
-        grads, total, logp, entropy = accumulated_grads(
+        grads, total, logp, entropy, noise = accumulated_grads(
             params, chunks, chunk_inputs, stat_chunks, frozen
         )
         # Diagnostics of the whole mini-batch, from the log-probs the update saw.
@@ -211,6 +257,7 @@ def make_update(graphdef, tx, objective: Objective, micro_batches: int, logits_c
             "loss/entropy": masked_mean(entropy, rows.loss_mask),
             **objectives.off_policy_diagnostics(logp, rows.behaviour_logp, rows.loss_mask),
             **update_metrics,
+            **noise,
         }
         return params, opt_state, metrics
 

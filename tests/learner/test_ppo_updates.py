@@ -1,4 +1,5 @@
-"""Mini-batch PPO updates, the reference model's KL penalty and the entropy bonus.
+"""Mini-batch PPO updates, the reference model's KL penalty, the entropy bonus, and the
+learner's diagnostics of gradient noise and policy change.
 
 The mini-batch test unrolls decoupled PPO's four updates by hand: the proximal log-probs
 are taken once under the starting params, each mini-batch's loss gradient with respect to
@@ -18,6 +19,7 @@ from flax import nnx
 
 from gac_jax import models
 from gac_jax.learner import GRPOLearner, LearnerConfig, LossConfig, TrainBatch, make_train_step
+from gac_jax.learner.update import noise_scale_metrics
 from gac_jax.models.scoring import token_logps_and_entropy
 from gac_jax.rollout import Rollout, collate
 
@@ -242,3 +244,74 @@ def test_learner_logs_every_optimizer_step(model_and_batch):
     assert metrics["grad_norm"] == updates[-1]["grad_norm"]
     assert len({u["grad_norm"] for u in updates}) == 4  # Four different updates.
     assert isinstance(metrics["reward"], float)
+
+
+def test_noise_scale_estimator_is_unbiased_on_synthetic_gradients():
+    """Per-example gradients G + noise with a known covariance: averaged over many draws,
+    the two-batch-size estimates recover |G|^2 and tr(Sigma)."""
+    rng = np.random.default_rng(0)
+    dim, small, parts = 6, 4, 8
+    g_true = rng.normal(size=dim)
+    scales = rng.uniform(0.5, 2.0, dim)  # Sigma = diag(scales^2).
+    estimates = []
+    for _ in range(4000):
+        examples = g_true + scales * rng.normal(size=(small * parts, dim))
+        micro = examples.reshape(parts, small, dim).mean(axis=1)
+        small_sq = np.mean(np.sum(micro**2, axis=1))
+        big_sq = np.sum(examples.mean(axis=0) ** 2)
+        estimates.append(
+            jax.device_get(noise_scale_metrics(small_sq, small, big_sq, small * parts))
+        )
+    grad_sq = np.mean([e["noise/grad_sq"] for e in estimates])
+    trace = np.mean([e["noise/trace"] for e in estimates])
+    np.testing.assert_allclose(grad_sq, np.sum(g_true**2), rtol=0.05)
+    np.testing.assert_allclose(trace, np.sum(scales**2), rtol=0.05)
+
+
+def test_the_steps_noise_scale_comes_from_its_micro_batch_gradients(model_and_batch):
+    graphdef, params, batch = model_and_batch
+    loss = LossConfig(policy_loss="reinforce")
+    tx = optax.chain(optax.sgd(0.0))
+    step = jax.jit(make_train_step(graphdef, tx, loss, micro_batches=4, noise_scale=True))
+    _, _, metrics = step(params, tx.init(params), batch, jnp.int32(1))
+
+    # REINFORCE's token-mean gradient, -sum(w A grad log pi) / tokens, in float64 weights.
+    adv = _grpo_advantages_np(batch.rewards, batch.group_ids)
+    logp, _ = _logp_fn(graphdef, batch)(params)
+    mask = np.asarray(batch.loss_mask)
+    w = np.exp(np.asarray(logp, np.float64) - np.asarray(batch.behaviour_logp, np.float64))
+    sq_norms, sizes = [], []
+    for rows in [np.arange(j, 16, 4) for j in range(4)] + [np.arange(16)]:
+        mini = _rows(batch, rows)
+        _, pullback = jax.vjp(_logp_fn(graphdef, mini), params)
+        tokens = mask[rows].sum()
+        cotangent = np.where(mask[rows], -w[rows] * adv[rows, None] / tokens, 0.0)
+        (grads,) = pullback((jnp.asarray(cotangent, jnp.float32), jnp.zeros(mask[rows].shape)))
+        sq_norms.append(sum(np.sum(np.asarray(g, np.float64) ** 2) for g in jax.tree.leaves(grads)))
+        sizes.append(tokens)
+    want = noise_scale_metrics(np.mean(sq_norms[:4]), np.mean(sizes[:4]), sq_norms[4], sizes[4])
+    for key in ("noise/grad_sq", "noise/trace", "noise/b_simple", "noise/batch_size"):
+        np.testing.assert_allclose(float(metrics[key]), float(want[key]), rtol=1e-3, err_msg=key)
+
+
+def test_noise_scale_needs_micro_batches(model_and_batch):
+    graphdef, _, _ = model_and_batch
+    with pytest.raises(ValueError, match="micro_batches >= 2"):
+        make_train_step(graphdef, optax.sgd(0.1), LossConfig(), noise_scale=True)
+
+
+def test_policy_change_measures_the_updates_move(model_and_batch):
+    graphdef, params, batch = model_and_batch
+    tx = optax.chain(optax.sgd(LR))
+    step = jax.jit(make_train_step(graphdef, tx, LossConfig(), policy_change=True))
+    new_params, _, metrics = step(params, tx.init(params), batch, jnp.int32(1))
+    before, _ = _logp_fn(graphdef, batch)(params)
+    after, _ = _logp_fn(graphdef, batch)(new_params)
+    mask = np.asarray(batch.loss_mask)
+    delta = np.asarray(after, np.float64) - np.asarray(before, np.float64)
+    kl = np.exp(delta) - 1 - delta  # k3 of KL(before || after), samples as from `before`.
+    np.testing.assert_allclose(float(metrics["policy_change/kl"]), kl[mask].mean(), rtol=1e-3)
+    np.testing.assert_allclose(
+        float(metrics["policy_change/log_ratio_sq"]), (0.5 * delta**2)[mask].mean(), rtol=1e-3
+    )
+    assert float(metrics["policy_change/kl"]) > 0

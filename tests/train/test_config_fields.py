@@ -193,6 +193,18 @@ FIELDS = {
     "learner.epochs": ("2", lambda b, _: _step_arguments(b)["epochs"], 2, "0"),
     "learner.shuffle": ("false", lambda b, _: _step_arguments(b)["shuffle"], False, "maybe"),
     "learner.shuffle_seed": ("7", lambda b, _: _step_arguments(b)["seed"], 7, "-1"),
+    "learner.noise_scale": (
+        "true",
+        lambda b, _: _step_arguments(b)["noise_scale"],
+        True,
+        "sometimes",
+    ),
+    "learner.policy_change": (
+        "true",
+        lambda b, _: _step_arguments(b)["policy_change"],
+        True,
+        "sometimes",
+    ),
     "learner.reference_offload": (
         "true",
         lambda b, _: jax.tree.leaves(b["run"].learner.reference)[0].sharding.memory_kind,
@@ -299,6 +311,7 @@ CONTEXT = {
     "loss.kl_estimator": ["loss.kl_coef=0.1"],
     "loss.kl_penalty": ["loss.kl_coef=0.1"],
     "learner.reference_offload": ["loss.kl_coef=0.1"],
+    "learner.noise_scale": ["learner.micro_batches=2"],
     "loss.correction": ["loss.policy_loss=reinforce"],
     "loss.correction_kwargs": ["loss.policy_loss=reinforce", "loss.correction=mis"],
     "generation.slots": ["generation.sampler=refill"],

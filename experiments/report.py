@@ -4,7 +4,8 @@ Reads experiments/runs/lagged (diagnosis.py, cures.py, gac_defaults.py, controls
 experiments/runs/async (real_async.py); writes experiments/results/*.png and *.csv, and
 rewrites the generated blocks (between ``<!-- BEGIN name -->`` and ``<!-- END name -->``)
 of experiments/RESULTS.md.
-Runs that have not finished are left out; a table lists how many seeds it holds.
+Runs that have not finished are left out; a table lists how many seeds it holds. A table
+refuses runs made by two code versions unless --allow-mixed (then a note under it says so).
 
     python experiments/report.py
 """
@@ -32,6 +33,7 @@ from gac_jax.train.sweeps import (
 
 LAGS = (0, 1, 2, 4, 8, 16)
 CURE_LAGS = (8, 16)
+ALLOW_MIXED = False  # --allow-mixed: tables may mix runs of two code versions.
 
 
 def _runs(root: Path, label: str) -> list[list[dict]]:
@@ -79,14 +81,15 @@ HEADERS = {
 
 def _rows(chosen, keys) -> list[dict]:
     """Mean ± std over seeds of `keys` per label, and how many seeds collapsed (and when)."""
-    rows = aggregate(chosen, keys)
+    rows = aggregate(chosen, keys, allow_mixed=ALLOW_MIXED)
     for row in rows:
         row["collapsed"] = _collapses(chosen, row["label"])
     return rows
 
 
 def _table(rows, columns) -> str:
-    return markdown_table(rows, {key: HEADERS[key] for key in ["label", "seeds", *columns]})
+    columns = {key: HEADERS[key] for key in ["label", "seeds", *columns]}
+    return markdown_table(rows, columns, allow_mixed=ALLOW_MIXED)
 
 
 def _collapses(summaries, label) -> str:
@@ -197,11 +200,12 @@ def cures(summaries, root: Path, out: Path) -> dict[str, str]:
                 title=f"Batch reward at staleness k={k} (mean over seeds, range shaded)",
             )
     if any(bars.values()):
+        sync_row = aggregate(sync, keys, allow_mixed=ALLOW_MIXED)[0] if sync else None
         plot_grouped_bars(
             bars,
             out / "cures_accuracy.png",
             ylabel="final held-out pass@1",
-            reference=("sync (k=0)", aggregate(sync, keys)[0]["final_accuracy"]) if sync else None,
+            reference=("sync (k=0)", sync_row["final_accuracy"]) if sync_row else None,
             title="Final held-out accuracy per method (mean ± std over seeds)",
         )
     return tables
@@ -277,7 +281,10 @@ def smaller_lr(summaries, out: Path) -> dict[str, str]:
     )
     # The 6e-4 runs of the same methods, for the bars beside the 4e-4 ones.
     base_labels = [f"{m}/k{k}" for k in LAGS for m in METHODS]
-    by_label = {r["label"]: r for r in rows + aggregate(_select(summaries, base_labels), keys)}
+    by_label = {
+        r["label"]: r
+        for r in rows + aggregate(_select(summaries, base_labels), keys, allow_mixed=ALLOW_MIXED)
+    }
     bars = {
         f"k={k}, lr {lr:g}": {
             m: (by_label[x]["final_accuracy"], by_label[x]["final_accuracy_std"])
@@ -319,7 +326,9 @@ def real_async(summaries, lagged, root: Path, out: Path) -> dict[str, str]:
     )
     for row in rows:
         method = row["label"].split("/")[0]
-        match = aggregate(_select(lagged, [f"{method}/k8"]), ["final_accuracy"])
+        match = aggregate(
+            _select(lagged, [f"{method}/k8"]), ["final_accuracy"], allow_mixed=ALLOW_MIXED
+        )
         row["lagged_k8"] = match[0]["final_accuracy"] if match else float("nan")
     table = _table(
         rows,
@@ -404,7 +413,14 @@ def main():
         default="experiments/RESULTS.md",
         help="the Markdown file whose generated blocks are rewritten; 'none' to skip",
     )
+    parser.add_argument(
+        "--allow-mixed",
+        action="store_true",
+        help="let a table hold runs of two code versions (a note under it names them)",
+    )
     args = parser.parse_args()
+    global ALLOW_MIXED
+    ALLOW_MIXED = args.allow_mixed
     args.out.mkdir(parents=True, exist_ok=True)
     lagged = load_summaries(args.lagged) if args.lagged.exists() else []
     asynchronous = load_summaries(args.async_root) if args.async_root.exists() else []

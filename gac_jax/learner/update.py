@@ -166,18 +166,23 @@ def make_update(
     m = micro_batches
     forward_fn = functools.partial(forward, graphdef, logits_chunk_size=logits_chunk_size)
 
+    def rows_loss(rows: TrainBatch, logp, entropy, inputs, statistics):
+        """The objective of `rows` whose log-probs and entropies are given."""
+        extra = {k: v for k, v in inputs.items() if k != "advantages"}
+        return objective.loss(
+            logp,
+            rows.behaviour_logp,
+            inputs["advantages"],
+            rows.loss_mask,
+            statistics,
+            group_ids=rows.group_ids,
+            entropy=entropy,
+            **extra,
+        )
+
     def chunk_loss(params, chunk: TrainBatch, inputs, statistics, frozen):
         logp, entropy = forward_fn(params, chunk, frozen=frozen)
-        loss, _, size = objective.loss(
-            logp,
-            chunk.behaviour_logp,
-            inputs["advantages"],
-            chunk.loss_mask,
-            statistics,
-            group_ids=chunk.group_ids,
-            entropy=entropy,
-            **{k: v for k, v in inputs.items() if k != "advantages"},
-        )
+        loss, _, size = rows_loss(chunk, logp, entropy, inputs, statistics)
         # With several micro-batches each loss is weighted by its normaliser's size; the
         # sum is divided by the total size once all are seen.
         scaled = loss * _sg(size) if m > 1 else loss
@@ -229,17 +234,7 @@ def make_update(
             params, chunks, chunk_inputs, stat_chunks, frozen
         )
         # Diagnostics of the whole mini-batch, from the log-probs the update saw.
-        extra = {k: v for k, v in inputs.items() if k != "advantages"}
-        _, aux, _ = objective.loss(
-            logp,
-            rows.behaviour_logp,
-            inputs["advantages"],
-            rows.loss_mask,
-            statistics,
-            group_ids=rows.group_ids,
-            entropy=entropy,
-            **extra,
-        )
+        _, aux, _ = rows_loss(rows, logp, entropy, inputs, statistics)
         log_w = objectives.sequence_log_ratio(logp, rows.behaviour_logp, rows.loss_mask)
         params, opt_state, update_metrics = guarded_update(
             tx,

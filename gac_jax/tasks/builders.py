@@ -23,7 +23,6 @@ Example::
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import random
@@ -34,6 +33,7 @@ import numpy as np
 import tensorflow_datasets as tfds
 from tensorflow_datasets.text.gsm8k import gsm8k as _tfds_gsm8k
 
+from gac_jax._quiet import absl_records_dropped
 from gac_jax.tasks import arithmetic, countdown
 from gac_jax.tasks.gsm8k import GSM8K_FILES
 
@@ -49,27 +49,11 @@ __all__ = [
 _FILE_FORMAT = "array_record"
 
 
-class _DropUnpreparedNotice(logging.Filter):
-    """Drops tfds's "Variant folder ... has no dataset_info.json" warning: tfds logs it
-    whenever it checks a dataset that is not prepared yet, which on a first run is the
-    expected state, not a problem (the data is then prepared)."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not (
-            record.msg == "Variant folder %s has no %s" and "dataset_info" in str(record.args)
-        )
-
-
-@contextlib.contextmanager
-def _quiet_unprepared_notice():
-    """Only that record of the ``absl`` logger (tfds logs through absl), only inside."""
-    notice_filter = _DropUnpreparedNotice()
-    absl_logger = logging.getLogger("absl")
-    absl_logger.addFilter(notice_filter)
-    try:
-        yield
-    finally:
-        absl_logger.removeFilter(notice_filter)
+def _unprepared_notice(record: logging.LogRecord) -> bool:
+    """tfds's "Variant folder ... has no dataset_info.json" warning: tfds logs it whenever
+    it checks a dataset that is not prepared yet, which on a first run is the expected
+    state, not a problem (the data is then prepared)."""
+    return record.msg == "Variant folder %s has no %s" and "dataset_info" in str(record.args)
 
 
 def _distinct_problems(
@@ -115,7 +99,7 @@ class _LocalBuilder(tfds.core.GeneratorBasedBuilder, skip_registration=True):
     RELEASE_NOTES = {"1.0.0": "Initial release."}
 
     def __init__(self, *, file_format: str | None = _FILE_FORMAT, **kwargs):
-        with _quiet_unprepared_notice():
+        with absl_records_dropped(_unprepared_notice):
             super().__init__(file_format=file_format, **kwargs)
 
     def _problems(self) -> list:
@@ -364,7 +348,7 @@ class Gsm8k(_tfds_gsm8k.Gsm8k, skip_registration=True):
     )
 
     def __init__(self, *, file_format: str | None = _FILE_FORMAT, **kwargs):
-        with _quiet_unprepared_notice():
+        with absl_records_dropped(_unprepared_notice):
             super().__init__(file_format=file_format, **kwargs)
 
     def _split_generators(self, dl_manager: tfds.download.DownloadManager):
@@ -408,7 +392,7 @@ def prepare_source(
     Raises:
       ValueError: if `split` is not a split of the prepared data.
     """
-    with _quiet_unprepared_notice():
+    with absl_records_dropped(_unprepared_notice):
         if not builder.is_prepared():
             builder.download_and_prepare(download_config=download_config)
     splits = sorted(builder.info.splits.keys())

@@ -36,6 +36,8 @@ import jax
 import orbax.checkpoint as ocp
 from flax import nnx
 
+from gac_jax._quiet import absl_records_dropped
+
 __all__ = [
     "Checkpoint",
     "CheckpointManager",
@@ -109,26 +111,11 @@ def abstract_tree(tree, shardings=None):
     )
 
 
-class _DropReadOnlyNotice(logging.Filter):
-    """Drops orbax's "Given directory is read only" record, which it logs as a warning for
-    every read-only manager: reading a checkpoint (the shipped warm start, ``eval``) is
-    the intended use, not a problem to report."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not record.getMessage().startswith("Given directory is read only")
-
-
-@contextlib.contextmanager
-def _quiet_read_only_notice():
-    """Only that one record of the ``absl`` logger (orbax logs through absl) is dropped,
-    and only while a read-only manager opens."""
-    notice_filter = _DropReadOnlyNotice()
-    absl_logger = logging.getLogger("absl")
-    absl_logger.addFilter(notice_filter)
-    try:
-        yield
-    finally:
-        absl_logger.removeFilter(notice_filter)
+def _read_only_notice(record: logging.LogRecord) -> bool:
+    """orbax's "Given directory is read only" record, which it logs as a warning for every
+    read-only manager: reading a checkpoint (the shipped warm start, ``eval``) is the
+    intended use, not a problem to report."""
+    return record.getMessage().startswith("Given directory is read only")
 
 
 class CheckpointManager:
@@ -180,7 +167,7 @@ class CheckpointManager:
             # deletes them on opening (a reader never touches the directory).
             cleanup_tmp_directories=not read_only,
         )
-        with _quiet_read_only_notice() if read_only else contextlib.nullcontext():
+        with absl_records_dropped(_read_only_notice) if read_only else contextlib.nullcontext():
             self._manager = ocp.CheckpointManager(
                 self.directory,
                 options=options,

@@ -7,6 +7,10 @@ checkpoint, so a sweep is restarted by running it again. `summarize_run` turns a
 metrics into the numbers the experiments report, `aggregate` gives their mean and std over
 seeds, and `markdown_table` prints them.
 
+A summary records the code that made it (`provenance.code_version`). A sweep refuses a
+summary of other code unless told to retrain it (``--rerun-stale``) or reuse it
+(``--allow-stale``), and a table refuses runs of two code versions unless ``allow_mixed``.
+
     specs = [RunSpec(f"{m}/k8", ("rollout.lag=8", *o), seed)
              for m, o in METHODS.items() for seed in (0, 1, 2)]
     summaries = [run_spec(spec, get_preset("countdown_sweep"), "runs/cures") for spec in specs]
@@ -31,6 +35,13 @@ import numpy as np
 from gac_jax.train.config import TrainConfig
 from gac_jax.train.config_io import apply_overrides, load_config
 from gac_jax.train.metrics import read_metrics
+from gac_jax.train.provenance import (
+    StaleRunError,
+    check_one_version,
+    code_version,
+    runs_by_version,
+    settle_stale,
+)
 
 SUMMARY_FILE = "summary.json"
 
@@ -174,11 +185,16 @@ def run_spec(
     *,
     rule: CollapseRule = CollapseRule(),
     train_fn: Callable[..., Any] | None = None,
+    rerun_stale: bool = False,
+    allow_stale: bool = False,
 ) -> dict[str, Any]:
     """Trains `spec` (unless its summary already exists) and returns its summary.
 
     An existing summary written for a different config is an error: the run directory
-    belongs to another experiment. `train_fn` defaults to `gac_jax.train.train`.
+    belongs to another experiment. One written by other code (`provenance.same_code`) is a
+    `StaleRunError` unless `rerun_stale` (the run directory is deleted and the run trained
+    again from scratch) or `allow_stale` (the summary is returned as it is). `train_fn`
+    defaults to `gac_jax.train.train`.
     """
     from gac_jax.train.loop import config_hash, train
 
@@ -194,7 +210,9 @@ def run_spec(
                 f"{summary.get('config_steps')} steps; this one is {digest}, {config.steps} "
                 "steps): remove the directory or change the sweep's root."
             )
-        return summary
+    settle_stale([path], root, rerun_stale=rerun_stale, allow_stale=allow_stale)
+    if path.exists():
+        return json.loads(path.read_text())
     resumed = (out / "metrics.jsonl").exists()
     started = time.monotonic()
     (train_fn or train)(config, out, resume=True)
@@ -205,6 +223,7 @@ def run_spec(
         "overrides": list(spec.overrides),
         "config_hash": digest,
         "config_steps": config.steps,
+        "code": code_version(),
         "wall_seconds": wall,
         "resumed": resumed,
         "collapse_rule": rule.describe(),
@@ -243,9 +262,16 @@ def load_summaries(root: str | os.PathLike) -> list[dict[str, Any]]:
     return sorted(found, key=lambda s: (s["label"], s["seed"]))
 
 
-def aggregate(summaries: Sequence[Mapping[str, Any]], keys: Sequence[str]) -> list[dict]:
+def aggregate(
+    summaries: Sequence[Mapping[str, Any]], keys: Sequence[str], *, allow_mixed: bool = False
+) -> list[dict]:
     """One row per label, in first-seen order: ``seeds``, ``collapsed`` (how many), and the
-    mean and std (ddof 1; 0 for one seed) of each of `keys` as ``key`` and ``key_std``."""
+    mean and std (ddof 1; 0 for one seed) of each of `keys` as ``key`` and ``key_std``.
+
+    ``code`` maps each code version of the row's runs to those runs. Summaries of more
+    than one code version are an error unless `allow_mixed`.
+    """
+    check_one_version(runs_by_version(summaries), allow_mixed)
     labels: dict[str, list[Mapping[str, Any]]] = {}
     for s in summaries:
         labels.setdefault(s["label"], []).append(s)
@@ -255,6 +281,7 @@ def aggregate(summaries: Sequence[Mapping[str, Any]], keys: Sequence[str]) -> li
             "label": label,
             "seeds": len(group),
             "collapsed": sum(bool(s["collapsed"]) for s in group),
+            "code": runs_by_version(group),
         }
         for key in keys:
             values = np.array([float(s[key]) for s in group], dtype=np.float64)
@@ -265,10 +292,23 @@ def aggregate(summaries: Sequence[Mapping[str, Any]], keys: Sequence[str]) -> li
 
 
 def markdown_table(
-    rows: Sequence[Mapping[str, Any]], columns: Mapping[str, str], *, digits: int = 3
+    rows: Sequence[Mapping[str, Any]],
+    columns: Mapping[str, str],
+    *,
+    digits: int = 3,
+    allow_mixed: bool = False,
 ) -> str:
     """A Markdown table of `rows`; `columns` maps a row key to its header. A key with a
-    ``_std`` partner in the row is printed as ``mean ± std``."""
+    ``_std`` partner in the row is printed as ``mean ± std``.
+
+    Rows of `aggregate` made by more than one code version (their ``code``) are an error
+    unless `allow_mixed`; the table then ends with a note naming the versions and runs.
+    """
+    versions: dict[str, str] = {}
+    for row in rows:
+        for version, runs in row.get("code", {}).items():
+            versions[version] = "; ".join(filter(None, [versions.get(version), runs]))
+    check_one_version(versions, allow_mixed)
     header = "| " + " | ".join(columns.values()) + " |"
     lines = [header, "|" + "---|" * len(columns)]
     for row in rows:
@@ -283,6 +323,9 @@ def markdown_table(
                 cell = str(value)
             cells.append(cell)
         lines.append("| " + " | ".join(cells) + " |")
+    if len(versions) > 1:
+        made_by = "; ".join(f"[{v}]: {runs}" for v, runs in versions.items())
+        lines += ["", f"Mixed code versions (allowed by allow_mixed): {made_by}."]
     return "\n".join(lines)
 
 
@@ -295,6 +338,8 @@ def run_sweep(
     jobs: int = 1,
     shard_arg: str | None = None,
     rule: CollapseRule = CollapseRule(),
+    rerun_stale: bool = False,
+    allow_stale: bool = False,
 ) -> list[dict[str, Any]]:
     """Runs the specs not yet finished under `root` and returns the summaries of `specs`.
 
@@ -302,22 +347,28 @@ def run_sweep(
     i/jobs``), each with XLA on one CPU thread, so the numbers of a run do not depend on
     how many ran side by side; a child (`shard_arg` "i/n") runs every n-th unfinished spec
     from i. Unfinished specs are those without a summary when the process starts, so the
-    children, started together, agree on them.
+    children, started together, agree on them. Finished runs made by other code are
+    refused, retrained or reused as `run_spec` says; the parent settles them all (one error
+    naming every stale run, or their deletion) before it starts the children.
     """
+    stale = {"rerun_stale": rerun_stale, "allow_stale": allow_stale}
 
     def pending():
         return [s for s in specs if not (s.directory(root) / SUMMARY_FILE).exists()]
 
     if shard_arg is None:
+        settle_stale([s.directory(root) / SUMMARY_FILE for s in specs], root, **stale)
         todo = pending()
         if todo:
             run_shards_in_processes([script, *sys.argv[1:]], max(1, min(jobs, len(todo))))
-        return [run_spec(spec, base, root, rule=rule) for spec in specs]
+        # The children's runs belong to this sweep even if the code changed while they ran
+        # (a table of them then refuses to mix the versions).
+        return [run_spec(spec, base, root, rule=rule, allow_stale=True) for spec in specs]
     mine = shard(pending(), *_parse_shard(shard_arg))
     for i, spec in enumerate(mine):
         print(f"[{i + 1}/{len(mine)}] {spec.label} seed {spec.seed}", flush=True)
-        run_spec(spec, base, root, rule=rule)
-    return [run_spec(spec, base, root, rule=rule) for spec in mine]
+        run_spec(spec, base, root, rule=rule, **stale)
+    return [run_spec(spec, base, root, rule=rule, **stale) for spec in mine]
 
 
 def _parse_shard(text: str) -> tuple[int, int]:
@@ -344,6 +395,17 @@ def add_sweep_arguments(parser, *, default_root: str, default_seeds: Sequence[in
         help="base config: a preset or a YAML/JSON file (default: countdown_sweep)",
     )
     parser.add_argument("--shard", default=None, help=argparse.SUPPRESS)  # Set for children.
+    stale = parser.add_mutually_exclusive_group()
+    stale.add_argument(
+        "--rerun-stale",
+        action="store_true",
+        help="retrain from scratch the finished runs made by another code version",
+    )
+    stale.add_argument(
+        "--allow-stale",
+        action="store_true",
+        help="reuse the finished runs made by another code version (default: refuse)",
+    )
     parser.add_argument(
         "--set",
         nargs="+",
@@ -373,11 +435,16 @@ def sweep_main(
     add_sweep_arguments(parser, default_root=default_root, default_seeds=default_seeds)
     parser.set_defaults(jobs=default_jobs)
     args = parser.parse_args()
-    return run_sweep(
-        specs(args.seeds),
-        base_config(args),
-        args.root,
-        script=script,
-        jobs=args.jobs,
-        shard_arg=args.shard,
-    )
+    try:
+        return run_sweep(
+            specs(args.seeds),
+            base_config(args),
+            args.root,
+            script=script,
+            jobs=args.jobs,
+            shard_arg=args.shard,
+            rerun_stale=args.rerun_stale,
+            allow_stale=args.allow_stale,
+        )
+    except StaleRunError as e:
+        raise SystemExit(str(e)) from None

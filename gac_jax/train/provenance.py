@@ -1,0 +1,200 @@
+"""The code version that makes a run: the git commit, uncommitted changes, library versions.
+
+`code_version()` is written into every sweep run's summary, so a sweep can tell a result of
+today's code from one of older code (`gac_jax.train.sweeps`). Only the files that decide
+what a run computes count towards ``dirty``: the package (``gac_jax/``, its assets
+included), the experiment scripts (``experiments/*.py``) and ``pyproject.toml``, tracked
+changes and untracked files alike (git-ignored files such as ``runs/`` never count). Notes,
+tests, README and the generated ``experiments/RESULTS.md`` and plots do not make a run's
+code dirty, so regenerating the report does not make every run stale.
+
+A dirty tree carries ``diff``, a digest of those uncommitted changes (the diff against
+HEAD plus the untracked files' names and bytes), so two runs of the same uncommitted code
+compare equal and runs of different edits do not.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib.metadata
+import json
+import os
+import shutil
+import subprocess
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+# The package's checkout: the directory holding gac_jax/.
+REPO_ROOT = Path(__file__).resolve().parents[2]
+# The paths whose uncommitted changes make the code dirty (git pathspecs).
+CODE_PATHS = ("gac_jax", ":(glob)experiments/*.py", "pyproject.toml")
+GIT_TIMEOUT_SECONDS = 10.0
+LIBRARIES = ("jax", "flax", "optax")
+
+
+def _git(*args: str) -> bytes | None:
+    """Stdout of ``git args`` run in `REPO_ROOT`, or None if git is absent, fails or hangs."""
+    try:
+        done = subprocess.run(
+            ["git", *args],
+            cwd=REPO_ROOT,
+            capture_output=True,
+            timeout=GIT_TIMEOUT_SECONDS,
+            check=False,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return done.stdout if done.returncode == 0 else None
+
+
+def _is_checkout() -> bool:
+    """Whether `REPO_ROOT` is itself the top of a git work tree (not a package installed
+    somewhere inside another repository)."""
+    top = _git("rev-parse", "--show-toplevel")
+    return top is not None and Path(top.decode().strip()).resolve() == REPO_ROOT
+
+
+def _uncommitted_digest() -> str | None:
+    """A digest of the uncommitted changes under `CODE_PATHS`; None when there are none or
+    git fails."""
+    status = _git("status", "--porcelain", "--untracked-files=all", "--", *CODE_PATHS)
+    if not status:
+        return None
+    diff = _git("diff", "HEAD", "--binary", "--no-ext-diff", "--", *CODE_PATHS)
+    untracked = _git("ls-files", "--others", "--exclude-standard", "-z", "--", *CODE_PATHS)
+    if diff is None or untracked is None:
+        return None
+    digest = hashlib.sha256(diff)
+    for name in sorted(n for n in untracked.split(b"\0") if n):
+        digest.update(b"\0" + name + b"\0")
+        try:
+            digest.update((REPO_ROOT / name.decode()).read_bytes())
+        except OSError:
+            pass  # Deleted between the listing and the read: its name still counts.
+    return digest.hexdigest()[:16]
+
+
+def _library_version(name: str) -> str | None:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+@functools.cache
+def code_version() -> dict[str, Any]:
+    """The version of the code this process runs, computed once per process.
+
+    Returns:
+      ``{"commit", "dirty", "diff", "jax", "flax", "optax"}``: the HEAD commit (None when
+      the package is not a git checkout or git is missing), whether `CODE_PATHS` hold
+      uncommitted changes (None without a commit), the digest of those changes (None when
+      clean), and the installed library versions. Never raises.
+    """
+    commit = None
+    dirty = None
+    diff = None
+    if _is_checkout():
+        head = _git("rev-parse", "HEAD")
+        commit = head.decode().strip() if head else None
+    if commit is not None:
+        status = _git("status", "--porcelain", "--untracked-files=all", "--", *CODE_PATHS)
+        dirty = None if status is None else bool(status.strip())
+        diff = _uncommitted_digest() if dirty else None
+    libraries = {name: _library_version(name) for name in LIBRARIES}
+    return {"commit": commit, "dirty": dirty, "diff": diff, **libraries}
+
+
+def same_code(recorded: Mapping[str, Any] | None, current: Mapping[str, Any]) -> bool:
+    """Whether a run recorded as `recorded` was made by the code `current`.
+
+    A run without a record (written before versions were recorded) or without a commit
+    (no git) cannot be shown to be of this code, so it is not; a dirty record matches only
+    the same commit with the same uncommitted changes (`code_version`'s ``diff``).
+    """
+    if not recorded or recorded.get("commit") is None:
+        return False
+    if recorded.get("dirty") and recorded.get("diff") is None:
+        return False  # Dirty, but the changes could not be read.
+    keys = ("commit", "dirty", "diff", *LIBRARIES)
+    return all(recorded.get(k) == current.get(k) for k in keys)
+
+
+def describe(version: Mapping[str, Any] | None) -> str:
+    """One line naming a `code_version()`, e.g. ``commit 9723661c4a1b + uncommitted changes
+    3f2a9c0e1d2b4a5f, jax 0.10.2, flax 0.12.8, optax 0.2.8``; ``no recorded version`` for
+    a summary written before versions were recorded."""
+    if not version:
+        return "no recorded version"
+    commit = version.get("commit")
+    head = "no git commit" if commit is None else f"commit {commit[:12]}"
+    if version.get("dirty"):
+        head += f" + uncommitted changes {version.get('diff') or '(unreadable)'}"
+    libraries = ", ".join(f"{name} {version.get(name)}" for name in LIBRARIES)
+    return f"{head}, {libraries}"
+
+
+class StaleRunError(ValueError):
+    """Finished runs have summaries written by another code version."""
+
+
+def stale_summaries(paths: Sequence[os.PathLike]) -> list[dict[str, Any]]:
+    """The summaries among the ``summary.json`` files `paths` (those that exist) whose
+    ``code`` is not this process's code (`same_code`), each with its path as ``"path"``."""
+    found = []
+    for path in paths:
+        if os.path.exists(path):
+            summary = json.loads(Path(path).read_text())
+            if not same_code(summary.get("code"), code_version()):
+                found.append({**summary, "path": str(path)})
+    return found
+
+
+def settle_stale(
+    paths: Sequence[os.PathLike], root: os.PathLike | str, *, rerun_stale: bool, allow_stale: bool
+) -> None:
+    """Raises `StaleRunError` naming every stale run of the summaries `paths`
+    (`stale_summaries`) and the code versions; with `rerun_stale` deletes their run
+    directories instead (the summary's parent), so they are trained again from scratch;
+    with `allow_stale` does nothing, so they are reused."""
+    if rerun_stale and allow_stale:
+        raise ValueError("rerun_stale=True and allow_stale=True exclude each other.")
+    stale = [] if allow_stale else stale_summaries(paths)
+    if stale and not rerun_stale:
+        made_by = " | ".join(f"{runs} [{v}]" for v, runs in runs_by_version(stale).items())
+        raise StaleRunError(
+            f"{len(stale)} finished run(s) under {root} were made by other code than this "
+            f"[{describe(code_version())}]: {made_by}. Pass --rerun-stale (rerun_stale=True) "
+            "to retrain them or --allow-stale (allow_stale=True) to reuse them."
+        )
+    for summary in stale:
+        shutil.rmtree(Path(summary["path"]).parent)
+
+
+def runs_by_version(summaries: Sequence[Mapping[str, Any]]) -> dict[str, str]:
+    """``{describe(code): "label seeds 0, 1; label seed 2"}``: the runs of sweep
+    `summaries` by the code version that made them, in first-seen order."""
+    seeds: dict[str, dict[str, list[str]]] = {}
+    for s in summaries:
+        by_label = seeds.setdefault(describe(s.get("code")), {})
+        by_label.setdefault(s["label"], []).append(str(s.get("seed")))
+    return {
+        version: "; ".join(
+            f"{label} seed{'s' if len(x) > 1 else ''} {', '.join(x)}" for label, x in labels.items()
+        )
+        for version, labels in seeds.items()
+    }
+
+
+def check_one_version(versions: Mapping[str, str], allow_mixed: bool) -> None:
+    """Raises ValueError if `versions` (`runs_by_version`) holds two code versions or more,
+    unless `allow_mixed`."""
+    if len(versions) > 1 and not allow_mixed:
+        raise ValueError(
+            f"a table would mix runs of {len(versions)} code versions: "
+            + " | ".join(f"[{v}]: {runs}" for v, runs in versions.items())
+            + ". Retrain the stale runs (--rerun-stale) or pass allow_mixed=True "
+            "(--allow-mixed)."
+        )

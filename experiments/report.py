@@ -424,13 +424,16 @@ def main():
     args.out.mkdir(parents=True, exist_ok=True)
     lagged = load_summaries(args.lagged) if args.lagged.exists() else []
     asynchronous = load_summaries(args.async_root) if args.async_root.exists() else []
-    blocks = warm_start_row(args.out)
-    blocks.update(diagnosis(lagged, args.lagged, args.out))
-    blocks.update(cures(lagged, args.lagged, args.out))
-    blocks.update(gac_defaults(lagged, args.out))
-    blocks.update(controls(lagged, args.out))
-    blocks.update(smaller_lr(lagged, args.out))
-    blocks.update(real_async(asynchronous, lagged, args.async_root, args.out))
+    try:
+        blocks = warm_start_row(args.out)
+        blocks.update(diagnosis(lagged, args.lagged, args.out))
+        blocks.update(cures(lagged, args.lagged, args.out))
+        blocks.update(gac_defaults(lagged, args.out))
+        blocks.update(controls(lagged, args.out))
+        blocks.update(smaller_lr(lagged, args.out))
+        blocks.update(real_async(asynchronous, lagged, args.async_root, args.out))
+    except ValueError as error:  # Runs of two code versions in one table, without --allow-mixed.
+        parser.exit(2, f"{parser.prog}: error: {error}\n")
     for name, table in blocks.items():
         print(f"## {name}\n{table}\n")
     if args.results_md != "none":

@@ -1,22 +1,35 @@
-"""Sweeps: the collapse rule, run summaries against NumPy, resumable runs, aggregation."""
+"""Sweeps: the collapse rule, run summaries against NumPy, resumable runs, aggregation,
+the code version of each run and the refusal of stale runs and mixed tables."""
 
+import argparse
 import json
 import math
+import shutil
+import subprocess
+from pathlib import Path
 
+import flax
+import jax
 import numpy as np
+import optax
 import pytest
 
+import gac_jax
 from gac_jax.train import get_preset
 from gac_jax.train.metrics import MetricWriter
+from gac_jax.train.provenance import code_version, same_code
 from gac_jax.train.sweeps import (
     METHODS,
     CollapseRule,
     RunSpec,
+    StaleRunError,
+    add_sweep_arguments,
     aggregate,
     collapse_step,
     load_summaries,
     markdown_table,
     run_spec,
+    run_sweep,
     shard,
     summarize_run,
 )
@@ -151,3 +164,163 @@ def test_aggregate_and_table():
     assert rows[0]["collapsed"] == 1 and rows[1]["final_accuracy_std"] == 0.0
     table = markdown_table(rows, {"label": "method", "final_accuracy": "accuracy"}, digits=2)
     assert table.splitlines()[2] == "| a | 0.30 ± 0.14 |"
+
+
+def _git_head() -> str | None:
+    """HEAD of the checkout holding the package, or None (no git, or not a checkout)."""
+    root = Path(gac_jax.__file__).resolve().parent.parent
+    if shutil.which("git") is None:
+        return None
+    top = subprocess.run(
+        ["git", "rev-parse", "--show-toplevel"], cwd=root, capture_output=True, text=True
+    )
+    if top.returncode != 0 or Path(top.stdout.strip()).resolve() != root:
+        return None
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True)
+    return head.stdout.strip()
+
+
+def test_a_summary_records_the_code_that_made_it(tmp_path):
+    summary = run_spec(
+        RunSpec("naive/k0", (), 0),
+        get_preset("countdown_sweep"),
+        tmp_path,
+        train_fn=_fake_train([]),
+    )
+    code = summary["code"]
+    assert (code["jax"], code["flax"], code["optax"]) == (
+        jax.__version__,
+        flax.__version__,
+        optax.__version__,
+    )
+    head = _git_head()
+    assert code["commit"] == head
+    if head is None:
+        assert code["dirty"] is None
+    else:
+        assert isinstance(code["dirty"], bool)
+        assert (code["diff"] is None) == (not code["dirty"])
+    written = json.loads((tmp_path / "naive/k0/seed0/summary.json").read_text())
+    assert written["code"] == code
+
+
+def test_code_versions_compare_by_commit_changes_and_libraries():
+    clean = {
+        "commit": "a" * 40,
+        "dirty": False,
+        "diff": None,
+        "jax": "1",
+        "flax": "2",
+        "optax": "3",
+    }
+    dirty = {**clean, "dirty": True, "diff": "d1"}
+    assert same_code(clean, dict(clean))
+    assert same_code(dirty, dict(dirty))  # The same uncommitted changes on the same commit.
+    assert not same_code(dirty, {**dirty, "diff": "d2"})
+    assert not same_code(clean, dirty) and not same_code(dirty, clean)
+    assert not same_code(clean, {**clean, "commit": "b" * 40})
+    assert not same_code(clean, {**clean, "jax": "9"})
+    assert not same_code({**dirty, "diff": None}, {**dirty, "diff": None})  # Unreadable.
+    assert not same_code(None, clean)  # Written before versions were recorded.
+    no_git = {**clean, "commit": None, "dirty": None}
+    assert not same_code(no_git, no_git)  # Nothing shows that the code is the same.
+
+
+def _make_stale(root, spec, code):
+    path = spec.directory(root) / "summary.json"
+    summary = json.loads(path.read_text())
+    if code is None:
+        del summary["code"]
+    else:
+        summary["code"] = code
+    path.write_text(json.dumps(summary))
+
+
+def test_a_stale_run_is_refused_unless_retrained_or_reused(tmp_path):
+    base = get_preset("countdown_sweep")
+    spec = RunSpec("naive/k8", ("rollout.lag=8",), seed=1)
+    calls = []
+    run_spec(spec, base, tmp_path, train_fn=_fake_train(calls))
+    old = {**code_version(), "commit": "0123456789ab" + "0" * 28, "dirty": False, "diff": None}
+    _make_stale(tmp_path, spec, old)
+    with pytest.raises(StaleRunError, match=r"naive/k8 seed 1 \[commit 0123456789ab, jax") as e:
+        run_spec(spec, base, tmp_path, train_fn=_fake_train(calls))
+    assert "--rerun-stale" in str(e.value) and "\n" not in str(e.value)
+    assert calls == [(1, True)]  # Refused without training.
+    reused = run_spec(spec, base, tmp_path, train_fn=_fake_train(calls), allow_stale=True)
+    assert reused["code"] == old and calls == [(1, True)]
+    (spec.directory(tmp_path) / "stray").write_text("from the old run")
+    again = run_spec(spec, base, tmp_path, train_fn=_fake_train(calls), rerun_stale=True)
+    assert calls == [(1, True), (1, True)]  # Trained again...
+    assert not again["resumed"] and not (spec.directory(tmp_path) / "stray").exists()  # ...anew.
+    assert again["code"] == code_version() and again["steps"] == base.steps
+    fresh = run_spec(spec, base, tmp_path, train_fn=_fake_train(calls))  # Read, not trained.
+    assert json.dumps(fresh) == json.dumps(again) and len(calls) == 2
+    with pytest.raises(ValueError, match="exclude each other"):
+        run_spec(spec, base, tmp_path, rerun_stale=True, allow_stale=True)
+
+
+def test_a_sweep_names_every_stale_run_and_a_summary_without_a_version_is_stale(tmp_path):
+    base = get_preset("countdown_sweep")
+    specs = [RunSpec("naive/k0", (), 0), RunSpec("naive/k0", (), 1), RunSpec("gac/k0", (), 0)]
+    for spec in specs:
+        run_spec(spec, base, tmp_path, train_fn=_fake_train([]))
+    other = {**code_version(), "optax": "0.0.1"}
+    _make_stale(tmp_path, specs[0], other)
+    _make_stale(tmp_path, specs[1], other)
+    _make_stale(tmp_path, specs[2], None)  # Written before versions were recorded.
+    with pytest.raises(StaleRunError) as e:
+        run_sweep(specs, base, tmp_path, script="unused.py")
+    message = str(e.value)
+    assert message.startswith(f"3 finished run(s) under {tmp_path}")
+    assert "naive/k0 seeds 0, 1 [" in message and "optax 0.0.1]" in message
+    assert "gac/k0 seed 0 [no recorded version]" in message
+    # Everything finished, so no child process starts; the stale summaries come back.
+    reused = run_sweep(specs, base, tmp_path, script="unused.py", allow_stale=True)
+    assert [s["code"].get("optax") if "code" in s else None for s in reused] == [
+        "0.0.1",
+        "0.0.1",
+        None,
+    ]
+
+
+def test_the_scripts_take_rerun_stale_or_allow_stale_not_both():
+    parser = argparse.ArgumentParser()
+    add_sweep_arguments(parser, default_root="runs/x", default_seeds=(0,))
+    args = parser.parse_args([])
+    assert not args.rerun_stale and not args.allow_stale
+    assert parser.parse_args(["--rerun-stale"]).rerun_stale
+    assert parser.parse_args(["--allow-stale"]).allow_stale
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--rerun-stale", "--allow-stale"])
+
+
+def test_a_table_refuses_two_code_versions_unless_allowed():
+    new = {"commit": "b" * 40, "dirty": False, "diff": None, "jax": "1", "flax": "2", "optax": "3"}
+    old = {**new, "commit": "a" * 40}
+    summaries = [
+        {"label": "a", "seed": 0, "collapsed": False, "final_accuracy": 0.2, "code": new},
+        {"label": "a", "seed": 1, "collapsed": False, "final_accuracy": 0.4, "code": old},
+        {"label": "b", "seed": 0, "collapsed": False, "final_accuracy": 0.1, "code": new},
+    ]
+    with pytest.raises(ValueError, match="2 code versions") as e:
+        aggregate(summaries, ["final_accuracy"])
+    assert f"[commit {'b' * 12}, jax 1, flax 2, optax 3]: a seed 0; b seed 0" in str(e.value)
+    assert f"[commit {'a' * 12}, jax 1, flax 2, optax 3]: a seed 1" in str(e.value)
+    rows = aggregate(summaries, ["final_accuracy"], allow_mixed=True)
+    np.testing.assert_allclose(rows[0]["final_accuracy"], 0.3)
+    columns = {"label": "method", "final_accuracy": "accuracy"}
+    with pytest.raises(ValueError, match="2 code versions"):
+        markdown_table(rows, columns)
+    lines = markdown_table(rows, columns, digits=2, allow_mixed=True).splitlines()
+    assert lines[2:4] == ["| a | 0.30 ± 0.14 |", "| b | 0.10 ± 0.00 |"]
+    assert lines[-1].startswith("Mixed code versions (allowed by allow_mixed): ")
+    assert "a seed 1" in lines[-1] and "a seed 0; b seed 0" in lines[-1]
+    # Two tables' rows of one version each still make a mixed table.
+    one = aggregate(summaries[:1], ["final_accuracy"]) + aggregate(
+        summaries[1:2], ["final_accuracy"]
+    )
+    with pytest.raises(ValueError, match="2 code versions"):
+        markdown_table(one, columns)
+    same = aggregate([summaries[0], summaries[2]], ["final_accuracy"])
+    assert "Mixed" not in markdown_table(same, columns)

@@ -207,13 +207,7 @@ def make_update(
             inverse = jnp.where(norm > 0, 1.0 / jnp.where(norm > 0, norm, 1.0), 0.0)
             grads = jax.tree.map(lambda g: (g * inverse).astype(g.dtype), grads)
             total = total * inverse
-        noise = {}
-        if noise_scale:  # Micro-batch j's mean gradient is its scaled gradient / its size.
-            sizes = sizes.astype(jnp.float32)
-            small_sq = jnp.mean(g_sqs / jnp.maximum(sizes, 1e-12) ** 2)
-            big_sq = optax.tree.norm(grads, squared=True)
-            noise = noise_scale_metrics(small_sq, jnp.mean(sizes), big_sq, jnp.sum(sizes))
-        return grads, total, merge_rows(logps), merge_rows(entropies), noise
+        return grads, total, merge_rows(logps), merge_rows(entropies), (g_sqs, sizes)
 
     def update(params, opt_state, rows: TrainBatch, inputs, frozen=None, current_logp=None):
         chunks = jax.tree.map(lambda x: split_rows(x, m), rows)
@@ -230,7 +224,7 @@ def make_update(
             None if statistics is None else jax.tree.map(lambda x: split_rows(x, m), statistics)
         )
         chunk_inputs = jax.tree.map(lambda x: split_rows(x, m), inputs)
-        grads, total, logp, entropy, noise = accumulated_grads(
+        grads, total, logp, entropy, (g_sqs, sizes) = accumulated_grads(
             params, chunks, chunk_inputs, stat_chunks, frozen
         )
         # Diagnostics of the whole mini-batch, from the log-probs the update saw.
@@ -252,8 +246,12 @@ def make_update(
             "loss/entropy": masked_mean(entropy, rows.loss_mask),
             **objectives.off_policy_diagnostics(logp, rows.behaviour_logp, rows.loss_mask),
             **update_metrics,
-            **noise,
         }
+        if noise_scale:  # Micro-batch j's mean gradient is its scaled gradient / its size.
+            sizes = sizes.astype(jnp.float32)
+            small_sq = jnp.mean(g_sqs / jnp.maximum(sizes, 1e-12) ** 2)
+            big_sq = jnp.square(update_metrics["grad_norm"])  # The mini-batch's mean gradient.
+            metrics.update(noise_scale_metrics(small_sq, jnp.mean(sizes), big_sq, jnp.sum(sizes)))
         return params, opt_state, metrics
 
     return update

@@ -218,25 +218,6 @@ PRESETS: dict[str, ModelConfig] = {
         eos_token_ids=(2,),
         pad_token_id=0,
     ),
-    # The laboratory's candidate policy (issue #21): tiny's layout at 10x the parameters
-    # (0.8M), still trainable in minutes on one CPU core.
-    "small": ModelConfig(
-        family="qwen3",
-        vocab_size=128,
-        embed_dim=128,
-        num_layers=4,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=32,
-        mlp_dim=384,
-        rope_theta=10_000.0,
-        tie_word_embeddings=True,
-        max_position_embeddings=2048,
-        dtype="float32",
-        bos_token_id=1,
-        eos_token_ids=(2,),
-        pad_token_id=0,
-    ),
     "tiny_llama": ModelConfig(
         family="llama",
         vocab_size=128,
@@ -300,6 +281,10 @@ PRESETS: dict[str, ModelConfig] = {
         **_LLAMA3_2, embed_dim=3072, num_layers=28, num_heads=24, head_dim=128, mlp_dim=8192
     ),
 }
+
+# The laboratory's candidate policy (issue #21): tiny's layout at 10x the parameters
+# (0.8M), still trainable in minutes on one CPU core.
+PRESETS["small"] = PRESETS["tiny"].replace(embed_dim=128, num_layers=4, head_dim=32, mlp_dim=384)
 
 
 def preset_names() -> tuple[str, ...]:

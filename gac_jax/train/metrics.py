@@ -137,7 +137,12 @@ def run_writer(config, out_dir: str | os.PathLike, *, start_step: int | None) ->
         wandb_run = start_wandb(
             config.wandb_project, mode=config.wandb_mode, out_dir=out_dir, config=settings
         )
-    return MetricWriter(out_dir, start_step=start_step, wandb_run=wandb_run)
+    return MetricWriter(
+        out_dir,
+        start_step=start_step,
+        wandb_run=wandb_run,
+        updates_per_step=config.learner.updates_per_batch,
+    )
 
 
 def metric_series(records: Sequence[Mapping[str, Any]], key: str) -> tuple[list[int], list[float]]:
@@ -164,6 +169,9 @@ class MetricWriter:
       tensorboard: also write TensorBoard events (needs ``tensorboardX``).
       wandb_run: a W&B run (`start_wandb`) that gets the numeric metrics and the tables
         too; finished by `close`.
+      updates_per_step: optimizer steps per step (`learner.mini_batches` x
+        `learner.epochs`). Above 1, a step writes one record per optimizer step and the
+        charts (TensorBoard, W&B) count optimizer steps: a record's ``optimizer_step``.
     """
 
     def __init__(
@@ -173,7 +181,9 @@ class MetricWriter:
         start_step: int | None = None,
         tensorboard: bool = True,
         wandb_run: Any = None,
+        updates_per_step: int = 1,
     ):
+        self.updates_per_step = updates_per_step
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.out_dir / METRICS_FILE
@@ -185,7 +195,7 @@ class MetricWriter:
         if tensorboard:
             from tensorboardX import SummaryWriter
 
-            purge = start_step or None
+            purge = (start_step or 0) * updates_per_step or None
             self._tb = SummaryWriter(logdir=str(self.out_dir / TENSORBOARD_DIR), purge_step=purge)
 
     @staticmethod
@@ -209,9 +219,7 @@ class MetricWriter:
         self._file.flush()
         values = {k: _from_json_value(v) for k, v in clean.items() if k != "step"}
         numbers = {k: float(v) for k, v in values.items() if isinstance(v, int | float)}
-        # Runs with several optimizer steps per batch write one record per optimizer step:
-        # their charts count optimizer steps.
-        x = int(numbers.get("optimizer_step", step))
+        x = int(numbers.get("optimizer_step", step * self.updates_per_step))
         if self._tb is not None:
             for key, value in numbers.items():
                 self._tb.add_scalar(key, value, global_step=x)
@@ -225,14 +233,15 @@ class MetricWriter:
         """Records a table at `step`: TensorBoard text `tag` (markdown) and W&B table `tag`."""
         if self._file is None:
             raise RuntimeError("MetricWriter is closed.")
+        x = (int(step) + 1) * self.updates_per_step - 1  # The step's last optimizer step.
         if self._tb is not None:
-            self._tb.add_text(tag, markdown_table(columns, rows), global_step=int(step))
+            self._tb.add_text(tag, markdown_table(columns, rows), global_step=x)
             self._tb.flush()
         if self._wandb is not None:
             import wandb
 
             table = wandb.Table(columns=list(columns), data=[list(row) for row in rows])
-            self._wandb.log({tag: table}, step=int(step))
+            self._wandb.log({tag: table}, step=x)
 
     def close(self, exit_code: int = 0) -> None:
         if self._file is not None:

@@ -17,13 +17,13 @@ from gac_jax.train.metrics import (
 )
 
 
-def _read_scalars(tb_dir):
-    """(tag, step, value) of every scalar in the TensorBoard event files of `tb_dir`.
+def _read_events(tb_dir):
+    """Every `Event` proto of the TensorBoard event files of `tb_dir`, in order.
 
     Event files are TFRecords (u64 length, u32 crc, data, u32 crc) of `Event` protos.
     """
     event_pb2 = pytest.importorskip("tensorboardX.proto.event_pb2")
-    scalars = []
+    events = []
     files = sorted(tb_dir.glob("events.out.tfevents.*"))
     assert files
     for path in files:
@@ -31,11 +31,18 @@ def _read_scalars(tb_dir):
         pos = 0
         while pos < len(data):
             (length,) = struct.unpack("<Q", data[pos : pos + 8])
-            event = event_pb2.Event.FromString(data[pos + 12 : pos + 12 + length])
+            events.append(event_pb2.Event.FromString(data[pos + 12 : pos + 12 + length]))
             pos += 12 + length + 4
-            for value in event.summary.value:
-                scalars.append((value.tag, event.step, value.simple_value))
-    return scalars
+    return events
+
+
+def _read_scalars(tb_dir):
+    """(tag, step, value) of every scalar in the TensorBoard event files of `tb_dir`."""
+    return [
+        (value.tag, event.step, value.simple_value)
+        for event in _read_events(tb_dir)
+        for value in event.summary.value
+    ]
 
 
 def test_jsonl_round_trip_with_nonfinite_values(tmp_path):
@@ -163,3 +170,18 @@ def test_progress_line_quiet_and_tty():
         progress.update(2, {"reward": 0.5})
         progress.update(5, {"reward": 0.75})
     assert "5/5" in tty.getvalue() and "reward 0.75" in tty.getvalue()
+
+
+def test_several_updates_per_step_chart_optimizer_steps_and_purge_in_them(tmp_path):
+    with MetricWriter(tmp_path, updates_per_step=2) as writer:
+        for step in range(3):
+            for j in range(2):
+                writer.write(step, {"loss": float(step), "optimizer_step": 2 * step + j})
+    steps = [s for tag, s, _ in _read_scalars(tmp_path / "tensorboard") if tag == "loss"]
+    assert steps == [0, 1, 2, 3, 4, 5]
+    # Resuming at step 2 purges TensorBoard from optimizer step 4, not 2.
+    with MetricWriter(tmp_path, start_step=2, updates_per_step=2):
+        pass
+    events = _read_events(tmp_path / "tensorboard")
+    restarts = [event.step for event in events if event.HasField("session_log")]
+    assert 4 in restarts and 2 not in restarts

@@ -1,11 +1,12 @@
-"""Tables and plots of the experiment sweeps, from the runs on disk.
+"""Tables and plots of the laboratory (experiments/lab.py), from the runs on disk.
 
-Reads experiments/runs/lagged (diagnosis.py, cures.py, gac_defaults.py, controls.py) and
-experiments/runs/async (real_async.py); writes experiments/results/*.png and *.csv, and
-rewrites the generated blocks (between ``<!-- BEGIN name -->`` and ``<!-- END name -->``)
-of experiments/RESULTS.md.
-Runs that have not finished are left out; a table lists how many seeds it holds. A table
-refuses runs made by two code versions unless --allow-mixed (then a note under it says so).
+Reads ROOT/lagged and ROOT/async (``--root``, experiments/runs/lab by default); writes
+PNG and CSV files to ``--out`` and rewrites the generated blocks (between
+``<!-- BEGIN name -->`` and ``<!-- END name -->``) of ``--results-md``. Every number comes
+from the runs' summaries and metrics: runs that have not finished are left out, and each
+table says how many seeds it holds. Intervals are 95% Student-t intervals of the mean over
+seeds. A table refuses runs of two code versions unless --allow-mixed (then a note under it
+names them).
 
     python experiments/report.py
 """
@@ -14,380 +15,342 @@ from __future__ import annotations
 
 import argparse
 import csv
+import math
 import re
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
+from scipy import stats
 
-from gac_jax.train.config import SWEEP_LEARNING_RATE
-from gac_jax.train.metrics import read_metrics
-from gac_jax.train.plots import plot_distributions, plot_grouped_bars, plot_seed_curves
-from gac_jax.train.sweeps import (
-    METHODS,
-    aggregate,
-    cosine_samples,
-    load_summaries,
-    markdown_table,
-)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import lab  # noqa: E402  (experiments/lab.py: the sweeps' labels and settings)
 
-LAGS = (0, 1, 2, 4, 8, 16)
-CURE_LAGS = (8, 16)
+from gac_jax.train.metrics import read_metrics  # noqa: E402
+from gac_jax.train.provenance import check_one_version, runs_by_version  # noqa: E402
+from gac_jax.train.sweeps import load_summaries  # noqa: E402
+
 ALLOW_MIXED = False  # --allow-mixed: tables may mix runs of two code versions.
 
 
-def _runs(root: Path, label: str) -> list[list[dict]]:
-    """The metric records of each finished seed of `label`."""
-    return [read_metrics(p.parent) for p in sorted((root / label).glob("seed*/summary.json"))]
+def interval(values: Sequence[float]) -> tuple[float, float]:
+    """(mean, half-width of the 95% Student-t interval); half-width nan for one value."""
+    x = np.asarray(values, dtype=np.float64)
+    if len(x) < 2:
+        return float(x.mean()), math.nan
+    return float(x.mean()), float(stats.t.ppf(0.975, len(x) - 1) * x.std(ddof=1) / len(x) ** 0.5)
 
 
-def _select(summaries, labels):
-    by_label = {label: [s for s in summaries if s["label"] == label] for label in labels}
-    return [s for label in labels for s in by_label[label]]
+def ci_cell(values: Sequence[float], digits: int = 3) -> str:
+    """``mean ± half-width`` (`interval`), or the mean alone for one value."""
+    mean, half = interval(values)
+    return f"{mean:.{digits}f}" if math.isnan(half) else f"{mean:.{digits}f} ± {half:.{digits}f}"
 
 
-def _write_csv(summaries, path: Path) -> None:
-    if not summaries:
-        return
-    keys = list(dict.fromkeys(k for s in summaries for k in s if k != "overrides"))
+def by_label(summaries) -> dict[str, list[dict]]:
+    """Finished runs by label; refuses two code versions in one table (`ALLOW_MIXED`)."""
+    check_one_version(runs_by_version(summaries), ALLOW_MIXED)
+    found: dict[str, list[dict]] = {}
+    for s in summaries:
+        found.setdefault(s["label"], []).append(s)
+    return found
+
+
+def _values(runs, key) -> list[float]:
+    return [float(r[key]) for r in runs if r.get(key) is not None]
+
+
+def _median_cell(runs, key, digits=3) -> str:
+    values = [v for v in _values(runs, key) if math.isfinite(v)]
+    return f"{np.median(values):.{digits}g}" if values else "-"
+
+
+def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def _figure(panels: int, width: float = 7.0):
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(width, 2.6 * panels + 0.4), layout="constrained")
+    return fig, [fig.add_subplot(panels, 1, i + 1) for i in range(panels)]
+
+
+def _write_csv(runs: Sequence[dict], path: Path) -> None:
+    keys = list(dict.fromkeys(k for s in runs for k in s if k not in ("overrides", "code")))
     with path.open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=keys, extrasaction="ignore")
         writer.writeheader()
-        writer.writerows(summaries)
+        writer.writerows(runs)
 
 
-# Column headers of every table, by summary key.
-HEADERS = {
-    "label": "run",
-    "seeds": "seeds",
-    "final_accuracy": "final pass@1",
-    "best_accuracy": "best pass@1",
-    "lagged_k8": "lagged k=8 final pass@1",
-    "reward_last": "batch reward, last 25",
-    "collapsed": "collapsed",
-    "c_t_median": "median c_t",
-    "c_t_q25": "q25 c_t",
-    "c_t_q75": "q75 c_t",
-    "c_after_median": "median c_t after control",
-    "ess_ratio_median": "median ESS/B",
-    "grad_norm_median": "median grad norm",
-    "staleness_mean": "mean staleness",
-    "staleness_max": "max staleness",
-    "project_fraction": "steps projected",
-    "skip_fraction": "steps skipped",
-    "wall_seconds": "wall s",
-}
+# ---------------------------------------------------------------------------------- sync
 
 
-def _rows(chosen, keys) -> list[dict]:
-    """Mean ± std over seeds of `keys` per label, and how many seeds collapsed (and when)."""
-    rows = aggregate(chosen, keys, allow_mixed=ALLOW_MIXED)
-    for row in rows:
-        row["collapsed"] = _collapses(chosen, row["label"])
-    return rows
+def sync(runs: dict, root: Path, out: Path) -> dict[str, str]:
+    seeds = runs.get("naive/k0", [])
+    if not seeds:
+        return {"sync": "No synchronous run has finished yet."}
+    curves = [read_metrics(root / "naive/k0" / f"seed{s['seed']}") for s in seeds]
+    steps = [0] + [r["step"] + 1 for r in curves[0] if "eval/pass@1" in r]
+    table = []
+    points = []
+    for i, step in enumerate(steps):
+        key = "eval_start/pass@1" if i == 0 else "eval/pass@1"
+        greedy_key = key.replace("pass@1", "greedy_accuracy")
+        if i == 0:
+            values = [c[0][key] for c in curves]
+            greedy = [c[0][greedy_key] for c in curves]
+        else:
+            at = [[r for r in c if "eval/pass@1" in r][i - 1] for c in curves]
+            values, greedy = [r[key] for r in at], [r[greedy_key] for r in at]
+        table.append((step, ci_cell(values), ci_cell(greedy)))
+        points.append((step, values))
+    gains = _values(seeds, "gain")
+    text = _table(("step", "held-out pass@1", "greedy accuracy"), table)
+    text += (
+        f"\n\nGain of held-out pass@1 over the warm start (last evaluation less the one "
+        f"before the first update), {len(seeds)} seeds: **{ci_cell(gains)}**."
+    )
+    fig, (ax,) = _figure(1)
+    for step, values in points:
+        ax.plot([step] * len(values), values, "o", color="0.6", markersize=3)
+    ax.plot([p[0] for p in points], [np.mean(p[1]) for p in points], "-o", label="mean")
+    ax.set(xlabel="step", ylabel="held-out pass@1", title="Synchronous GRPO (one dot a seed)")
+    ax.legend()
+    fig.savefig(out / "sync_curve.png", dpi=100)
+    return {"sync": text}
 
 
-def _table(rows, columns) -> str:
-    columns = {key: HEADERS[key] for key in ["label", "seeds", *columns]}
-    return markdown_table(rows, columns, allow_mixed=ALLOW_MIXED)
+# ----------------------------------------------------------------------------- staleness
+
+STALENESS_KEYS = (
+    ("final_accuracy", "final pass@1"),
+    ("gain", "gain"),
+    ("policy_kl_median", "per-step KL"),
+    ("ess_ratio_median", "ESS ratio"),
+    ("grad_norm_median", "grad norm"),
+    ("clip_fraction_median", "clip fraction"),
+    ("c_t_median", "c_t"),
+)
 
 
-def _collapses(summaries, label) -> str:
-    steps = [s["collapse_step"] for s in summaries if s["label"] == label and s["collapsed"]]
-    return f"{len(steps)}" + (f" (at {', '.join(map(str, steps))})" if steps else "")
+def _lag_rows(runs: dict, prefix: str) -> list[tuple[int, list[dict]]]:
+    return [(k, runs[f"{prefix}/k{k}"]) for k in lab.LAGS if f"{prefix}/k{k}" in runs]
 
 
-def diagnosis(summaries, root: Path, out: Path) -> dict[str, str]:
-    labels = [f"naive/k{k}" for k in LAGS] + ["gac/k8"]
-    chosen = _select(summaries, labels)
-    _write_csv(chosen, out / "diagnosis.csv")
-    keys = [
-        "c_t_median",
-        "c_t_q25",
-        "c_t_q75",
-        "c_after_median",
-        "ess_ratio_median",
-        "grad_norm_median",
-        "reward_last",
-        "final_accuracy",
-    ]
-    rows = _rows(chosen, keys)
-    table = _table(rows, [*keys, "collapsed"])
-    pooled = {}
-    for label in labels:
-        runs = _runs(root, label)
-        if runs:
-            pooled[label.replace("naive/", "").replace("/", " ")] = np.concatenate(
-                [cosine_samples(r) for r in runs]
+def staleness(runs: dict, out: Path) -> dict[str, str]:
+    rates = {lab.LAB_LEARNING_RATE: "naive", lab.SMALL_LR: lab.lr_label(lab.SMALL_LR)}
+    rows, warnings = [], []
+    fig, axes = _figure(4)
+    for lr, prefix in rates.items():
+        lags = _lag_rows(runs, prefix)
+        for k, seeds in lags:
+            cells = [
+                ci_cell(_values(seeds, key))
+                if key in ("final_accuracy", "gain")
+                else _median_cell(seeds, key)
+                for key, _ in STALENESS_KEYS
+            ]
+            collapsed = sum(bool(s["collapsed"]) for s in seeds)
+            rows.append((f"{lr:g}", k, len(seeds), *cells, collapsed))
+            for s in seeds:
+                if s["collapsed"]:
+                    warnings.append(
+                        f"lr {lr:g} k={k} seed {s['seed']}: collapse at step "
+                        f"{s['collapse_step']}, first ESS ratio < 0.5 at "
+                        f"{s['ess_drop_step']}, first gradient-norm spike (> 3x the early "
+                        f"median) at {s['grad_spike_step']}"
+                    )
+        for ax, key in zip(
+            axes,
+            ("final_accuracy", "ess_ratio_median", "policy_kl_median", "c_t_median"),
+            strict=True,
+        ):
+            xs = [max(k, 1) for k, _ in lags]
+            ax.plot(xs, [np.mean(_values(s, key)) for _, s in lags], "-o", label=f"lr {lr:g}")
+            ax.set(xscale="log", ylabel=dict(STALENESS_KEYS).get(key, key))
+    if not rows:
+        return {"staleness": "No staleness run has finished yet."}
+    axes[0].legend()
+    axes[2].set_yscale("log")
+    axes[-1].set_xlabel("staleness k (k=0 drawn at 1)")
+    fig.savefig(out / "staleness.png", dpi=100)
+    header = ("lr", "k", "seeds", *(h for _, h in STALENESS_KEYS), "collapsed")
+    text = _table(header, rows)
+    text += "\n\n" + ("\n".join(f"- {w}" for w in warnings) or "No run collapsed.")
+    return {"staleness": text}
+
+
+# ----------------------------------------------------------------------------- alignment
+
+
+def alignment(runs: dict, out: Path) -> dict[str, str]:
+    rows, points = [], {}
+    for g in lab.ALIGN_GROUPS + lab.QUICK["groups"]:
+        for k in lab.ALIGN_LAGS:
+            seeds = runs.get(f"align_g{g}/k{k}")
+            if not seeds or (g, k) in {(r[0], r[1]) for r in rows}:
+                continue
+            b = float(np.mean(_values(seeds, "noise_batch_size")))
+            b_simple = float(np.mean(_values(seeds, "b_simple")))
+            c_t = float(np.mean(_values(seeds, "c_t_median")))
+            ratio = b / b_simple
+            thirds = np.mean([s["b_simple_thirds"] for s in seeds], axis=0)
+            predicted = f"{1 / (1 + 1 / ratio):.3f}" if k == 0 else "-"
+            rows.append(
+                (
+                    g,
+                    k,
+                    f"{b:.0f}",
+                    f"{b_simple:.0f}",
+                    " / ".join(f"{x:.0f}" for x in thirds),
+                    f"{ratio:.2g}",
+                    f"{c_t:.3f}",
+                    predicted,
+                )
             )
-    if pooled:
-        plot_distributions(
-            pooled,
-            out / "diagnosis_cosine.png",
-            ylabel="c_t (per step, seeds pooled)",
-            title="Consecutive-gradient cosine against staleness k (lagged naive GRPO)",
-        )
-    curves = {}
-    for label, name, key in (
-        ("naive/k0", "sync (k=0)", "gac_cosine"),
-        ("naive/k8", "k=8", "gac_cosine"),
-        ("gac/k8", "k=8 + GAC, raw gradients", "gac_cosine"),
-        ("gac/k8", "k=8 + GAC, emitted update", "gac_cosine_after"),
+            points.setdefault(k, []).append((ratio, c_t))
+    if not rows:
+        return {"alignment": "No alignment run has finished yet."}
+    fig, (ax, ax2) = _figure(2)
+    for k, pts in sorted(points.items()):
+        pts.sort()
+        ax.plot(*zip(*pts, strict=True), "o-", label=f"k={k} (measured median c_t)")
+    grid = np.geomspace(
+        min(p[0] for v in points.values() for p in v) / 2,
+        max(p[0] for v in points.values() for p in v) * 2,
+        100,
+    )
+    ax.plot(grid, 1 / (1 + 1 / grid), "k--", label="theory, sync: 1 / (1 + B_simple / B)")
+    ax.set(xscale="log", xlabel="B / B_simple", ylabel="c_t", title="When do gradients align?")
+    ax.legend(fontsize="small")
+    for lr, prefix in (
+        (lab.LAB_LEARNING_RATE, "naive"),
+        (lab.SMALL_LR, lab.lr_label(lab.SMALL_LR)),
     ):
-        runs = _runs(root, label)
-        if runs:
-            curves[name] = [[r.get(key, np.nan) for r in run[1:]] for run in runs]
-    if curves:
-        plot_seed_curves(
-            curves,
-            out / "cosine_vs_step.png",
-            ylabel="c_t, 20-step mean",
-            smooth=20,
-            title="c_t against step: sync, async k=8, async k=8 with GAC",
-        )
-    return {"diagnosis": table}
-
-
-def cures(summaries, root: Path, out: Path) -> dict[str, str]:
-    tables = {}
-    keys = [
-        "final_accuracy",
-        "best_accuracy",
-        "reward_last",
-        "c_t_median",
-        "c_after_median",
-        "ess_ratio_median",
-        "wall_seconds",
-    ]
-    sync = _select(summaries, ["naive/k0"])
-    bars = {}
-    for k in CURE_LAGS:
-        labels = [f"{m}/k{k}" for m in METHODS]
-        chosen = _select(summaries, labels)
-        _write_csv(chosen, out / f"cures_k{k}.csv")
-        rows = _rows(sync + chosen, keys)
-        for row in rows:
-            row["label"] = "sync (k=0)" if row["label"] == "naive/k0" else row["label"]
-        tables[f"cures_k{k}"] = _table(
-            rows,
-            [
-                "final_accuracy",
-                "best_accuracy",
-                "reward_last",
-                "collapsed",
-                "c_t_median",
-                "c_after_median",
-                "ess_ratio_median",
-                "wall_seconds",
-            ],
-        )
-        bars[f"k={k}"] = {
-            row["label"].split("/")[0]: (row["final_accuracy"], row["final_accuracy_std"])
-            for row in rows
-            if row["label"] != "sync (k=0)"
-        }
-        curves = {}
-        for name, label in [("sync (k=0)", "naive/k0")] + [(m, f"{m}/k{k}") for m in METHODS]:
-            runs = _runs(root, label)
-            if runs:
-                curves[name] = [[r["reward"] for r in run] for run in runs]
-        if curves:
-            plot_seed_curves(
-                curves,
-                out / f"cures_reward_k{k}.png",
-                ylabel="batch reward, 25-step mean",
-                smooth=25,
-                title=f"Batch reward at staleness k={k} (mean over seeds, range shaded)",
+        lags = [(k, s) for k, s in _lag_rows(runs, prefix) if k > 0]
+        if lags:
+            xs = [k * lr for k, _ in lags]
+            ax2.plot(
+                xs, [np.mean(_values(s, "c_t_median")) for _, s in lags], "o-", label=f"lr {lr:g}"
             )
-    if any(bars.values()):
-        sync_row = aggregate(sync, keys, allow_mixed=ALLOW_MIXED)[0] if sync else None
-        plot_grouped_bars(
-            bars,
-            out / "cures_accuracy.png",
-            ylabel="final held-out pass@1",
-            reference=("sync (k=0)", sync_row["final_accuracy"]) if sync_row else None,
-            title="Final held-out accuracy per method (mean ± std over seeds)",
-        )
-    return tables
-
-
-def gac_defaults(summaries, out: Path) -> dict[str, str]:
-    sys.path.insert(0, str(Path(__file__).parent))  # The sweep's own definitions.
-    from gac_defaults import LAG, VARIANTS
-
-    labels = [f"naive/k{LAG}", f"gac/k{LAG}"] + [f"{name}/k{LAG}" for name in VARIANTS]
-    chosen = _select(summaries, labels)
-    _write_csv(chosen, out / "gac_defaults.csv")
-    rows = _rows(
-        chosen,
-        [
-            "final_accuracy",
-            "best_accuracy",
-            "reward_last",
-            "c_t_median",
-            "c_after_median",
-            "project_fraction",
-            "skip_fraction",
-        ],
+    ax2.set(xscale="log", xlabel="k x lr", ylabel="median c_t")
+    if ax2.lines:
+        ax2.legend(fontsize="small")
+    fig.savefig(out / "alignment.png", dpi=100)
+    header = (
+        "prompts",
+        "k",
+        "B (tokens)",
+        "B_simple",
+        "B_simple by third of the run",
+        "B / B_simple",
+        "median c_t",
+        "predicted c_t (sync)",
     )
-    table = _table(
-        rows,
-        [
-            "final_accuracy",
-            "best_accuracy",
-            "reward_last",
-            "collapsed",
-            "c_t_median",
-            "c_after_median",
-            "project_fraction",
-            "skip_fraction",
-        ],
-    )
-    return {"gac_defaults": table}
+    return {"alignment": _table(header, rows)}
 
 
-def controls(summaries, out: Path) -> dict[str, str]:
-    sys.path.insert(0, str(Path(__file__).parent))  # The sweep's own definitions.
-    from controls import SMALLER_LR
-
-    small = f"naive_lr{SMALLER_LR:g}"
-    labels = ["naive/k0", "m2po/k0", "seq_tis/k0", "m2po/k8", "seq_tis/k8"]
-    labels += [f"{name}/k{k}" for k in (0, 8, 16) for name in ("naive", small, "vcpo")]
-    labels = list(dict.fromkeys(labels))
-    chosen = _select(summaries, labels)
-    _write_csv(chosen, out / "controls.csv")
-    rows = _rows(chosen, ["final_accuracy", "best_accuracy", "reward_last", "ess_ratio_median"])
-    table = _table(
-        rows, ["final_accuracy", "best_accuracy", "reward_last", "collapsed", "ess_ratio_median"]
-    )
-    return {"controls": table}
+# --------------------------------------------------------------------------------- cures
 
 
-def smaller_lr(summaries, out: Path) -> dict[str, str]:
-    """Every method at learning rate 4e-4 (experiments/smaller_lr.py), beside the 6e-4 runs."""
-    sys.path.insert(0, str(Path(__file__).parent))  # The sweep's own definitions.
-    from smaller_lr import CONTROL_LAG, CONTROL_LEARNING_RATE, LAGS, LEARNING_RATE, label
-
-    keys = ["final_accuracy", "best_accuracy", "reward_last", "ess_ratio_median"]
-    labels = [label("naive", 0)] + [label(m, k) for k in LAGS for m in METHODS]
-    labels.append(label("naive", CONTROL_LAG, CONTROL_LEARNING_RATE))
-    chosen = _select(summaries, labels)
-    if not chosen:
-        return {}
-    _write_csv(chosen, out / "smaller_lr.csv")
-    rows = _rows(chosen, keys)
-    table = _table(
-        rows, ["final_accuracy", "best_accuracy", "reward_last", "collapsed", "ess_ratio_median"]
-    )
-    # The 6e-4 runs of the same methods, for the bars beside the 4e-4 ones.
-    base_labels = [f"{m}/k{k}" for k in LAGS for m in METHODS]
-    by_label = {
-        r["label"]: r
-        for r in rows + aggregate(_select(summaries, base_labels), keys, allow_mixed=ALLOW_MIXED)
-    }
-    bars = {
-        f"k={k}, lr {lr:g}": {
-            m: (by_label[x]["final_accuracy"], by_label[x]["final_accuracy_std"])
-            for m in METHODS
-            if (x := label_of(m, k)) in by_label
-        }
-        for k in LAGS
-        for lr, label_of in (
-            (LEARNING_RATE, label),
-            (SWEEP_LEARNING_RATE, lambda m, k: f"{m}/k{k}"),
-        )
-    }
-    sync = by_label.get(label("naive", 0))
-    plot_grouped_bars(
-        {group: values for group, values in bars.items() if values},
-        out / "smaller_lr_accuracy.png",
-        ylabel="final held-out pass@1",
-        reference=(f"sync (k=0), lr {LEARNING_RATE:g}", sync["final_accuracy"]) if sync else None,
-        title="Final held-out pass@1, two learning rates (mean ± std over seeds)",
-    )
-    return {"smaller_lr": table}
-
-
-def real_async(summaries, lagged, root: Path, out: Path) -> dict[str, str]:
-    labels = [f"{m}/async" for m in METHODS]
-    chosen = _select(summaries, labels)
-    _write_csv(chosen, out / "async.csv")
-    rows = _rows(
-        chosen,
-        [
-            "final_accuracy",
-            "best_accuracy",
-            "staleness_mean",
-            "staleness_max",
-            "c_t_median",
-            "ess_ratio_median",
-            "wall_seconds",
-        ],
-    )
-    for row in rows:
-        method = row["label"].split("/")[0]
-        match = aggregate(
-            _select(lagged, [f"{method}/k8"]), ["final_accuracy"], allow_mixed=ALLOW_MIXED
-        )
-        row["lagged_k8"] = match[0]["final_accuracy"] if match else float("nan")
-    table = _table(
-        rows,
-        [
-            "final_accuracy",
-            "best_accuracy",
-            "lagged_k8",
-            "collapsed",
-            "staleness_mean",
-            "staleness_max",
-            "c_t_median",
-            "ess_ratio_median",
-            "wall_seconds",
-        ],
-    )
-    gaps = {}
+def cures(runs: dict, out: Path) -> dict[str, str]:
+    k = next((k for k in (lab.CURE_LAG, lab.QUICK["cure_lag"]) if f"naive/k{k}" in runs), None)
+    if k is None:
+        return {"cures": "No cure run has finished yet."}
+    labels = [f"{m}/k{k}" for m in lab.METHODS] + [f"{lab.lr_label(lab.CONTROL_LR)}/k{k}"]
+    naive = interval(_values(runs[f"naive/k{k}"], "final_accuracy"))
+    rows, bars = [], []
     for label in labels:
-        runs = _runs(root, label)
-        if runs:
-            gaps[label.split("/")[0]] = np.concatenate(
-                [[r["version_gap_mean"] for r in run] for run in runs]
+        seeds = runs.get(label)
+        if not seeds:
+            continue
+        mean, half = interval(_values(seeds, "final_accuracy"))
+        low, high = mean - half, mean + half
+        if label.startswith("naive/") or math.isnan(half) or math.isnan(naive[1]):
+            verdict = "-"
+        elif low > naive[0] + naive[1]:
+            verdict = "better"
+        elif high < naive[0] - naive[1]:
+            verdict = "worse"
+        else:
+            verdict = "overlaps"
+        rows.append(
+            (
+                label.split("/")[0],
+                len(seeds),
+                ci_cell(_values(seeds, "final_accuracy")),
+                ci_cell(_values(seeds, "gain")),
+                sum(bool(s["collapsed"]) for s in seeds),
+                _median_cell(seeds, "c_t_median"),
+                _median_cell(seeds, "ess_ratio_median"),
+                verdict,
             )
-    if gaps:
-        plot_distributions(
-            gaps,
-            out / "async_staleness.png",
-            ylabel="mean staleness of a batch (versions)",
-            title="Measured staleness under real asynchrony (max_staleness 8)",
         )
-    return {"async": table}
-
-
-def warm_start_row(out: Path, seeds=(0, 1, 2)) -> dict[str, str]:
-    """Held-out pass@1 of the warm start itself, by the runs' own evaluation (same problems,
-    same sampler), one evaluation key per seed; cached in results/warm_start_eval.json."""
-    import json
-
-    import jax
-
-    from gac_jax.train import build_run, get_preset
-    from gac_jax.train.loop import config_hash, evaluate_run
-
-    config = get_preset("countdown_sweep")
-    cache = out / "warm_start_eval.json"
-    digest = config_hash(config)
-    cached = json.loads(cache.read_text()) if cache.exists() else {}
-    if cached.get("config_hash") != digest or cached.get("seeds") != list(seeds):
-        run = build_run(config)
-        scores = [evaluate_run(run, jax.random.key(seed + 1)) for seed in seeds]
-        cached = {"config_hash": digest, "seeds": list(seeds), "scores": scores}
-        cache.write_text(json.dumps(cached, indent=2))
-    pass1 = np.array([s["eval/pass@1"] for s in cached["scores"]])
-    greedy = cached["scores"][0]["eval/greedy_accuracy"]
-    text = (
-        f"Warm start on the same {config.eval_size} test problems, by the same evaluation: "
-        f"pass@1 {pass1.mean():.3f} ± {pass1.std(ddof=1):.3f} over {len(seeds)} sampling "
-        f"keys, greedy {greedy:.3f}."
+        bars.append((label.split("/")[0], mean, 0.0 if math.isnan(half) else half))
+    fig, (ax,) = _figure(1, width=8.0)
+    ax.bar(range(len(bars)), [b[1] for b in bars], yerr=[b[2] for b in bars], capsize=3)
+    ax.set_xticks(range(len(bars)), [b[0] for b in bars], rotation=30, ha="right")
+    ax.set(ylabel="final held-out pass@1", title=f"Cures at k={k} (95% intervals)")
+    fig.savefig(out / "cures.png", dpi=100)
+    header = (
+        "method",
+        "seeds",
+        "final pass@1",
+        "gain",
+        "collapsed",
+        "median c_t",
+        "median ESS ratio",
+        "vs naive (intervals)",
     )
-    return {"warm_start": text}
+    return {"cures": f"Staleness k={k}.\n\n" + _table(header, rows)}
+
+
+# --------------------------------------------------------------------------------- async
+
+
+def real_async(runs: dict, lagged: dict, root: Path, lagged_root: Path, out: Path) -> dict:
+    gaps, rows = {}, []
+    for label, seeds in sorted(runs.items()):
+        for s in seeds:
+            records = read_metrics(root / label / f"seed{s['seed']}")
+            gaps[f"{label} seed {s['seed']}"] = [r["version_gap_mean"] for r in records]
+        rows.append(
+            (
+                label,
+                len(seeds),
+                _median_cell(seeds, "staleness_mean"),
+                _median_cell(seeds, "staleness_max"),
+                ci_cell(_values(seeds, "final_accuracy")),
+                _median_cell(seeds, "c_t_median"),
+            )
+        )
+    if not rows:
+        return {"async": "No asynchronous run has finished yet."}
+    for k in (lab.CURE_LAG, lab.QUICK["cure_lag"]):
+        if f"naive/k{k}" in lagged:
+            s = lagged[f"naive/k{k}"][0]
+            records = read_metrics(lagged_root / f"naive/k{k}" / f"seed{s['seed']}")
+            gaps[f"lagged k={k} seed {s['seed']}"] = [r["version_gap_mean"] for r in records]
+            break
+    fig, (ax,) = _figure(1)
+    top = max(max(v) for v in gaps.values())
+    bins = np.arange(-0.5, top + 1.5, max(1, math.ceil(top / 40)))
+    for name, values in gaps.items():
+        ax.hist(values, bins=bins, histtype="step", label=name, density=True)
+    ax.set(
+        xlabel="mean version gap of a batch",
+        ylabel="fraction of steps",
+        title="Staleness: real rollout threads vs lagged mode",
+    )
+    ax.legend(fontsize="small")
+    fig.savefig(out / "async_gaps.png", dpi=100)
+    header = ("run", "seeds", "median staleness", "max staleness", "final pass@1", "median c_t")
+    return {"async": _table(header, rows)}
 
 
 def rewrite_blocks(path: Path, blocks: dict[str, str]) -> None:
@@ -403,10 +366,9 @@ def rewrite_blocks(path: Path, blocks: dict[str, str]) -> None:
     path.write_text(text)
 
 
-def main():
+def main(argv: Sequence[str] | None = None) -> dict[str, str]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--lagged", default="experiments/runs/lagged", type=Path)
-    parser.add_argument("--async-root", default="experiments/runs/async", type=Path)
+    parser.add_argument("--root", default="experiments/runs/lab", type=Path)
     parser.add_argument("--out", default="experiments/results", type=Path)
     parser.add_argument(
         "--results-md",
@@ -418,26 +380,28 @@ def main():
         action="store_true",
         help="let a table hold runs of two code versions (a note under it names them)",
     )
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     global ALLOW_MIXED
     ALLOW_MIXED = args.allow_mixed
     args.out.mkdir(parents=True, exist_ok=True)
-    lagged = load_summaries(args.lagged) if args.lagged.exists() else []
-    asynchronous = load_summaries(args.async_root) if args.async_root.exists() else []
+    lagged_root, async_root = args.root / "lagged", args.root / "async"
     try:
-        blocks = warm_start_row(args.out)
-        blocks.update(diagnosis(lagged, args.lagged, args.out))
-        blocks.update(cures(lagged, args.lagged, args.out))
-        blocks.update(gac_defaults(lagged, args.out))
-        blocks.update(controls(lagged, args.out))
-        blocks.update(smaller_lr(lagged, args.out))
-        blocks.update(real_async(asynchronous, lagged, args.async_root, args.out))
-    except ValueError as error:  # Runs of two code versions in one table, without --allow-mixed.
+        lagged_runs = load_summaries(lagged_root) if lagged_root.exists() else []
+        async_runs = load_summaries(async_root) if async_root.exists() else []
+        lagged, asynchronous = by_label(lagged_runs), by_label(async_runs)
+    except ValueError as error:  # Runs of two code versions, without --allow-mixed.
         parser.exit(2, f"{parser.prog}: error: {error}\n")
+    _write_csv(lagged_runs + async_runs, args.out / "runs.csv")
+    blocks = sync(lagged, lagged_root, args.out)
+    blocks.update(staleness(lagged, args.out))
+    blocks.update(alignment(lagged, args.out))
+    blocks.update(cures(lagged, args.out))
+    blocks.update(real_async(asynchronous, lagged, async_root, lagged_root, args.out))
     for name, table in blocks.items():
         print(f"## {name}\n{table}\n")
     if args.results_md != "none":
         rewrite_blocks(Path(args.results_md), blocks)
+    return blocks
 
 
 if __name__ == "__main__":

@@ -52,10 +52,15 @@ class TrainConfig:
         tiny, else trained once and cached), "random", or a Hugging Face checkpoint dir.
         The Qwen3 presets name the directories of `PRESET_CHECKPOINTS`, which may be
         absent until a run builds its model (`require_init`).
+      warm_start_steps: supervised steps of ``init=warm_start`` (each value is its own
+        cached warm start; 800 is the shipped one). Fewer steps leave RL more to learn.
       steps: learner updates.
       seed: model initialisation (random init), prompt order and sampling.
       eval_every: held-out evaluation every this many steps; 0 disables it.
       eval_size: test problems per evaluation.
+      eval_at_start: also evaluate the initial policy before the first update (logged in
+        step 0's record as ``eval_start/...``), so a run's gain is measured on its own
+        problems.
       eval_samples: k of pass@k.
       checkpoint_every: checkpoint every this many steps (and at the end); 0 disables it.
       keep_checkpoints: checkpoints kept.
@@ -78,10 +83,12 @@ class TrainConfig:
     data_dir: str | None = None
     model: str = "tiny"
     init: str = "warm_start"
+    warm_start_steps: int = 800
     steps: int = 100
     seed: int = 0
     eval_every: int = 25
     eval_size: int = 64
+    eval_at_start: bool = False
     eval_samples: int = 8
     checkpoint_every: int = 50
     keep_checkpoints: int = 2
@@ -141,6 +148,9 @@ def _int_at_least(config, name: str, low: int) -> None:
         raise ValueError(f"{name}={value!r} must be an int >= {low}.")
 
 
+WARM_START_WARMUP = 100  # `WarmStartConfig.warmup_steps`: `warm_start_steps` must exceed it.
+
+
 def _validate_run_fields(config: TrainConfig) -> None:
     from gac_jax.tasks import get_task
     from gac_jax.tasks.custom import resolve_reward
@@ -154,6 +164,7 @@ def _validate_run_fields(config: TrainConfig) -> None:
         ("keep_checkpoints", 1),
         ("seed", 0),
         ("samples_every", 0),
+        ("warm_start_steps", WARM_START_WARMUP + 1),  # Its schedule warms up first.
     ):
         _int_at_least(config, name, low)
     _validate_logging(config)
@@ -358,6 +369,28 @@ def _preset_countdown_sweep() -> TrainConfig:
 SWEEP_LEARNING_RATE = 6e-4
 
 
+def _preset_lab() -> TrainConfig:
+    # experiments/lab.py's laboratory (issue #21), chosen by the pilots in its RESULTS.md.
+    return TrainConfig(
+        warm_start_steps=LAB_WARM_START_STEPS,
+        steps=LAB_STEPS,
+        eval_every=LAB_STEPS // 5,
+        eval_size=128,
+        eval_at_start=True,
+        checkpoint_every=LAB_STEPS // 4,
+        keep_checkpoints=1,
+        samples_every=0,
+        optimizer=OptimizerConfig(learning_rate=LAB_LEARNING_RATE),
+        learner=LearnerConfig(policy_change=True),
+        rollout=RolloutConfig(mode="lagged", groups_per_batch=16),
+    )
+
+
+LAB_WARM_START_STEPS = 300
+LAB_STEPS = 1000
+LAB_LEARNING_RATE = 2e-4
+
+
 def _preset_qwen3_gsm8k(model: str, init: str, micro_batches: int) -> TrainConfig:
     # `init` is the downloaded checkpoint (`PRESET_CHECKPOINTS`): a random 151,936-token
     # model with the 128-symbol character tokenizer would learn nothing.
@@ -390,6 +423,7 @@ PRESETS: dict[str, Any] = {
         optimizer=OptimizerConfig(learning_rate=2e-4), rollout=RolloutConfig(mode="lagged", lag=8)
     ),
     "countdown_sweep": _preset_countdown_sweep,
+    "lab": _preset_lab,
     # Real hardware: Qwen3 on GSM8K from a Hugging Face checkpoint (see README). Sized with
     # `gac-jax plan` to fit 8 devices of 80 GB, with half of it spare (README, "Will it fit?").
     # Micro-batches: 4 sequences a device at 0.6B, 2 at 1.7B (`gac-jax plan`: 34.4 and

@@ -96,7 +96,8 @@ def build_model(config: TrainConfig, mesh):
         # The shipped checkpoint serves countdown/n3_max20 on `tiny`; any other task or model
         # gets its own supervised warm start, trained once and cached.
         directory = ensure_warm_start(
-            WarmStartConfig(task=config.task, model=config.model), data_dir=config.data_dir
+            WarmStartConfig(task=config.task, model=config.model, steps=config.warm_start_steps),
+            data_dir=config.data_dir,
         )
         model, tokenizer, _ = load_warm_start(directory, mesh=mesh)
         return model, tokenizer
@@ -269,6 +270,10 @@ def _train_step(run: Run, source, step: int, eval_key) -> tuple[dict[str, float]
     """Publishes version `step`, takes its batch, updates, evaluates when due; returns the
     metrics and the batch's rollouts."""
     config, learner, store = run.config, run.learner, run.store
+    initial = {}
+    if step == 0 and config.eval_at_start:
+        scores = evaluate_run(run, jax.random.key(config.seed + 3))  # Its own key.
+        initial = {f"eval_start/{k.removeprefix('eval/')}": v for k, v in scores.items()}
     if store.latest_version is None or store.latest_version < step:
         # A copy on the sampler's devices (the learner donates its own to the next step).
         store.publish(run.placement.to_rollout(run.policy.params()), step)
@@ -288,7 +293,7 @@ def _train_step(run: Run, source, step: int, eval_key) -> tuple[dict[str, float]
         metrics["rollout_actor_replacements"] = run.rollout_pool.replacements
     if config.eval_every and (step + 1) % config.eval_every == 0:
         metrics.update(evaluate_run(run, jax.random.fold_in(eval_key, step)))
-    return metrics, rollouts
+    return {**initial, **metrics}, rollouts
 
 
 def train(

@@ -1,16 +1,17 @@
-"""The code version that makes a run: the git commit, uncommitted changes, library versions.
+"""The code version that makes a run: the code's git tree, uncommitted changes, libraries.
 
 `code_version()` is written into every sweep run's summary, so a sweep can tell a result of
 today's code from one of older code (`gac_jax.train.sweeps`). Only the files that decide
-what a run computes count towards ``dirty``: the package (``gac_jax/``, its assets
-included), the experiment scripts (``experiments/*.py``) and ``pyproject.toml``, tracked
-changes and untracked files alike (git-ignored files such as ``runs/`` never count). Notes,
-tests, README and the generated ``experiments/RESULTS.md`` and plots do not make a run's
-code dirty, so regenerating the report does not make every run stale.
+what a run computes count: the package (``gac_jax/``, its assets included) and
+``pyproject.toml``. Two runs are of the same code when those files are the same (``tree``,
+a digest of their committed blobs, plus the uncommitted changes below), whatever else the
+commits between them changed: notes, tests, the README, the experiment scripts (a script
+decides a run only through its config, which the summary's config hash pins) and the
+generated report do not make the finished runs stale.
 
-A dirty tree carries ``diff``, a digest of those uncommitted changes (the diff against
-HEAD plus the untracked files' names and bytes), so two runs of the same uncommitted code
-compare equal and runs of different edits do not.
+A dirty tree carries ``diff``, a digest of the uncommitted changes to those files (the
+diff against HEAD plus the untracked files' names and bytes), so two runs of the same
+uncommitted code compare equal and runs of different edits do not.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from typing import Any
 # The package's checkout: the directory holding gac_jax/.
 REPO_ROOT = Path(__file__).resolve().parents[2]
 # The paths whose uncommitted changes make the code dirty (git pathspecs).
-CODE_PATHS = ("gac_jax", ":(glob)experiments/*.py", "pyproject.toml")
+CODE_PATHS = ("gac_jax", "pyproject.toml")
 GIT_TIMEOUT_SECONDS = 10.0
 LIBRARIES = ("jax", "flax", "optax")
 
@@ -76,6 +77,13 @@ def _uncommitted_digest() -> str | None:
     return digest.hexdigest()[:16]
 
 
+def _committed_tree() -> str | None:
+    """A digest of HEAD's blobs under `CODE_PATHS` (paths and object ids); None if git
+    fails."""
+    listing = _git("ls-tree", "-r", "--full-tree", "HEAD", "--", *CODE_PATHS)
+    return None if listing is None else hashlib.sha256(listing).hexdigest()[:16]
+
+
 def _library_version(name: str) -> str | None:
     try:
         return importlib.metadata.version(name)
@@ -88,48 +96,58 @@ def code_version() -> dict[str, Any]:
     """The version of the code this process runs, computed once per process.
 
     Returns:
-      ``{"commit", "dirty", "diff", "jax", "flax", "optax"}``: the HEAD commit (None when
-      the package is not a git checkout or git is missing), whether `CODE_PATHS` hold
+      ``{"commit", "tree", "dirty", "diff", "jax", "flax", "optax"}``: the HEAD commit
+      (None when the package is not a git checkout or git is missing), the digest of its
+      files under `CODE_PATHS` (`_committed_tree`), whether `CODE_PATHS` hold
       uncommitted changes (None without a commit), the digest of those changes (None when
       clean), and the installed library versions. Never raises.
     """
     commit = None
+    tree = None
     dirty = None
     diff = None
     if _is_checkout():
         head = _git("rev-parse", "HEAD")
         commit = head.decode().strip() if head else None
     if commit is not None:
+        tree = _committed_tree()
         status = _git("status", "--porcelain", "--untracked-files=all", "--", *CODE_PATHS)
         dirty = None if status is None else bool(status.strip())
         diff = _uncommitted_digest() if dirty else None
     libraries = {name: _library_version(name) for name in LIBRARIES}
-    return {"commit": commit, "dirty": dirty, "diff": diff, **libraries}
+    return {"commit": commit, "tree": tree, "dirty": dirty, "diff": diff, **libraries}
 
 
 def same_code(recorded: Mapping[str, Any] | None, current: Mapping[str, Any]) -> bool:
     """Whether a run recorded as `recorded` was made by the code `current`.
 
-    A run without a record (written before versions were recorded) or without a commit
-    (no git) cannot be shown to be of this code, so it is not; a dirty record matches only
-    the same commit with the same uncommitted changes (`code_version`'s ``diff``).
+    The code files must match: by ``tree`` (two commits that changed only other files
+    are the same code), or by commit for a record written before trees were recorded. A
+    run without a record (written before versions were recorded) or without a commit (no
+    git) cannot be shown to be of this code, so it is not; a dirty record matches only the
+    same files with the same uncommitted changes (`code_version`'s ``diff``).
     """
     if not recorded or recorded.get("commit") is None:
         return False
     if recorded.get("dirty") and recorded.get("diff") is None:
         return False  # Dirty, but the changes could not be read.
-    keys = ("commit", "dirty", "diff", *LIBRARIES)
+    # The same code files, whichever commit; a record without a tree (older) by its commit.
+    files = "tree" if recorded.get("tree") and current.get("tree") else "commit"
+    keys = (files, "dirty", "diff", *LIBRARIES)
     return all(recorded.get(k) == current.get(k) for k in keys)
 
 
 def describe(version: Mapping[str, Any] | None) -> str:
-    """One line naming a `code_version()`, e.g. ``commit 9723661c4a1b + uncommitted changes
-    3f2a9c0e1d2b4a5f, jax 0.10.2, flax 0.12.8, optax 0.2.8``; ``no recorded version`` for
-    a summary written before versions were recorded."""
+    """One line naming a `code_version()`, e.g. ``code 5d0c2f7e9a1b3c4d + uncommitted
+    changes 3f2a9c0e1d2b4a5f, jax 0.10.2, flax 0.12.8, optax 0.2.8`` (a record without a
+    tree names its commit instead: ``commit 9723661c4a1b``); ``no recorded version`` for a
+    summary written before versions were recorded."""
     if not version:
         return "no recorded version"
     commit = version.get("commit")
     head = "no git commit" if commit is None else f"commit {commit[:12]}"
+    if commit is not None and version.get("tree"):
+        head = f"code {version['tree']}"  # Commits of the same code files read the same.
     if version.get("dirty"):
         head += f" + uncommitted changes {version.get('diff') or '(unreadable)'}"
     libraries = ", ".join(f"{name} {version.get(name)}" for name in LIBRARIES)

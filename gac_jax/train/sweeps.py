@@ -3,9 +3,9 @@
 A sweep is a list of `RunSpec`s (a label, config overrides, a seed). `run_spec` trains one
 into ``root/<label>/seed<seed>`` and writes ``summary.json`` there; a run whose summary
 exists for the same config is skipped and an interrupted one resumes from its newest
-checkpoint, so a sweep is restarted by running it again. `summarize_run` turns a run's
-metrics into the numbers the experiments report, `aggregate` gives their mean and std over
-seeds, and `markdown_table` prints them.
+checkpoint, so a sweep is restarted by running it again. `summarize_run`
+(`gac_jax.train.run_summary`) turns a run's metrics into the numbers the experiments
+report, `aggregate` gives their mean and std over seeds, and `markdown_table` prints them.
 
 A summary records the code that made it (`provenance.code_version`). A sweep refuses a
 summary of other code unless told to retrain it (``--rerun-stale``) or reuse it
@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import os
 import subprocess
 import sys
@@ -35,27 +34,41 @@ import numpy as np
 from gac_jax.train.config import TrainConfig
 from gac_jax.train.config_io import apply_overrides, load_config
 from gac_jax.train.metrics import read_metrics
-from gac_jax.train.provenance import (
+from gac_jax.train.provenance import (  # noqa: F401  (StaleRunError: what a sweep raises)
     StaleRunError,
     check_one_version,
     code_version,
     runs_by_version,
     settle_stale,
 )
+from gac_jax.train.run_summary import (  # noqa: F401  (re-exported: a sweep's vocabulary)
+    CollapseRule,
+    collapse_step,
+    cosine_samples,
+    summarize_run,
+)
 
 SUMMARY_FILE = "summary.json"
+DEFAULT_RULE = CollapseRule()
 
 # The methods compared under staleness, as config overrides on a base config whose
 # objective is PPO-clip against the behaviour policy with GRPO advantages.
 METHODS: Mapping[str, tuple[str, ...]] = {
     # Asynchronous GRPO with nothing added (the cosine is still monitored).
     "naive": (),
-    # Gradient Alignment Control with the config's thresholds.
+    # Gradient Alignment Control with the config's thresholds, and with thresholds that
+    # follow the run's own cosine statistics.
     "gac": ("gac.monitor_only=false",),
+    "gac_adaptive": ("gac.monitor_only=false", "gac.thresholds=adaptive"),
     # VCPO: ESS step scaling (its defaults) and the off-policy minimum-variance baseline.
     "vcpo": ("ess={}", "loss.advantage=vcpo"),
     # M2PO's second-moment token mask.
     "m2po": ("loss.policy_loss=m2po",),
+    # BAPO's clip bounds, adapted per batch to balance the positive and negative terms.
+    "bapo": ("loss.policy_loss=bapo",),
+    # AReaL's decoupled PPO: clip against the proximal policy (the params before the
+    # update), importance weight to the behaviour policy.
+    "decoupled_ppo": ("loss.policy_loss=decoupled_ppo",),
     # REINFORCE with sequence-level truncated importance sampling (cap 2).
     "seq_tis": (
         "loss.policy_loss=reinforce",
@@ -65,23 +78,6 @@ METHODS: Mapping[str, tuple[str, ...]] = {
     ),
     "gac_vcpo": ("gac.monitor_only=false", "ess={}", "loss.advantage=vcpo"),
 }
-
-
-@dataclasses.dataclass(frozen=True)
-class CollapseRule:
-    """A run collapsed at the first step where the batch reward's trailing `window`-step mean
-    falls below `fraction` of its mean over the run's first `window` steps (checked from step
-    `2 * window - 1` on), or where the loss or gradient norm is not finite."""
-
-    window: int = 25
-    fraction: float = 0.5
-
-    def describe(self) -> str:
-        return (
-            f"the trailing {self.window}-step mean batch reward falls below "
-            f"{self.fraction:g} x its mean over the first {self.window} steps, or the loss "
-            "or gradient norm is not finite"
-        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,91 +95,12 @@ class RunSpec:
         return Path(root) / self.label / f"seed{self.seed}"
 
 
-def _series(records: Sequence[Mapping[str, Any]], key: str) -> np.ndarray:
-    return np.array([float(r[key]) for r in records if key in r], dtype=np.float64)
-
-
-def collapse_step(records: Sequence[Mapping[str, Any]], rule: CollapseRule) -> int | None:
-    """The step at which `rule` says the run collapsed, or None."""
-    for r in records:
-        if not (math.isfinite(r.get("loss", 0.0)) and math.isfinite(r.get("grad_norm", 0.0))):
-            return int(r["step"])
-    reward = _series(records, "reward")
-    w = rule.window
-    if len(reward) < 2 * w:
-        return None
-    start = reward[:w].mean()
-    trailing = np.convolve(reward, np.ones(w) / w, mode="valid")  # trailing[i]: steps i..i+w-1
-    # trailing[w:] are the windows after the first one, ending at steps 2w - 1, 2w, ...
-    below = np.nonzero(trailing[w:] < rule.fraction * start)[0]
-    if len(below) == 0:
-        return None
-    return int(records[below[0] + 2 * w - 1]["step"])
-
-
-def _quantiles(x: np.ndarray) -> tuple[float, float, float]:
-    if len(x) == 0:
-        return (math.nan, math.nan, math.nan)
-    q25, q50, q75 = np.percentile(x, [25, 50, 75])
-    return float(q25), float(q50), float(q75)
-
-
-def cosine_samples(records: Sequence[Mapping[str, Any]], key: str = "gac_cosine") -> np.ndarray:
-    """The per-step cosines `key` of the steps after the first whose gradient is non-zero
-    (a batch whose groups all share one reward has no gradient and so no direction)."""
-    return _series([r for r in records[1:] if r.get("grad_norm", 0.0) > 0.0], key)
-
-
-def summarize_run(
-    records: Sequence[Mapping[str, Any]], rule: CollapseRule = CollapseRule()
-) -> dict[str, Any]:
-    """The reported numbers of one run from its metric records.
-
-    The cosine statistics use `cosine_samples`: ``c_t`` is the raw consecutive-gradient
-    cosine, ``c_after`` the cosine of what the controller emitted.
-    Held-out accuracy is the sampled pass@1 of the evaluations.
-    """
-    if not records:
-        raise ValueError("summarize_run needs at least one metric record; got none.")
-    c_t = cosine_samples(records)
-    c_after = cosine_samples(records, "gac_cosine_after")
-    with_grad = [r for r in records[1:] if r.get("grad_norm", 0.0) > 0.0]
-    evals = [r for r in records if "eval/pass@1" in r]
-    accuracy = [float(r["eval/pass@1"]) for r in evals]
-    regimes = _series(records, "gac_regime")
-    reward = _series(records, "reward")
-    gap = _series(records, "version_gap_mean")
-    summary = {
-        "steps": len(records),
-        "final_accuracy": accuracy[-1] if accuracy else math.nan,
-        "best_accuracy": max(accuracy) if accuracy else math.nan,
-        "final_greedy_accuracy": float(evals[-1]["eval/greedy_accuracy"]) if evals else math.nan,
-        "final_pass_at_k": float(evals[-1].get("eval/pass@8", math.nan)) if evals else math.nan,
-        "reward_first": float(reward[: rule.window].mean()),
-        "reward_last": float(reward[-rule.window :].mean()),
-        "collapse_step": collapse_step(records, rule),
-        "c_t_q25": _quantiles(c_t)[0],
-        "c_t_median": _quantiles(c_t)[1],
-        "c_t_q75": _quantiles(c_t)[2],
-        "c_after_median": _quantiles(c_after)[1],
-        "zero_grad_fraction": 1.0 - len(with_grad) / max(len(records) - 1, 1),
-        "ess_ratio_median": float(np.median(_series(records, "ess_ratio"))),
-        "grad_norm_median": float(np.median(_series(records, "grad_norm"))),
-        "staleness_mean": float(gap.mean()) if len(gap) else math.nan,
-        "staleness_max": float(_series(records, "version_gap_max").max()) if len(gap) else math.nan,
-        "project_fraction": float(np.mean(regimes == 1)) if len(regimes) else 0.0,
-        "skip_fraction": float(np.mean(regimes == 2)) if len(regimes) else 0.0,
-    }
-    summary["collapsed"] = summary["collapse_step"] is not None
-    return summary
-
-
 def run_spec(
     spec: RunSpec,
     base: TrainConfig,
     root: str | os.PathLike,
     *,
-    rule: CollapseRule = CollapseRule(),
+    rule: CollapseRule = DEFAULT_RULE,
     train_fn: Callable[..., Any] | None = None,
     rerun_stale: bool = False,
     allow_stale: bool = False,
@@ -337,17 +254,19 @@ def run_sweep(
     script: str,
     jobs: int = 1,
     shard_arg: str | None = None,
-    rule: CollapseRule = CollapseRule(),
+    rule: CollapseRule = DEFAULT_RULE,
     rerun_stale: bool = False,
     allow_stale: bool = False,
+    argv: Sequence[str] | None = None,
 ) -> list[dict[str, Any]]:
     """Runs the specs not yet finished under `root` and returns the summaries of `specs`.
 
     The unfinished specs are split over `jobs` child processes of `script` (``--shard
     i/jobs``), each with XLA on one CPU thread, so the numbers of a run do not depend on
     how many ran side by side; a child (`shard_arg` "i/n") runs every n-th unfinished spec
-    from i. Unfinished specs are those without a summary when the process starts, so the
-    children, started together, agree on them. Finished runs made by other code are
+    from i. The children get `argv` (this process's arguments by default) and ``--shard``.
+    Unfinished specs are those without a summary when the process starts, so the children,
+    started together, agree on them. Finished runs made by other code are
     refused, retrained or reused as `run_spec` says; the parent settles them all (one error
     naming every stale run, or their deletion) before it starts the children.
     """
@@ -360,7 +279,8 @@ def run_sweep(
         settle_stale([s.directory(root) / SUMMARY_FILE for s in specs], root, **stale)
         todo = pending()
         if todo:
-            run_shards_in_processes([script, *sys.argv[1:]], max(1, min(jobs, len(todo))))
+            args = sys.argv[1:] if argv is None else list(argv)
+            run_shards_in_processes([script, *args], max(1, min(jobs, len(todo))))
         # The children's runs belong to this sweep even if the code changed while they ran
         # (a table of them then refuses to mix the versions).
         return [run_spec(spec, base, root, rule=rule, allow_stale=True) for spec in specs]
@@ -418,33 +338,3 @@ def add_sweep_arguments(parser, *, default_root: str, default_seeds: Sequence[in
 def base_config(args) -> TrainConfig:
     """The base config of parsed `add_sweep_arguments` options: `--config`, then `--set`."""
     return apply_overrides(load_config(args.config), args.set)
-
-
-def sweep_main(
-    description: str,
-    specs: Callable[[Sequence[int]], Sequence[RunSpec]],
-    *,
-    script: str,
-    default_root: str,
-    default_seeds: Sequence[int],
-    default_jobs: int = 2,
-) -> list[dict[str, Any]]:
-    """The command line of an experiment script: parses the `add_sweep_arguments` options,
-    builds the specs for `--seeds` and runs them with `run_sweep`."""
-    parser = argparse.ArgumentParser(description=description)
-    add_sweep_arguments(parser, default_root=default_root, default_seeds=default_seeds)
-    parser.set_defaults(jobs=default_jobs)
-    args = parser.parse_args()
-    try:
-        return run_sweep(
-            specs(args.seeds),
-            base_config(args),
-            args.root,
-            script=script,
-            jobs=args.jobs,
-            shard_arg=args.shard,
-            rerun_stale=args.rerun_stale,
-            allow_stale=args.allow_stale,
-        )
-    except StaleRunError as e:
-        raise SystemExit(str(e)) from None

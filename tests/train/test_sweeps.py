@@ -2,6 +2,7 @@
 the code version of each run and the refusal of stale runs and mixed tables."""
 
 import argparse
+import hashlib
 import json
 import math
 import shutil
@@ -17,7 +18,7 @@ import pytest
 import gac_jax
 from gac_jax.train import get_preset
 from gac_jax.train.metrics import MetricWriter
-from gac_jax.train.provenance import code_version, same_code
+from gac_jax.train.provenance import code_version, describe, same_code
 from gac_jax.train.sweeps import (
     METHODS,
     CollapseRule,
@@ -196,17 +197,26 @@ def test_a_summary_records_the_code_that_made_it(tmp_path):
     head = _git_head()
     assert code["commit"] == head
     if head is None:
-        assert code["dirty"] is None
+        assert code["dirty"] is None and code["tree"] is None
     else:
         assert isinstance(code["dirty"], bool)
         assert (code["diff"] is None) == (not code["dirty"])
+        listing = subprocess.run(
+            ["git", "ls-tree", "-r", "--full-tree", "HEAD", "--", "gac_jax", "pyproject.toml"],
+            capture_output=True,
+            check=True,
+            cwd=Path(gac_jax.__file__).parents[1],
+        ).stdout
+        assert code["tree"] == hashlib.sha256(listing).hexdigest()[:16]
+        assert b"gac_jax/train/loop.py" in listing
     written = json.loads((tmp_path / "naive/k0/seed0/summary.json").read_text())
     assert written["code"] == code
 
 
-def test_code_versions_compare_by_commit_changes_and_libraries():
+def test_code_versions_compare_by_code_files_changes_and_libraries():
     clean = {
         "commit": "a" * 40,
+        "tree": "t1",
         "dirty": False,
         "diff": None,
         "jax": "1",
@@ -218,8 +228,13 @@ def test_code_versions_compare_by_commit_changes_and_libraries():
     assert same_code(dirty, dict(dirty))  # The same uncommitted changes on the same commit.
     assert not same_code(dirty, {**dirty, "diff": "d2"})
     assert not same_code(clean, dirty) and not same_code(dirty, clean)
-    assert not same_code(clean, {**clean, "commit": "b" * 40})
+    # Another commit with the same code files (only tests or notes changed) is the same code.
+    assert same_code(clean, {**clean, "commit": "b" * 40})
+    assert describe(clean) == describe({**clean, "commit": "b" * 40})
+    assert not same_code(clean, {**clean, "tree": "t2"})
     assert not same_code(clean, {**clean, "jax": "9"})
+    older = {**clean, "tree": None}  # Recorded before trees: compared by commit.
+    assert same_code(older, clean) and not same_code(older, {**clean, "commit": "b" * 40})
     assert not same_code({**dirty, "diff": None}, {**dirty, "diff": None})  # Unreadable.
     assert not same_code(None, clean)  # Written before versions were recorded.
     no_git = {**clean, "commit": None, "dirty": None}
@@ -241,9 +256,9 @@ def test_a_stale_run_is_refused_unless_retrained_or_reused(tmp_path):
     spec = RunSpec("naive/k8", ("rollout.lag=8",), seed=1)
     calls = []
     run_spec(spec, base, tmp_path, train_fn=_fake_train(calls))
-    old = {**code_version(), "commit": "0123456789ab" + "0" * 28, "dirty": False, "diff": None}
+    old = {**code_version(), "tree": "0123456789ab", "dirty": False, "diff": None}
     _make_stale(tmp_path, spec, old)
-    with pytest.raises(StaleRunError, match=r"naive/k8 seed 1 \[commit 0123456789ab, jax") as e:
+    with pytest.raises(StaleRunError, match=r"naive/k8 seed 1 \[code 0123456789ab, jax") as e:
         run_spec(spec, base, tmp_path, train_fn=_fake_train(calls))
     assert "--rerun-stale" in str(e.value) and "\n" not in str(e.value)
     assert calls == [(1, True)]  # Refused without training.

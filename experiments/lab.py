@@ -1,0 +1,212 @@
+"""The laboratory (issue #21): every sweep behind experiments/RESULTS.md, one resumable command.
+
+Every run starts from the preset `lab` (tiny on countdown from a 400-step warm start, lagged
+mode: step t trains on rollouts of policy version max(0, t - k), so k=0 is synchronous GRPO).
+
+- ``sync``: synchronous GRPO, 5 seeds: does RL learn, and by how much?
+- ``staleness``: naive GRPO at k in {0, 2, 8, 32, 64, 128}, at the lab's learning rate and
+  at a quarter of it (a per-token KL between consecutive policies about 1e-4), 2 seeds:
+  where do ESS, gradient norm, clip fraction and c_t turn?
+- ``alignment``: the gradient noise scale (micro-batch estimator) and c_t at 2 to 128
+  prompts a batch, at k in {0, 8, 32}, 1 seed, 200 steps each: does c_t follow
+  1 / (1 + B_simple / B)?
+- ``cures``: every method of `gac_jax.train.sweeps.METHODS` at k=32, and naive GRPO at half
+  the learning rate (the step-size control of VCPO's ESS scaling), 5 seeds.
+- ``async``: naive GRPO and GAC with a real rollout worker thread (buffer bound 32), 1 seed;
+  one process at a time (the worker and the learner share the cores).
+
+The lagged runs live in ``ROOT/lagged`` and the asynchronous ones in ``ROOT/async``; a run
+two sweeps share (naive k=0, naive k=32) is made once. Run it again to resume; a finished run
+made by other code is refused unless --rerun-stale or --allow-stale.
+
+    python experiments/lab.py                        # everything: 2 processes, ~3 h here
+    python experiments/lab.py --only sync staleness  # some sweeps
+    python experiments/lab.py --quick --root /tmp/lab_quick   # a few minutes: the plumbing
+    python experiments/report.py                     # tables, plots and RESULTS.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from gac_jax.train.config import LAB_LEARNING_RATE
+from gac_jax.train.provenance import StaleRunError
+from gac_jax.train.sweeps import (
+    METHODS,
+    RunSpec,
+    add_sweep_arguments,
+    base_config,
+    run_sweep,
+)
+
+LAGS = (0, 2, 8, 32, 64, 128)
+SMALL_LR = LAB_LEARNING_RATE / 4  # The LLM-like small step of the staleness sweep.
+CONTROL_LR = LAB_LEARNING_RATE / 2  # The step-size control of the cures.
+CURE_LAG = 32
+ALIGN_GROUPS = (2, 8, 32, 128)  # Prompts a batch (x 8 completions each).
+ALIGN_LAGS = (0, 8, 32)
+ALIGN_STEPS = 200  # c_t and B_simple need no full run; 128 prompts a step cost 8x.
+ASYNC_STALENESS = 32
+ASYNC = (
+    "rollout.mode=async",
+    f"buffer.max_staleness={ASYNC_STALENESS}",
+    "buffer.stale_policy=block",
+    "rollout.num_workers=1",
+    "rollout.groups_per_call=16",
+)
+SEEDS = {"sync": 5, "staleness": 2, "alignment": 1, "cures": 5, "async": 1}
+
+# --quick: the same sweeps, cut to a few short runs from the shipped warm start.
+QUICK_SETTINGS = (
+    "warm_start_steps=800",
+    "steps=6",
+    "eval_every=3",
+    "checkpoint_every=3",
+    "eval_size=8",
+    "eval_samples=2",
+    "rollout.groups_per_batch=4",
+)
+QUICK = {"lags": (0, 2), "groups": (2,), "methods": ("naive", "gac"), "cure_lag": 2}
+
+
+def lr_label(lr: float) -> str:
+    return f"naive_lr{lr:g}"
+
+
+def sync_specs(seeds, quick=False):
+    return [RunSpec("naive/k0", ("rollout.lag=0",), s) for s in seeds]
+
+
+def staleness_specs(seeds, quick=False):
+    lags = QUICK["lags"] if quick else LAGS
+    runs = []
+    for s in seeds:
+        runs += [RunSpec(f"naive/k{k}", (f"rollout.lag={k}",), s) for k in lags]
+        runs += [
+            RunSpec(
+                f"{lr_label(SMALL_LR)}/k{k}",
+                (f"rollout.lag={k}", f"optimizer.learning_rate={SMALL_LR}"),
+                s,
+            )
+            for k in (lags[-1:] if quick else lags)
+        ]
+    return runs
+
+
+def alignment_specs(seeds, quick=False):
+    groups = QUICK["groups"] if quick else ALIGN_GROUPS
+    lags = QUICK["lags"][:1] if quick else ALIGN_LAGS
+    noise = ("learner.micro_batches=2", "learner.noise_scale=true")
+    if not quick:
+        noise += (
+            f"steps={ALIGN_STEPS}",
+            f"eval_every={ALIGN_STEPS}",
+            f"checkpoint_every={ALIGN_STEPS // 2}",
+        )
+    return [
+        RunSpec(
+            f"align_g{g}/k{k}", (f"rollout.lag={k}", f"rollout.groups_per_batch={g}", *noise), s
+        )
+        for s in seeds
+        for g in groups
+        for k in lags
+    ]
+
+
+def cures_specs(seeds, quick=False):
+    methods = QUICK["methods"] if quick else tuple(METHODS)
+    k = QUICK["cure_lag"] if quick else CURE_LAG
+    runs = []
+    for s in seeds:
+        runs += [RunSpec(f"{m}/k{k}", (f"rollout.lag={k}", *METHODS[m]), s) for m in methods]
+        control = (f"rollout.lag={k}", f"optimizer.learning_rate={CONTROL_LR}")
+        runs += [] if quick else [RunSpec(f"{lr_label(CONTROL_LR)}/k{k}", control, s)]
+    return runs
+
+
+def async_specs(seeds, quick=False):
+    methods = ("naive",) if quick else ("naive", "gac")
+    return [RunSpec(f"{m}/async", (*ASYNC, *METHODS[m]), s) for s in seeds for m in methods]
+
+
+SWEEPS = {
+    "sync": sync_specs,
+    "staleness": staleness_specs,
+    "alignment": alignment_specs,
+    "cures": cures_specs,
+    "async": async_specs,
+}
+
+
+def specs_of(names: Sequence[str], seeds: Sequence[int] | None, quick: bool) -> list[RunSpec]:
+    """The runs of the sweeps `names` (each with its own seeds unless `seeds`), once each."""
+    found: dict[tuple[str, int], RunSpec] = {}
+    for name in names:
+        chosen = seeds if seeds is not None else range(1 if quick else SEEDS[name])
+        for spec in SWEEPS[name](list(chosen), quick):
+            found.setdefault((spec.label, spec.seed), spec)
+    return list(found.values())
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_sweep_arguments(parser, default_root="experiments/runs/lab", default_seeds=())
+    parser.set_defaults(seeds=None, config="lab")
+    parser.add_argument("--only", nargs="+", choices=list(SWEEPS), default=list(SWEEPS))
+    parser.add_argument(
+        "--quick", action="store_true", help="a few short runs of every sweep (the plumbing)"
+    )
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = _parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if args.quick:
+        args.set = [*QUICK_SETTINGS, *args.set]
+    base = base_config(args)
+    lagged = [n for n in args.only if n != "async"]
+    # Lagged runs side by side; the asynchronous ones alone (their worker needs a core).
+    groups = [
+        (lagged, "lagged", args.jobs),
+        (["async"] if "async" in args.only else [], "async", 1),
+    ]
+    try:
+        for names, folder, jobs in groups:
+            if not names:
+                continue
+            if args.shard is not None and set(names) != set(args.only):
+                continue  # A child runs the group its parent started.
+            run_sweep(
+                specs_of(names, args.seeds, args.quick),
+                base,
+                Path(args.root) / folder,
+                script=__file__,
+                jobs=jobs,
+                shard_arg=args.shard,
+                rerun_stale=args.rerun_stale,
+                allow_stale=args.allow_stale,
+                argv=[*_without_only(argv), "--only", *names],
+            )
+    except StaleRunError as e:
+        raise SystemExit(str(e)) from None
+
+
+def _without_only(argv: Sequence[str]) -> list[str]:
+    """`argv` less its ``--only`` option and that option's values."""
+    out, skipping = [], False
+    for arg in argv:
+        if arg == "--only":
+            skipping = True
+        elif skipping and arg.startswith("--"):
+            skipping = False
+        if not skipping:
+            out.append(arg)
+    return out
+
+
+if __name__ == "__main__":
+    main()

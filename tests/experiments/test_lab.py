@@ -1,0 +1,156 @@
+"""The laboratory's --quick subset end to end: experiments/lab.py trains every sweep's runs,
+experiments/report.py turns them into RESULTS.md's tables, and the tables hold the runs'
+numbers (changing a run's summary changes the table)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from gac_jax.train.metrics import read_metrics
+
+REPO = Path(__file__).resolve().parents[2]
+EXPERIMENTS = REPO / "experiments"
+sys.path.insert(0, str(EXPERIMENTS))
+import lab  # noqa: E402
+import report  # noqa: E402
+
+
+def _block(text: str, name: str) -> str:
+    match = re.search(rf"<!-- BEGIN {name} -->\n(.*?)<!-- END {name} -->", text, re.S)
+    assert match, f"no block {name}"
+    return match.group(1)
+
+
+def _row(block: str, *first_cells: str) -> list[str]:
+    """The cells of the table row whose first cells are `first_cells`."""
+    for line in block.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if cells[: len(first_cells)] == list(first_cells):
+            return cells
+    raise AssertionError(f"no row {first_cells} in\n{block}")
+
+
+def _env() -> dict[str, str]:
+    """This environment without conftest's 8 fake devices (the scripts run on one)."""
+    flags = os.environ.get("XLA_FLAGS", "").split()
+    keep = [f for f in flags if not f.startswith("--xla_force_host_platform_device_count")]
+    return dict(os.environ, XLA_FLAGS=" ".join(keep), PYTHONPATH=str(REPO))
+
+
+def _summary(root: Path, label: str) -> dict:
+    return json.loads((root / label / "seed0" / "summary.json").read_text())
+
+
+def _report(root: Path, out: Path) -> str:
+    results = out / "RESULTS.md"
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(EXPERIMENTS / "report.py"),
+            "--root",
+            str(root),
+            "--out",
+            str(out),
+            "--results-md",
+            str(results),
+        ],
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return results.read_text()
+
+
+@pytest.fixture(scope="module")
+def quick_lab(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lab")
+    done = subprocess.run(
+        [sys.executable, str(EXPERIMENTS / "lab.py"), "--quick", "--root", str(root / "runs")],
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=False,
+        cwd=REPO,
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    out = root / "results"
+    out.mkdir()
+    shutil.copy(EXPERIMENTS / "RESULTS.md", out / "RESULTS.md")
+    return root / "runs", out, _report(root / "runs", out)
+
+
+def test_the_quick_subset_trains_every_sweep_once(quick_lab):
+    runs, _, _ = quick_lab
+    expected = {(s.label, s.seed) for s in lab.specs_of(list(lab.SWEEPS), None, quick=True)}
+    found = {
+        (str(p.parent.parent.relative_to(folder)), int(p.parent.name.removeprefix("seed")))
+        for folder in (runs / "lagged", runs / "async")
+        for p in folder.glob("**/summary.json")
+    }
+    assert found == expected and len(expected) == 6
+
+
+def test_the_report_tables_are_the_runs_numbers(quick_lab):
+    runs, out, text = quick_lab
+    lagged = runs / "lagged"
+    sync = _block(text, "sync")
+    first = read_metrics(lagged / "naive/k0" / "seed0")[0]
+    assert _row(sync, "0")[1] == f"{first['eval_start/pass@1']:.3f}"
+    assert f"**{_summary(lagged, 'naive/k0')['gain']:.3f}**" in sync
+    stale = _summary(lagged, "naive/k2")
+    row = _row(_block(text, "staleness"), f"{lab.LAB_LEARNING_RATE:g}", "2")
+    assert row[3] == f"{stale['final_accuracy']:.3f}"
+    assert row[6] == f"{stale['ess_ratio_median']:.3g}"
+    align = _summary(lagged, "align_g2/k0")
+    row = _row(_block(text, "alignment"), "2", "0")
+    assert math.isfinite(align["b_simple"]) and row[3] == f"{align['b_simple']:.0f}"
+    ratio = align["noise_batch_size"] / align["b_simple"]
+    assert row[7] == f"{1 / (1 + 1 / ratio):.3f}"
+    gac = _summary(lagged, "gac/k2")
+    assert _row(_block(text, "cures"), "gac")[2] == f"{gac['final_accuracy']:.3f}"
+    asynchronous = _summary(runs / "async", "naive/async")
+    assert _row(_block(text, "async"), "naive/async")[2] == f"{asynchronous['staleness_mean']:.3g}"
+    for png in ("sync_curve", "staleness", "alignment", "cures", "async_gaps"):
+        assert (out / f"{png}.png").stat().st_size > 1000
+
+
+def test_an_edited_summary_changes_the_table(quick_lab, tmp_path):
+    runs, _, _ = quick_lab
+    copy = tmp_path / "runs"
+    shutil.copytree(runs, copy)
+    path = copy / "lagged" / "gac/k2" / "seed0" / "summary.json"
+    summary = json.loads(path.read_text())
+    path.write_text(json.dumps({**summary, "final_accuracy": 0.987}))
+    out = tmp_path / "results"
+    out.mkdir()
+    shutil.copy(EXPERIMENTS / "RESULTS.md", out / "RESULTS.md")
+    assert _row(_block(_report(copy, out), "cures"), "gac")[2] == "0.987"
+
+
+def test_intervals_are_student_t_intervals_of_the_mean():
+    x = [0.21, 0.25, 0.19, 0.23, 0.22]
+    mean, half = report.interval(x)
+    # t_{0.975, 4} = 2.7764 (a table's value).
+    assert mean == pytest.approx(np.mean(x))
+    assert half == pytest.approx(2.7764 * np.std(x, ddof=1) / np.sqrt(5), rel=1e-4)
+    assert report.ci_cell([0.5]) == "0.500" and math.isnan(report.interval([0.5])[1])
+
+
+def test_a_child_gets_its_parents_arguments_without_only():
+    argv = ["--quick", "--only", "sync", "cures", "--jobs", "2"]
+    assert lab._without_only(argv) == ["--quick", "--jobs", "2"]
+    assert lab._without_only(["--only", "async"]) == []

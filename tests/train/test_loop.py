@@ -4,6 +4,7 @@ import dataclasses
 import json
 import time
 
+import jax
 import numpy as np
 import pytest
 
@@ -148,20 +149,45 @@ def test_config_errors_are_clear(tmp_path, digit_task, change, fragment):
         loop.train(config, tmp_path / "bad")
 
 
+def test_eval_at_start_logs_the_initial_policys_evaluation(tmp_path, digit_task):
+    config = dataclasses.replace(_config(tmp_path, 2), eval_at_start=True, checkpoint_every=0)
+    loop.train(config, tmp_path / "run")
+    records = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    initial = {k.removeprefix("eval_start/"): v for k, v in records[0].items() if "start/" in k}
+    run = loop.build_run(config)  # The same init (seeded), before any update.
+    expected = loop.evaluate_run(run, jax.random.key(config.seed + 3))
+    assert initial == {k.removeprefix("eval/"): v for k, v in expected.items()}
+    assert "pass@1" in initial and not any("eval_start/" in k for r in records[1:] for k in r)
+
+
+def test_a_warm_start_shorter_than_its_warm_up_is_refused(tmp_path):
+    config = dataclasses.replace(_config(tmp_path, 1), init="warm_start", warm_start_steps=50)
+    with pytest.raises(ValueError, match="warm_start_steps=50 must be an int >= 101"):
+        config.validate()
+    from gac_jax.train.config import WARM_START_WARMUP
+    from gac_jax.train.warm_start import WarmStartConfig
+
+    assert WARM_START_WARMUP == WarmStartConfig().warmup_steps
+
+
 def test_warm_start_init_asks_for_the_warm_start_of_the_task_and_model(monkeypatch):
     import importlib
 
     warm_start = importlib.import_module("gac_jax.train.warm_start")  # Not the function.
-    asked = []
+    asked, steps = [], []
 
     def fake_ensure(config, *, data_dir=None):
         asked.append((config.task, config.model, data_dir))
+        steps.append(config.steps)
         return warm_start.SHIPPED_WARM_START_DIR
 
     monkeypatch.setattr(warm_start, "ensure_warm_start", fake_ensure)
     config = TrainConfig(task="arithmetic/add3", model="tiny", data_dir="/data")
     model, tokenizer = loop.build_model(config, models.make_mesh(1, 1, 1))
-    assert asked == [("arithmetic/add3", "tiny", "/data")]
+    assert asked == [("arithmetic/add3", "tiny", "/data")] and steps == [800]
+    # A shorter warm start is its own (cached) checkpoint.
+    loop.build_model(dataclasses.replace(config, warm_start_steps=300), models.make_mesh(1, 1, 1))
+    assert steps == [800, 300]
     assert model.config == models.get_config("tiny") and tokenizer.pad_id is not None
     # The default task and model are served by the shipped checkpoint, untrained.
     shipped = warm_start.WarmStartConfig(task=TrainConfig().task, model=TrainConfig().model)

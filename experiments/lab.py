@@ -189,23 +189,10 @@ def main(argv: Sequence[str] | None = None) -> None:
                 shard_arg=args.shard,
                 rerun_stale=args.rerun_stale,
                 allow_stale=args.allow_stale,
-                argv=[*_without_only(argv), "--only", *names],
+                argv=[*argv, "--only", *names],  # The last --only wins (argparse).
             )
     except StaleRunError as e:
         raise SystemExit(str(e)) from None
-
-
-def _without_only(argv: Sequence[str]) -> list[str]:
-    """`argv` less its ``--only`` option and that option's values."""
-    out, skipping = [], False
-    for arg in argv:
-        if arg == "--only":
-            skipping = True
-        elif skipping and arg.startswith("--"):
-            skipping = False
-        if not skipping:
-            out.append(arg)
-    return out
 
 
 if __name__ == "__main__":

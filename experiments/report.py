@@ -90,23 +90,30 @@ def _write_csv(runs: Sequence[dict], path: Path) -> None:
 # ---------------------------------------------------------------------------------- sync
 
 
+def _evaluations(records) -> list[tuple[int, float, float]]:
+    """(step, pass@1, greedy accuracy) of a run's evaluation before training (step 0) and
+    of each later one (after step `r["step"] + 1` updates)."""
+    out = [
+        (0, r["eval_start/pass@1"], r["eval_start/greedy_accuracy"])
+        for r in records
+        if "eval_start/pass@1" in r
+    ][:1]
+    return out + [
+        (r["step"] + 1, r["eval/pass@1"], r["eval/greedy_accuracy"])
+        for r in records
+        if "eval/pass@1" in r
+    ]
+
+
 def sync(runs: dict, root: Path, out: Path) -> dict[str, str]:
     seeds = runs.get("naive/k0", [])
     if not seeds:
         return {"sync": "No synchronous run has finished yet."}
-    curves = [read_metrics(root / "naive/k0" / f"seed{s['seed']}") for s in seeds]
-    steps = [0] + [r["step"] + 1 for r in curves[0] if "eval/pass@1" in r]
-    table = []
-    points = []
-    for i, step in enumerate(steps):
-        key = "eval_start/pass@1" if i == 0 else "eval/pass@1"
-        greedy_key = key.replace("pass@1", "greedy_accuracy")
-        if i == 0:
-            values = [c[0][key] for c in curves]
-            greedy = [c[0][greedy_key] for c in curves]
-        else:
-            at = [[r for r in c if "eval/pass@1" in r][i - 1] for c in curves]
-            values, greedy = [r[key] for r in at], [r[greedy_key] for r in at]
+    # Each seed's evaluations: (step, pass@1, greedy), the one before training first.
+    evals = [_evaluations(read_metrics(root / "naive/k0" / f"seed{s['seed']}")) for s in seeds]
+    table, points = [], []
+    for i, (step, _, _) in enumerate(evals[0]):
+        values, greedy = [e[i][1] for e in evals], [e[i][2] for e in evals]
         table.append((step, ci_cell(values), ci_cell(greedy)))
         points.append((step, values))
     gains = _values(seeds, "gain")
@@ -190,10 +197,10 @@ def staleness(runs: dict, out: Path) -> dict[str, str]:
 
 def alignment(runs: dict, out: Path) -> dict[str, str]:
     rows, points = [], {}
-    for g in lab.ALIGN_GROUPS + lab.QUICK["groups"]:
+    for g in sorted({*lab.ALIGN_GROUPS, *lab.QUICK["groups"]}):
         for k in lab.ALIGN_LAGS:
             seeds = runs.get(f"align_g{g}/k{k}")
-            if not seeds or (g, k) in {(r[0], r[1]) for r in rows}:
+            if not seeds:
                 continue
             b = float(np.mean(_values(seeds, "noise_batch_size")))
             b_simple = float(np.mean(_values(seeds, "b_simple")))

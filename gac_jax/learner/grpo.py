@@ -72,7 +72,7 @@ class LearnerConfig:
         batch sizes, from the micro-batches and the whole mini-batch); needs
         micro_batches >= 2.
       policy_change: log how far each batch's updates moved the policy on its tokens
-        (`policy_change/kl`, `policy_change/log_ratio_sq`; one more forward pass).
+        (`policy_change/kl`, `policy_change/log_ratio_sq`; one or two more forward passes).
     """
 
     micro_batches: int = 1

@@ -174,7 +174,8 @@ def make_train_step(
         `noise_scale_metrics`) from its micro-batches' and its whole gradient (needs
         micro_batches >= 2).
       policy_change: log how far the batch's updates moved the policy, on the batch's
-        tokens (one more forward pass): ``policy_change/kl``, the mean k3 estimate of
+        tokens (a forward pass after the updates, and one before them unless the objective
+        takes it anyway): ``policy_change/kl``, the mean k3 estimate of
         KL(pi_before || pi_after), and ``policy_change/log_ratio_sq``, the mean of
         ``(log pi_after - log pi_before)^2 / 2``. The tokens are the behaviour policy's
         samples, so these are the change where the data lies (exact sampling estimates

@@ -100,8 +100,8 @@ def summarize_run(
         "c_t_q75": _quantiles(c_t)[2],
         "c_after_median": _quantiles(c_after)[1],
         "zero_grad_fraction": 1.0 - len(with_grad) / max(len(records) - 1, 1),
-        "ess_ratio_median": float(np.median(_series(records, "ess_ratio"))),
-        "grad_norm_median": float(np.median(_series(records, "grad_norm"))),
+        "ess_ratio_median": _median(records, "ess_ratio"),
+        "grad_norm_median": _median(records, "grad_norm"),
         "staleness_mean": float(gap.mean()) if len(gap) else math.nan,
         "staleness_max": float(_series(records, "version_gap_max").max()) if len(gap) else math.nan,
         "project_fraction": float(np.mean(regimes == 1)) if len(regimes) else 0.0,
@@ -109,6 +109,7 @@ def summarize_run(
         **_lab_statistics(records, rule),
     }
     summary["collapsed"] = summary["collapse_step"] is not None
+    summary["gain"] = summary["final_accuracy"] - summary["start_accuracy"]
     return summary
 
 
@@ -136,17 +137,16 @@ def noise_scale(records: Sequence[Mapping[str, Any]]) -> float:
 
 
 def _lab_statistics(records: Sequence[Mapping[str, Any]], rule: CollapseRule) -> dict[str, Any]:
-    """The laboratory's numbers: the start and gain of held-out pass@1, how far a step
+    """The laboratory's numbers: held-out pass@1 before training, how far a step
     moves the policy, the noise scale, and the warnings that may precede a collapse (the
     first ESS ratio below 0.5, the first gradient norm above 3x its median over the first
     `rule.window` steps)."""
-    start = records[0].get("eval_start/pass@1", math.nan)
-    evals = [float(r["eval/pass@1"]) for r in records if "eval/pass@1" in r]
+    # Step 0's last record with several optimizer steps a batch (the loop's evaluations).
+    start = next((r["eval_start/pass@1"] for r in records if "eval_start/pass@1" in r), math.nan)
     early_grad = _series(records[: rule.window], "grad_norm")
     spike = 3.0 * float(np.median(early_grad)) if len(early_grad) else math.inf
     return {
         "start_accuracy": float(start),
-        "gain": (evals[-1] if evals else math.nan) - float(start),
         "policy_kl_median": _median(records, "policy_change/kl"),
         "clip_fraction_median": _median(records, "loss/clip_fraction"),
         "b_simple": noise_scale(records),

@@ -150,7 +150,6 @@ def test_intervals_are_student_t_intervals_of_the_mean():
     assert report.ci_cell([0.5]) == "0.500" and math.isnan(report.interval([0.5])[1])
 
 
-def test_a_child_gets_its_parents_arguments_without_only():
-    argv = ["--quick", "--only", "sync", "cures", "--jobs", "2"]
-    assert lab._without_only(argv) == ["--quick", "--jobs", "2"]
-    assert lab._without_only(["--only", "async"]) == []
+def test_a_child_runs_only_the_sweeps_its_parent_names():
+    args = lab._parser().parse_args(["--quick", "--only", "sync", "cures", "--only", "async"])
+    assert args.only == ["async"] and args.quick

@@ -2,7 +2,6 @@
 the code version of each run and the refusal of stale runs and mixed tables."""
 
 import argparse
-import hashlib
 import json
 import math
 import shutil
@@ -16,7 +15,7 @@ import optax
 import pytest
 
 import gac_jax
-from gac_jax.train import get_preset
+from gac_jax.train import get_preset, provenance
 from gac_jax.train.metrics import MetricWriter
 from gac_jax.train.provenance import code_version, describe, same_code
 from gac_jax.train.sweeps import (
@@ -104,6 +103,45 @@ def test_summary_statistics_match_numpy():
     np.testing.assert_allclose([s["project_fraction"], s["skip_fraction"]], [8 / n, 2 / n])
     with pytest.raises(ValueError, match="at least one metric record"):
         summarize_run([])
+
+
+def test_lab_statistics_match_numpy():
+    rng = np.random.default_rng(1)
+    n = 30
+    trace, grad_sq = rng.uniform(100, 900, n), rng.uniform(0.5, 2.0, n)
+    kl, clip = rng.uniform(0, 1e-3, n), rng.uniform(0, 0.1, n)
+    ess = np.linspace(1.0, 0.3, n)  # Below 0.5 from step 22 on.
+    grad = np.ones(n)
+    grad[17] = 3.5  # Above 3x the median of the first 10 steps (1.0).
+    records = _records(
+        rng.uniform(0, 1, n),
+        ess_ratio=list(ess),
+        **{"noise/trace": list(trace), "noise/grad_sq": list(grad_sq)},
+        **{"policy_change/kl": list(kl), "loss/clip_fraction": list(clip)},
+        **{"noise/batch_size": [700.0] * n},
+    )
+    for r, g in zip(records, grad, strict=True):
+        r["grad_norm"] = float(g)
+    # As with several optimizer steps a batch: the evaluation before training sits in a
+    # later record of step 0, not the first one.
+    records[1]["eval_start/pass@1"] = 0.05
+    records[-1].update({"eval/pass@1": 0.2, "eval/greedy_accuracy": 0.3})
+    s = summarize_run(records, CollapseRule(window=10))
+    assert s["start_accuracy"] == 0.05 and s["gain"] == pytest.approx(0.15)
+    np.testing.assert_allclose(s["b_simple"], trace.mean() / grad_sq.mean())
+    np.testing.assert_allclose(
+        s["b_simple_thirds"],
+        [trace[i : i + 10].mean() / grad_sq[i : i + 10].mean() for i in (0, 10, 20)],
+    )
+    np.testing.assert_allclose(
+        [s["policy_kl_median"], s["clip_fraction_median"], s["noise_batch_size"]],
+        [np.median(kl), np.median(clip), 700.0],
+    )
+    assert s["ess_drop_step"] == int(np.argmax(ess < 0.5)) and s["grad_spike_step"] == 17
+    bare = summarize_run(_records([0.5] * 5))  # No evaluations, no noise scale.
+    assert (
+        math.isnan(bare["gain"]) and math.isnan(bare["b_simple"]) and bare["ess_drop_step"] is None
+    )
 
 
 def _fake_train(calls):
@@ -201,16 +239,45 @@ def test_a_summary_records_the_code_that_made_it(tmp_path):
     else:
         assert isinstance(code["dirty"], bool)
         assert (code["diff"] is None) == (not code["dirty"])
-        listing = subprocess.run(
-            ["git", "ls-tree", "-r", "--full-tree", "HEAD", "--", "gac_jax", "pyproject.toml"],
-            capture_output=True,
-            check=True,
-            cwd=Path(gac_jax.__file__).parents[1],
-        ).stdout
-        assert code["tree"] == hashlib.sha256(listing).hexdigest()[:16]
-        assert b"gac_jax/train/loop.py" in listing
+        assert isinstance(code["tree"], str) and len(code["tree"]) == 16
     written = json.loads((tmp_path / "naive/k0/seed0/summary.json").read_text())
     assert written["code"] == code
+
+
+def _commit(repo: Path, files: dict[str, str]) -> None:
+    for name, text in files.items():
+        (repo / name).parent.mkdir(parents=True, exist_ok=True)
+        (repo / name).write_text(text)
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-C", str(repo)]
+    subprocess.run([*git, "add", "-A"], check=True, capture_output=True)
+    subprocess.run([*git, "commit", "-qm", "c"], check=True, capture_output=True)
+
+
+def test_the_code_tree_follows_the_code_files_not_the_commit(tmp_path, monkeypatch):
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    subprocess.run(["git", "init", "-q", str(repo)], check=True)
+    monkeypatch.setattr(provenance, "REPO_ROOT", repo.resolve())
+
+    def version():
+        provenance.code_version.cache_clear()
+        return provenance.code_version()
+
+    _commit(repo, {"gac_jax/a.py": "x = 1\n", "pyproject.toml": "", "README.md": "one"})
+    first = version()
+    _commit(repo, {"README.md": "two", "tests/test_a.py": "", "experiments/lab.py": ""})
+    notes = version()
+    assert notes["commit"] != first["commit"] and notes["tree"] == first["tree"]
+    assert same_code(first, notes) and not notes["dirty"]
+    (repo / "gac_jax/a.py").write_text("x = 2\n")  # Uncommitted: dirty, with its digest.
+    dirty = version()
+    assert dirty["dirty"] and dirty["diff"] and not same_code(first, dirty)
+    _commit(repo, {})
+    changed = version()
+    assert changed["tree"] != first["tree"] and not same_code(first, changed)
+    _commit(repo, {"pyproject.toml": "[project]"})
+    assert version()["tree"] != changed["tree"]
+    provenance.code_version.cache_clear()
 
 
 def test_code_versions_compare_by_code_files_changes_and_libraries():

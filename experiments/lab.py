@@ -1,25 +1,27 @@
 """The laboratory (issue #21): every sweep behind experiments/RESULTS.md, one resumable command.
 
-Every run starts from the preset `lab` (tiny on countdown from a 400-step warm start, lagged
+Every run starts from the preset `lab` (tiny on countdown from a 300-step warm start, lagged
 mode: step t trains on rollouts of policy version max(0, t - k), so k=0 is synchronous GRPO).
+The sweeps' lengths were cut to fit the whole set in about 2.5 hours on 2 cores:
 
-- ``sync``: synchronous GRPO, 5 seeds: does RL learn, and by how much?
+- ``sync``: synchronous GRPO, 5 seeds, 1500 steps, evaluated every 100, with the gradient
+  noise scale measured all along (mini-batch halves): does RL learn, and by how much?
 - ``staleness``: naive GRPO at k in {0, 2, 8, 32, 64, 128}, at the lab's learning rate and
-  at a quarter of it (a per-token KL between consecutive policies about 1e-4), 2 seeds:
-  where do ESS, gradient norm, clip fraction and c_t turn?
-- ``alignment``: the gradient noise scale (micro-batch estimator) and c_t at 2 to 128
-  prompts a batch, at k in {0, 8, 32}, 1 seed, 200 steps each: does c_t follow
-  1 / (1 + B_simple / B)?
+  at a quarter of it (the LLM-like small step), 1 seed, 500 steps: where do ESS, gradient
+  norm, clip fraction and c_t turn?
+- ``alignment``: the gradient noise scale and c_t at 1 to 128 prompts a batch, at k in
+  {0, 8, 32}, 1 seed, 150 steps each: does c_t follow 1 / (1 + B_simple / B)?
 - ``cures``: every method of `gac_jax.train.sweeps.METHODS` at k=32, and naive GRPO at half
-  the learning rate (the step-size control of VCPO's ESS scaling), 5 seeds.
-- ``async``: naive GRPO and GAC with a real rollout worker thread (buffer bound 32), 1 seed;
-  one process at a time (the worker and the learner share the cores).
+  the learning rate (the step-size control of VCPO's ESS scaling), 5 seeds, 300 steps
+  (where naive GRPO at k=32 trails synchronous GRPO most).
+- ``async``: naive GRPO and GAC with a real rollout worker thread (buffer bound 32), 1 seed,
+  300 steps; one process at a time (the worker and the learner share the cores).
 
-The lagged runs live in ``ROOT/lagged`` and the asynchronous ones in ``ROOT/async``; a run
-two sweeps share (naive k=0, naive k=32) is made once. Run it again to resume; a finished run
-made by other code is refused unless --rerun-stale or --allow-stale.
+The lagged runs live in ``ROOT/lagged`` and the asynchronous ones in ``ROOT/async``. Run it
+again to resume; a finished run made by
+other code is refused unless --rerun-stale or --allow-stale.
 
-    python experiments/lab.py                        # everything: 2 processes, ~3 h here
+    python experiments/lab.py                        # everything: 2 processes, ~2.5 h here
     python experiments/lab.py --only sync staleness  # some sweeps
     python experiments/lab.py --quick --root /tmp/lab_quick   # a few minutes: the plumbing
     python experiments/report.py                     # tables, plots and RESULTS.md
@@ -42,13 +44,18 @@ from gac_jax.train.sweeps import (
     run_sweep,
 )
 
+SYNC_LABEL = "sync/k0"  # Its own label: longer than the staleness sweep's naive/k0.
+SYNC_STEPS = 1500
+STALENESS_STEPS = 500
+CURE_STEPS = 300  # Naive GRPO at k=32 trails synchronous GRPO most in its first 600 steps.
 LAGS = (0, 2, 8, 32, 64, 128)
 SMALL_LR = LAB_LEARNING_RATE / 4  # The LLM-like small step of the staleness sweep.
 CONTROL_LR = LAB_LEARNING_RATE / 2  # The step-size control of the cures.
 CURE_LAG = 32
-ALIGN_GROUPS = (2, 8, 32, 128)  # Prompts a batch (x 8 completions each).
+ALIGN_GROUPS = (1, 4, 16, 128)  # Prompts a batch (x 8 completions each).
 ALIGN_LAGS = (0, 8, 32)
-ALIGN_STEPS = 200  # c_t and B_simple need no full run; 128 prompts a step cost 8x.
+ALIGN_STEPS = 150  # c_t and B_simple need no full run; 128 prompts a step cost 8x.
+NOISE_SCALE = ("learner.micro_batches=2", "learner.noise_scale=true")  # B_simple's estimator.
 ASYNC_STALENESS = 32
 ASYNC = (
     "rollout.mode=async",
@@ -57,7 +64,7 @@ ASYNC = (
     "rollout.num_workers=1",
     "rollout.groups_per_call=16",
 )
-SEEDS = {"sync": 5, "staleness": 2, "alignment": 1, "cures": 5, "async": 1}
+SEEDS = {"sync": 5, "staleness": 1, "alignment": 1, "cures": 5, "async": 1}
 
 # --quick: the same sweeps, cut to a few short runs from the shipped warm start.
 QUICK_SETTINGS = (
@@ -76,19 +83,37 @@ def lr_label(lr: float) -> str:
     return f"naive_lr{lr:g}"
 
 
+def staleness_label(lr: float, k: int) -> str:
+    """The staleness sweep's own labels: its runs are longer than the cures' naive/k32."""
+    return f"stale_lr{lr:g}/k{k}"
+
+
+def length(steps: int, evals: int, quick: bool) -> tuple[str, ...]:
+    """Settings for a run of `steps` steps evaluated every `evals` (none under --quick)."""
+    if quick:
+        return ()
+    return (f"steps={steps}", f"eval_every={evals}", f"checkpoint_every={steps // 2}")
+
+
 def sync_specs(seeds, quick=False):
-    return [RunSpec("naive/k0", ("rollout.lag=0",), s) for s in seeds]
+    # Mini-batch halves give the gradient noise scale along the whole run (same update).
+    settings = ("rollout.lag=0", *NOISE_SCALE, *length(SYNC_STEPS, 100, quick))
+    return [RunSpec(SYNC_LABEL, settings, s) for s in seeds]
 
 
 def staleness_specs(seeds, quick=False):
     lags = QUICK["lags"] if quick else LAGS
+    steps = length(STALENESS_STEPS, 100, quick)
     runs = []
     for s in seeds:
-        runs += [RunSpec(f"naive/k{k}", (f"rollout.lag={k}",), s) for k in lags]
+        runs += [
+            RunSpec(staleness_label(LAB_LEARNING_RATE, k), (f"rollout.lag={k}", *steps), s)
+            for k in lags
+        ]
         runs += [
             RunSpec(
-                f"{lr_label(SMALL_LR)}/k{k}",
-                (f"rollout.lag={k}", f"optimizer.learning_rate={SMALL_LR}"),
+                staleness_label(SMALL_LR, k),
+                (f"rollout.lag={k}", f"optimizer.learning_rate={SMALL_LR}", *steps),
                 s,
             )
             for k in (lags[-1:] if quick else lags)
@@ -99,13 +124,7 @@ def staleness_specs(seeds, quick=False):
 def alignment_specs(seeds, quick=False):
     groups = QUICK["groups"] if quick else ALIGN_GROUPS
     lags = QUICK["lags"][:1] if quick else ALIGN_LAGS
-    noise = ("learner.micro_batches=2", "learner.noise_scale=true")
-    if not quick:
-        noise += (
-            f"steps={ALIGN_STEPS}",
-            f"eval_every={ALIGN_STEPS}",
-            f"checkpoint_every={ALIGN_STEPS // 2}",
-        )
+    noise = (*NOISE_SCALE, *length(ALIGN_STEPS, ALIGN_STEPS, quick))
     return [
         RunSpec(
             f"align_g{g}/k{k}", (f"rollout.lag={k}", f"rollout.groups_per_batch={g}", *noise), s
@@ -119,17 +138,21 @@ def alignment_specs(seeds, quick=False):
 def cures_specs(seeds, quick=False):
     methods = QUICK["methods"] if quick else tuple(METHODS)
     k = QUICK["cure_lag"] if quick else CURE_LAG
+    steps = length(CURE_STEPS, 100, quick)
     runs = []
     for s in seeds:
-        runs += [RunSpec(f"{m}/k{k}", (f"rollout.lag={k}", *METHODS[m]), s) for m in methods]
-        control = (f"rollout.lag={k}", f"optimizer.learning_rate={CONTROL_LR}")
+        runs += [
+            RunSpec(f"{m}/k{k}", (f"rollout.lag={k}", *METHODS[m], *steps), s) for m in methods
+        ]
+        control = (f"rollout.lag={k}", f"optimizer.learning_rate={CONTROL_LR}", *steps)
         runs += [] if quick else [RunSpec(f"{lr_label(CONTROL_LR)}/k{k}", control, s)]
     return runs
 
 
 def async_specs(seeds, quick=False):
     methods = ("naive",) if quick else ("naive", "gac")
-    return [RunSpec(f"{m}/async", (*ASYNC, *METHODS[m]), s) for s in seeds for m in methods]
+    steps = length(CURE_STEPS, 100, quick)  # Beside the cures' lagged k=32 runs.
+    return [RunSpec(f"{m}/async", (*ASYNC, *METHODS[m], *steps), s) for s in seeds for m in methods]
 
 
 SWEEPS = {

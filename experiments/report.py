@@ -106,11 +106,11 @@ def _evaluations(records) -> list[tuple[int, float, float]]:
 
 
 def sync(runs: dict, root: Path, out: Path) -> dict[str, str]:
-    seeds = runs.get("naive/k0", [])
+    seeds = runs.get(lab.SYNC_LABEL, [])
     if not seeds:
         return {"sync": "No synchronous run has finished yet."}
     # Each seed's evaluations: (step, pass@1, greedy), the one before training first.
-    evals = [_evaluations(read_metrics(root / "naive/k0" / f"seed{s['seed']}")) for s in seeds]
+    evals = [_evaluations(read_metrics(root / lab.SYNC_LABEL / f"seed{s['seed']}")) for s in seeds]
     table, points = [], []
     for i, (step, _, _) in enumerate(evals[0]):
         values, greedy = [e[i][1] for e in evals], [e[i][2] for e in evals]
@@ -122,6 +122,13 @@ def sync(runs: dict, root: Path, out: Path) -> dict[str, str]:
         f"\n\nGain of held-out pass@1 over the warm start (last evaluation less the one "
         f"before the first update), {len(seeds)} seeds: **{ci_cell(gains)}**."
     )
+    thirds = [s["b_simple_thirds"] for s in seeds if "b_simple_thirds" in s]
+    if thirds and np.all(np.isfinite(thirds)):
+        text += (
+            f"\n\nGradient noise scale B_simple by third of the run (mean of the seeds): "
+            f"{' / '.join(f'{x:.0f}' for x in np.mean(thirds, axis=0))} tokens, for a batch "
+            f"of B = {np.mean(_values(seeds, 'noise_batch_size')):.0f} tokens."
+        )
     fig, (ax,) = _figure(1)
     for step, values in points:
         ax.plot([step] * len(values), values, "o", color="0.6", markersize=3)
@@ -145,16 +152,16 @@ STALENESS_KEYS = (
 )
 
 
-def _lag_rows(runs: dict, prefix: str) -> list[tuple[int, list[dict]]]:
-    return [(k, runs[f"{prefix}/k{k}"]) for k in lab.LAGS if f"{prefix}/k{k}" in runs]
+def _lag_rows(runs: dict, lr: float) -> list[tuple[int, list[dict]]]:
+    labels = {k: lab.staleness_label(lr, k) for k in lab.LAGS}
+    return [(k, runs[label]) for k, label in labels.items() if label in runs]
 
 
 def staleness(runs: dict, out: Path) -> dict[str, str]:
-    rates = {lab.LAB_LEARNING_RATE: "naive", lab.SMALL_LR: lab.lr_label(lab.SMALL_LR)}
     rows, warnings = [], []
     fig, axes = _figure(4)
-    for lr, prefix in rates.items():
-        lags = _lag_rows(runs, prefix)
+    for lr in (lab.LAB_LEARNING_RATE, lab.SMALL_LR):
+        lags = _lag_rows(runs, lr)
         for k, seeds in lags:
             cells = [
                 ci_cell(_values(seeds, key))
@@ -235,11 +242,8 @@ def alignment(runs: dict, out: Path) -> dict[str, str]:
     ax.plot(grid, 1 / (1 + 1 / grid), "k--", label="theory, sync: 1 / (1 + B_simple / B)")
     ax.set(xscale="log", xlabel="B / B_simple", ylabel="c_t", title="When do gradients align?")
     ax.legend(fontsize="small")
-    for lr, prefix in (
-        (lab.LAB_LEARNING_RATE, "naive"),
-        (lab.SMALL_LR, lab.lr_label(lab.SMALL_LR)),
-    ):
-        lags = [(k, s) for k, s in _lag_rows(runs, prefix) if k > 0]
+    for lr in (lab.LAB_LEARNING_RATE, lab.SMALL_LR):
+        lags = [(k, s) for k, s in _lag_rows(runs, lr) if k > 0]
         if lags:
             xs = [k * lr for k, _ in lags]
             ax2.plot(
@@ -265,12 +269,23 @@ def alignment(runs: dict, out: Path) -> dict[str, str]:
 # --------------------------------------------------------------------------------- cures
 
 
-def cures(runs: dict, out: Path) -> dict[str, str]:
+def _sync_at(runs: dict, root: Path, step: int) -> list[float]:
+    """Held-out pass@1 of each synchronous seed after `step` updates (none if not evaluated)."""
+    values = []
+    for s in runs.get(lab.SYNC_LABEL, []):
+        evals = _evaluations(read_metrics(root / lab.SYNC_LABEL / f"seed{s['seed']}"))
+        values += [acc for at, acc, _ in evals if at == step]
+    return values
+
+
+def cures(runs: dict, root: Path, out: Path) -> dict[str, str]:
     k = next((k for k in (lab.CURE_LAG, lab.QUICK["cure_lag"]) if f"naive/k{k}" in runs), None)
     if k is None:
         return {"cures": "No cure run has finished yet."}
     labels = [f"{m}/k{k}" for m in lab.METHODS] + [f"{lab.lr_label(lab.CONTROL_LR)}/k{k}"]
     naive = interval(_values(runs[f"naive/k{k}"], "final_accuracy"))
+    steps = runs[f"naive/k{k}"][0]["steps"]
+    reference = _sync_at(runs, root, steps)
     rows, bars = [], []
     for label in labels:
         seeds = runs.get(label)
@@ -304,6 +319,13 @@ def cures(runs: dict, out: Path) -> dict[str, str]:
     ax.set_xticks(range(len(bars)), [b[0] for b in bars], rotation=30, ha="right")
     ax.set(ylabel="final held-out pass@1", title=f"Cures at k={k} (95% intervals)")
     fig.savefig(out / "cures.png", dpi=100)
+    text = f"Staleness k={k}, {steps} steps.\n\n"
+    if reference:
+        text += (
+            f"Synchronous GRPO (the sync sweep's runs) after the same {steps} steps: held-out "
+            f"pass@1 **{ci_cell(reference)}** ({len(reference)} seeds); naive GRPO at k={k}: "
+            f"**{ci_cell(_values(runs[f'naive/k{k}'], 'final_accuracy'))}**.\n\n"
+        )
     header = (
         "method",
         "seeds",
@@ -314,7 +336,7 @@ def cures(runs: dict, out: Path) -> dict[str, str]:
         "median ESS ratio",
         "vs naive (intervals)",
     )
-    return {"cures": f"Staleness k={k}.\n\n" + _table(header, rows)}
+    return {"cures": text + _table(header, rows)}
 
 
 # --------------------------------------------------------------------------------- async
@@ -402,7 +424,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, str]:
     blocks = sync(lagged, lagged_root, args.out)
     blocks.update(staleness(lagged, args.out))
     blocks.update(alignment(lagged, args.out))
-    blocks.update(cures(lagged, args.out))
+    blocks.update(cures(lagged, lagged_root, args.out))
     blocks.update(real_async(asynchronous, lagged, async_root, lagged_root, args.out))
     for name, table in blocks.items():
         print(f"## {name}\n{table}\n")

@@ -101,17 +101,17 @@ def test_the_quick_subset_trains_every_sweep_once(quick_lab):
         for folder in (runs / "lagged", runs / "async")
         for p in folder.glob("**/summary.json")
     }
-    assert found == expected and len(expected) == 6
+    assert found == expected and len(expected) == 8
 
 
 def test_the_report_tables_are_the_runs_numbers(quick_lab):
     runs, out, text = quick_lab
     lagged = runs / "lagged"
     sync = _block(text, "sync")
-    first = read_metrics(lagged / "naive/k0" / "seed0")[0]
+    first = read_metrics(lagged / lab.SYNC_LABEL / "seed0")[0]
     assert _row(sync, "0")[1] == f"{first['eval_start/pass@1']:.3f}"
-    assert f"**{_summary(lagged, 'naive/k0')['gain']:.3f}**" in sync
-    stale = _summary(lagged, "naive/k2")
+    assert f"**{_summary(lagged, lab.SYNC_LABEL)['gain']:.3f}**" in sync
+    stale = _summary(lagged, lab.staleness_label(lab.LAB_LEARNING_RATE, 2))
     row = _row(_block(text, "staleness"), f"{lab.LAB_LEARNING_RATE:g}", "2")
     assert row[3] == f"{stale['final_accuracy']:.3f}"
     assert row[6] == f"{stale['ess_ratio_median']:.3g}"

@@ -2,7 +2,7 @@
 
 Every run starts from the preset `lab` (tiny on countdown from a 300-step warm start, lagged
 mode: step t trains on rollouts of policy version max(0, t - k), so k=0 is synchronous GRPO).
-The sweeps' lengths were cut to fit the whole set in about 2.5 hours on 2 cores:
+The sweeps' lengths were cut to fit the whole set in about 1.5 hours on 2 cores (one session):
 
 - ``sync``: synchronous GRPO, 5 seeds, 1500 steps, evaluated every 100, with the gradient
   noise scale measured all along (mini-batch halves): does RL learn, and by how much?
@@ -10,18 +10,18 @@ The sweeps' lengths were cut to fit the whole set in about 2.5 hours on 2 cores:
   at a quarter of it (the LLM-like small step), 1 seed, 500 steps: where do ESS, gradient
   norm, clip fraction and c_t turn?
 - ``alignment``: the gradient noise scale and c_t at 1 to 128 prompts a batch, at k in
-  {0, 8, 32}, 1 seed, 150 steps each: does c_t follow 1 / (1 + B_simple / B)?
+  {0, 8, 32}, 1 seed, 100 steps each: does c_t follow 1 / (1 + B_simple / B)?
 - ``cures``: every method of `gac_jax.train.sweeps.METHODS` at k=32, and naive GRPO at half
-  the learning rate (the step-size control of VCPO's ESS scaling), 5 seeds, 300 steps
-  (where naive GRPO at k=32 trails synchronous GRPO most).
+  the learning rate (the step-size control of VCPO's ESS scaling), 5 seeds, 200 steps
+  (naive GRPO at k=32 already trails synchronous GRPO there).
 - ``async``: naive GRPO and GAC with a real rollout worker thread (buffer bound 32), 1 seed,
-  300 steps; one process at a time (the worker and the learner share the cores).
+  200 steps; one process at a time (the worker and the learner share the cores).
 
 The lagged runs live in ``ROOT/lagged`` and the asynchronous ones in ``ROOT/async``. Run it
 again to resume; a finished run made by
 other code is refused unless --rerun-stale or --allow-stale.
 
-    python experiments/lab.py                        # everything: 2 processes, ~2.5 h here
+    python experiments/lab.py                        # everything: 2 processes, ~1.5 h here
     python experiments/lab.py --only sync staleness  # some sweeps
     python experiments/lab.py --quick --root /tmp/lab_quick   # a few minutes: the plumbing
     python experiments/report.py                     # tables, plots and RESULTS.md
@@ -47,14 +47,14 @@ from gac_jax.train.sweeps import (
 SYNC_LABEL = "sync/k0"  # Its own label: longer than the staleness sweep's naive/k0.
 SYNC_STEPS = 1500
 STALENESS_STEPS = 500
-CURE_STEPS = 300  # Naive GRPO at k=32 trails synchronous GRPO most in its first 600 steps.
+CURE_STEPS = 200  # Naive GRPO at k=32 already trails synchronous GRPO at step 200.
 LAGS = (0, 2, 8, 32, 64, 128)
 SMALL_LR = LAB_LEARNING_RATE / 4  # The LLM-like small step of the staleness sweep.
 CONTROL_LR = LAB_LEARNING_RATE / 2  # The step-size control of the cures.
 CURE_LAG = 32
 ALIGN_GROUPS = (1, 4, 16, 128)  # Prompts a batch (x 8 completions each).
 ALIGN_LAGS = (0, 8, 32)
-ALIGN_STEPS = 150  # c_t and B_simple need no full run; 128 prompts a step cost 8x.
+ALIGN_STEPS = 100  # c_t and B_simple need no full run; 128 prompts a step cost 8x.
 NOISE_SCALE = ("learner.micro_batches=2", "learner.noise_scale=true")  # B_simple's estimator.
 ASYNC_STALENESS = 32
 ASYNC = (

@@ -23,10 +23,12 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import fcntl
 import logging
 import random
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -373,6 +375,27 @@ class Gsm8k(_tfds_gsm8k.Gsm8k, skip_registration=True):
             ) from e
 
 
+@contextlib.contextmanager
+def _preparation_lock(builder: tfds.core.DatasetBuilder) -> Iterator[None]:
+    """Holds an exclusive lock on `builder`'s data directory while it is prepared.
+
+    Processes of one sweep prepare the same dataset at once; without the lock the second
+    to finish fails to rename its copy over the first. Remote directories are not locked.
+    """
+    root = str(builder.data_dir_root)
+    if "://" in root:
+        yield
+        return
+    lock = Path(builder.data_dir).parent / ".prepare.lock"
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 def prepare_source(
     builder: tfds.core.DatasetBuilder,
     split: str,
@@ -392,9 +415,11 @@ def prepare_source(
     Raises:
       ValueError: if `split` is not a split of the prepared data.
     """
-    with absl_records_dropped(_unprepared_notice):
+    with absl_records_dropped(_unprepared_notice), _preparation_lock(builder):
         if not builder.is_prepared():
             builder.download_and_prepare(download_config=download_config)
+        elif not builder.info.splits:  # Another process prepared it while this one waited.
+            builder.info.read_from_directory(builder.data_dir)
     splits = sorted(builder.info.splits.keys())
     for part in split.split("+"):
         if part.split("[", 1)[0].strip() not in splits:

@@ -1,7 +1,10 @@
 """The synthetic tfds builders: offline preparation, disjoint splits, determinism."""
 
 import dataclasses
+import json
 import socket
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -151,3 +154,39 @@ def test_empty_split_is_an_error(tmp_path):
     config = dataclasses.replace(_arithmetic_config(), num_test=0)
     with pytest.raises(ValueError, match="num_train and num_test must be >= 1"):
         Arithmetic(config=config, data_dir=tmp_path).download_and_prepare()
+
+
+def test_a_builder_made_before_another_prepared_the_data_reads_it(tmp_path):
+    # A sweep's processes make their builders at once; the first to lock prepares the data.
+    late = Countdown(config=_countdown_config(), data_dir=tmp_path)
+    first = _read(Countdown, _countdown_config(), tmp_path)
+    again = [_as_python(ex) for ex in prepare_source(late, "test")]
+    assert again == first["test"]
+
+
+_PREPARE = """
+import json, sys
+from gac_jax.tasks.builders import Countdown, CountdownConfig, prepare_source
+config = CountdownConfig(name="tiny", num_numbers=3, max_number=10, min_target=1,
+    max_target=40, min_used=2, num_train=300, num_test=60, seed=1)
+source = prepare_source(Countdown(config=config, data_dir=sys.argv[1]), "train")
+print(json.dumps([int(source[i]["target"]) for i in range(len(source))]))
+"""
+
+
+def test_processes_preparing_one_dataset_at_once_all_succeed(tmp_path):
+    # Without the lock the second process to finish fails to rename its copy over the first.
+    children = [
+        subprocess.Popen(
+            [sys.executable, "-c", _PREPARE, str(tmp_path)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(3)
+    ]
+    outputs = [child.communicate(timeout=240) for child in children]
+    for child, (_, err) in zip(children, outputs, strict=True):
+        assert child.returncode == 0, err[-2000:]
+    targets = [json.loads(out.strip().splitlines()[-1]) for out, _ in outputs]
+    assert len(targets[0]) == 300 and targets[0] == targets[1] == targets[2]

@@ -2,7 +2,8 @@
 
 Every run starts from the preset `lab` (tiny on countdown from a 300-step warm start, lagged
 mode: step t trains on rollouts of policy version max(0, t - k), so k=0 is synchronous GRPO).
-The sweeps' lengths were cut to fit the whole set in about 1.5 hours on 2 cores (one session):
+The sweeps' lengths were cut to fit the whole set in about 2 hours on 2 cores, within one
+3-hour session with its report:
 
 - ``sync``: synchronous GRPO, 5 seeds, 1500 steps, evaluated every 100, with the gradient
   noise scale measured all along (mini-batch halves): does RL learn, and by how much?
@@ -14,14 +15,15 @@ The sweeps' lengths were cut to fit the whole set in about 1.5 hours on 2 cores 
 - ``cures``: every method of `gac_jax.train.sweeps.METHODS` at k=32, and naive GRPO at half
   the learning rate (the step-size control of VCPO's ESS scaling), 5 seeds, 200 steps
   (naive GRPO at k=32 already trails synchronous GRPO there).
-- ``async``: naive GRPO and GAC with a real rollout worker thread (buffer bound 32), 1 seed,
+- ``async``: naive GRPO and GAC with a real rollout worker thread (staleness bound 32,
+  buffer room for 32 batches), 1 seed,
   200 steps; one process at a time (the worker and the learner share the cores).
 
 The lagged runs live in ``ROOT/lagged`` and the asynchronous ones in ``ROOT/async``. Run it
 again to resume; a finished run made by
 other code is refused unless --rerun-stale or --allow-stale.
 
-    python experiments/lab.py                        # everything: 2 processes, ~1.5 h here
+    python experiments/lab.py                        # everything: 2 processes, ~2 h here
     python experiments/lab.py --only sync staleness  # some sweeps
     python experiments/lab.py --quick --root /tmp/lab_quick   # a few minutes: the plumbing
     python experiments/report.py                     # tables, plots and RESULTS.md
@@ -60,6 +62,8 @@ ASYNC_STALENESS = 32
 ASYNC = (
     "rollout.mode=async",
     f"buffer.max_staleness={ASYNC_STALENESS}",
+    # Room for the worker to run ASYNC_STALENESS batches ahead (two batches by default).
+    f"buffer.capacity={ASYNC_STALENESS * 16}",
     "buffer.stale_policy=block",
     "rollout.num_workers=1",
     "rollout.groups_per_call=16",

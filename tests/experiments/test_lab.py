@@ -51,26 +51,22 @@ def _summary(root: Path, label: str) -> dict:
     return json.loads((root / label / "seed0" / "summary.json").read_text())
 
 
-def _report(root: Path, out: Path) -> str:
-    results = out / "RESULTS.md"
+def _script(name: str, *args: str, timeout: int = 300) -> None:
+    """Runs experiments/`name` with `args`; fails the test with its stderr if it fails."""
     done = subprocess.run(
-        [
-            sys.executable,
-            str(EXPERIMENTS / "report.py"),
-            "--root",
-            str(root),
-            "--out",
-            str(out),
-            "--results-md",
-            str(results),
-        ],
+        [sys.executable, str(EXPERIMENTS / name), *args],
         env=_env(),
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=timeout,
         check=False,
     )
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+def _report(root: Path, out: Path) -> str:
+    results = out / "RESULTS.md"
+    _script("report.py", "--root", str(root), "--out", str(out), "--results-md", str(results))
     return results.read_text()
 
 
@@ -153,3 +149,19 @@ def test_intervals_are_student_t_intervals_of_the_mean():
 def test_a_child_runs_only_the_sweeps_its_parent_names():
     args = lab._parser().parse_args(["--quick", "--only", "sync", "cures", "--only", "async"])
     assert args.only == ["async"] and args.quick
+
+
+def test_the_kept_runs_give_the_same_report(quick_lab, tmp_path):
+    # experiments/keep_runs.py keeps what the report reads; the rest stays behind.
+    runs, _, text = quick_lab
+    kept = tmp_path / "kept"
+    _script("keep_runs.py", "--root", str(runs), "--out", str(kept), timeout=120)
+    assert not list(kept.glob("**/checkpoints"))
+    sync_record = read_metrics(kept / "lagged" / lab.SYNC_LABEL / "seed0")[-1]
+    assert "loss" not in sync_record and "step" in sync_record
+    out = tmp_path / "results"
+    out.mkdir()
+    shutil.copy(EXPERIMENTS / "RESULTS.md", out / "RESULTS.md")
+    again = _report(kept, out)
+    for name in ("sync", "staleness", "alignment", "cures", "async"):
+        assert _block(again, name) == _block(text, name)

@@ -16,8 +16,8 @@ The sweeps' lengths were cut to fit the whole set in about 2 hours on 2 cores, w
   the learning rate (the step-size control of VCPO's ESS scaling), 5 seeds, 200 steps
   (naive GRPO at k=32 already trails synchronous GRPO there).
 - ``async``: naive GRPO and GAC with a real rollout worker thread (staleness bound 32,
-  buffer room for 32 batches), 1 seed,
-  200 steps; one process at a time (the worker and the learner share the cores).
+  buffer room for 32 batches), 1 seed, 200 steps; one process at a time (the worker and
+  the learner share the cores).
 
 The lagged runs live in ``ROOT/lagged`` and the asynchronous ones in ``ROOT/async``. Run it
 again to resume; a finished run made by
@@ -62,7 +62,8 @@ ASYNC_STALENESS = 32
 ASYNC = (
     "rollout.mode=async",
     f"buffer.max_staleness={ASYNC_STALENESS}",
-    # Room for the worker to run ASYNC_STALENESS batches ahead (two batches by default).
+    # Room for the worker to run ASYNC_STALENESS batches of the lab's 16 prompts ahead (the
+    # default, two batches, holds the staleness at about 3).
     f"buffer.capacity={ASYNC_STALENESS * 16}",
     "buffer.stale_policy=block",
     "rollout.num_workers=1",

@@ -3,7 +3,7 @@
 The runs directory (experiments/runs: checkpoints, tensorboard files and every metric of
 every step) is ignored by git and does not outlive a working copy. This copies, for each
 finished run (one holding a summary), its summary and config, and its metrics records cut
-to the keys experiments/report.py reads (evaluations and version gaps), into
+to the keys experiments/report.py reads (`report.RECORD_KEYS`), into
 experiments/results/lab_runs with the same layout:
 
     python experiments/lab.py && python experiments/keep_runs.py
@@ -15,19 +15,20 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import sys
 from pathlib import Path
 
 from gac_jax.train.cli import CONFIG_FILE
 from gac_jax.train.metrics import METRICS_FILE
 from gac_jax.train.sweeps import SUMMARY_FILE
 
-# The metrics experiments/report.py reads from a run's records (the rest from its summary).
-REPORT_KEYS = ("eval_start/", "eval/", "version_gap_mean")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from report import RECORD_KEYS  # noqa: E402  (experiments/report.py)
 
 
 def kept(record: dict) -> dict:
-    """`record`'s step and the keys the report reads (values as written, nan included)."""
-    return {k: v for k, v in record.items() if k == "step" or k.startswith(REPORT_KEYS)}
+    """The keys of `record` the report reads (values as written, nan included)."""
+    return {k: v for k, v in record.items() if k in RECORD_KEYS}
 
 
 def keep_run(run: Path, into: Path) -> None:

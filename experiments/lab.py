@@ -36,7 +36,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from gac_jax.train.config import LAB_LEARNING_RATE
+from gac_jax.train.config import LAB_LEARNING_RATE, get_preset
 from gac_jax.train.provenance import StaleRunError
 from gac_jax.train.sweeps import (
     METHODS,
@@ -62,9 +62,9 @@ ASYNC_STALENESS = 32
 ASYNC = (
     "rollout.mode=async",
     f"buffer.max_staleness={ASYNC_STALENESS}",
-    # Room for the worker to run ASYNC_STALENESS batches of the lab's 16 prompts ahead (the
-    # default, two batches, holds the staleness at about 3).
-    f"buffer.capacity={ASYNC_STALENESS * 16}",
+    # Room for the worker to run ASYNC_STALENESS batches ahead (the default, two batches,
+    # holds the staleness at about 3).
+    f"buffer.capacity={ASYNC_STALENESS * get_preset('lab').rollout.groups_per_batch}",
     "buffer.stale_policy=block",
     "rollout.num_workers=1",
     "rollout.groups_per_call=16",

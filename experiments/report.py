@@ -32,6 +32,16 @@ from gac_jax.train.provenance import check_one_version, runs_by_version  # noqa:
 from gac_jax.train.sweeps import load_summaries  # noqa: E402
 
 ALLOW_MIXED = False  # --allow-mixed: tables may mix runs of two code versions.
+# The only keys of a run's metrics records read here (the rest comes from its summary);
+# experiments/keep_runs.py keeps these.
+RECORD_KEYS = (
+    "step",
+    "eval_start/pass@1",
+    "eval_start/greedy_accuracy",
+    "eval/pass@1",
+    "eval/greedy_accuracy",
+    "version_gap_mean",
+)
 
 
 def interval(values: Sequence[float]) -> tuple[float, float]:

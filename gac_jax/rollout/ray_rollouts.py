@@ -25,7 +25,7 @@ Example::
         generator = TaskGroupGenerator(graphdef, sampler, task, examples, tokenizer, config)
         return generator, jax.device_put
 
-    ray.init()
+    LocalRayCluster().start().connect()  # Or ray.init(address=...) for a running cluster.
     with RayRolloutPool(factory, num_actors=4, env={"JAX_PLATFORMS": "cpu"}) as pool:
         source = AsyncRollouts(pool, store, prompts, groups_per_batch=8, num_threads=4)
 """
@@ -113,8 +113,9 @@ class RayRolloutPool:
     `RolloutWorker(num_threads=num_actors)` gives one thread per actor, and more threads
     share actors (an actor runs its calls one at a time).
 
-    Ray must be initialised (`ray.init`) before the pool is built, or Ray starts a local
-    cluster as it does by default. Actors start in the background; the first call to each
+    Ray must be initialised before the pool is built (`LocalRayCluster.connect` for a local
+    cluster that does not fork this JAX process, or `ray.init(address=...)`); otherwise Ray
+    starts a local cluster from this process as it does by default. Actors start in the background; the first call to each
     waits for its `factory` to finish (`pids()` waits for all of them).
 
     Args:

@@ -4,18 +4,21 @@ The learner process (or processes) keep the buffer, the staleness bound and the 
 numbering (`AsyncRollouts`); each worker thread hands its sampler calls to one actor
 (`RayRolloutPool`), which builds the run's model, sampler and task on its own devices from
 the same `TrainConfig` (`ActorGenerator`) and receives each version's params through Ray's
-object store. Ray is started here if the caller has not: `RAY_ADDRESS` (or
-`ray.init`'s own defaults, a local cluster) says where.
+object store. Ray is joined here if the caller has not: at `RAY_ADDRESS`, or on a new
+local cluster started from a clean interpreter (`LocalRayCluster`, so no Python runs in a
+forked child of this JAX process) and stopped when the process exits.
 """
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import os
 from typing import Any
 
 import jax
 
+from gac_jax.rollout.ray_cluster import LocalRayCluster
 from gac_jax.rollout.ray_rollouts import RayRolloutPool
 from gac_jax.train.config import TrainConfig
 
@@ -58,11 +61,16 @@ class ActorGenerator:
 
 def make_pool(config: TrainConfig) -> RayRolloutPool:
     """The run's `RayRolloutPool`: `rollout.num_workers` actors, started on the Ray
-    cluster `RAY_ADDRESS` names (a new local one if none is running)."""
+    cluster `RAY_ADDRESS` names (a new local one if it names none)."""
     import ray
 
     if not ray.is_initialized():
-        ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False)
+        if "RAY_ADDRESS" in os.environ:
+            ray.init(address=os.environ["RAY_ADDRESS"])
+        else:
+            cluster = LocalRayCluster().start()
+            atexit.register(cluster.stop)  # Runs after Ray's own shutdown (atexit is LIFO).
+            cluster.connect()
     env = {name: os.environ[name] for name in INHERITED_ENV if name in os.environ}
     return RayRolloutPool(
         ActorGenerator(config),

@@ -25,6 +25,7 @@ from gac_jax.rollout import (
     TaskGroupGenerator,
     make_sampler,
 )
+from gac_jax.rollout.ray_cluster import LocalRayCluster
 from gac_jax.rollout.ray_rollouts import RayRolloutPool, RolloutActorDied
 from gac_jax.rollout.worker import GroupRequest, group_key
 from gac_jax.tasks import get_task
@@ -89,10 +90,12 @@ def fake_factory():
 
 @pytest.fixture(scope="module", autouse=True)
 def ray_cluster():
-    # address="local": always a fresh cluster of this test's own, never someone else's.
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
+    # A fresh cluster of this test's own, never someone else's, started from a clean
+    # interpreter (no fork of this JAX process).
+    with LocalRayCluster(num_cpus=4) as cluster:
+        cluster.connect(log_to_driver=False)
+        yield
+        ray.shutdown()
 
 
 @pytest.fixture(scope="module")

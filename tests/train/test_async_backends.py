@@ -7,6 +7,7 @@ import pytest
 
 from gac_jax import models
 from gac_jax.rollout import GenerationConfig, RolloutConfig
+from gac_jax.rollout.ray_cluster import LocalRayCluster
 from gac_jax.train import loop
 from gac_jax.train.config import TrainConfig
 from gac_jax.train.config_io import apply_overrides
@@ -93,9 +94,10 @@ def test_inflight_updates_tag_each_token_with_its_version(tmp_path, digit_task, 
 @pytest.fixture(scope="module")
 def ray_cluster():
     ray = pytest.importorskip("ray")
-    ray.init(address="local", num_cpus=3, include_dashboard=False, log_to_driver=False)
-    yield ray
-    ray.shutdown()
+    with LocalRayCluster(num_cpus=3) as cluster:
+        cluster.connect(log_to_driver=False)
+        yield ray
+        ray.shutdown()
 
 
 @pytest.mark.slow

@@ -1,0 +1,133 @@
+"""A local Ray cluster started from a clean interpreter.
+
+`ray.init()` with no cluster to join starts the GCS, the raylet and Ray's agents from the
+calling process with a Python `preexec_fn`, which runs Python code in a forked child of
+that process. In a process where JAX has started its threads that is the fork-without-exec
+JAX warns about ("os.fork() was called ... will likely lead to a deadlock"). Here the
+cluster is started by `ray start --head --block` in a fresh interpreter, launched without a
+`preexec_fn` (so CPython forks and execs at once, running no Python in between), and the
+caller joins it with `connect`. Ending the `LocalRayCluster` stops its whole process group.
+
+Ray's token authentication is on, as for the local cluster `ray.init()` would start: both
+sides read the token from Ray's default place, and `RAY_AUTH_MODE` says so explicitly to the
+joining process too (a process joining by address does not turn it on by itself).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+AUTH_MODE_VARIABLE = "RAY_AUTH_MODE"
+
+
+def _free_port() -> int:
+    with contextlib.closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _port_open(port: int) -> bool:
+    with contextlib.closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as s:
+        s.settimeout(0.5)
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+class LocalRayCluster:
+    """A one-node Ray cluster of this machine, in its own process group.
+
+    Its ports are drawn free (the GCS and the dashboard agent have fixed
+    defaults that two clusters on one machine would both claim), so several can run at once.
+
+    Example::
+
+        with LocalRayCluster(num_cpus=4) as cluster:
+            cluster.connect()
+            ...
+            ray.shutdown()
+    """
+
+    def __init__(self, num_cpus: int | None = None, *, start_timeout: float = 120.0):
+        self.num_cpus = num_cpus
+        self.start_timeout = start_timeout
+        self.address: str | None = None
+        self._process: subprocess.Popen | None = None
+        self._log = None
+
+    def start(self) -> LocalRayCluster:
+        port = _free_port()
+        command = [
+            sys.executable,
+            "-m",
+            "ray.scripts.scripts",
+            "start",
+            "--head",
+            "--block",
+            f"--port={port}",
+            f"--dashboard-agent-listen-port={_free_port()}",
+            "--include-dashboard=false",
+            "--disable-usage-stats",
+        ]
+        if self.num_cpus is not None:
+            command.append(f"--num-cpus={self.num_cpus}")
+        self._log = tempfile.NamedTemporaryFile(prefix="gac_jax_ray_", suffix=".log", delete=False)
+        self._process = subprocess.Popen(
+            command,
+            env={**os.environ, AUTH_MODE_VARIABLE: os.environ.get(AUTH_MODE_VARIABLE, "token")},
+            stdin=subprocess.DEVNULL,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # Its own process group, stopped as one in `stop`.
+        )
+        deadline = time.monotonic() + self.start_timeout
+        while not _port_open(port):
+            if self._process.poll() is not None or time.monotonic() > deadline:
+                with open(self._log.name, errors="replace") as f:
+                    tail = f.read()[-2000:]
+                self.stop()
+                raise RuntimeError(f"the local Ray cluster did not start; its log ends:\n{tail}")
+            time.sleep(0.2)
+        self.address = f"127.0.0.1:{port}"
+        return self
+
+    def connect(self, **init_kwargs) -> None:
+        """`ray.init` on this cluster (keyword arguments go to `ray.init`)."""
+        import ray
+        from ray._raylet import Config
+
+        if self.address is None:
+            raise RuntimeError("the local Ray cluster is not started; call start() first")
+        os.environ.setdefault(AUTH_MODE_VARIABLE, "token")
+        # Ray caches the mode when it is imported, possibly before the line above: re-read
+        # it, as `ray.init` does for a cluster it starts itself.
+        Config.initialize("")
+        ray.init(address=self.address, **init_kwargs)
+
+    def stop(self) -> None:
+        process, self._process = self._process, None
+        if process is not None and process.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGTERM)
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+        if self._log is not None:
+            self._log.close()
+            with contextlib.suppress(OSError):
+                os.unlink(self._log.name)
+            self._log = None
+
+    def __enter__(self) -> LocalRayCluster:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -115,8 +115,9 @@ class RayRolloutPool:
 
     Ray must be initialised before the pool is built (`LocalRayCluster.connect` for a local
     cluster that does not fork this JAX process, or `ray.init(address=...)`); otherwise Ray
-    starts a local cluster from this process as it does by default. Actors start in the background; the first call to each
-    waits for its `factory` to finish (`pids()` waits for all of them).
+    starts a local cluster from this process as it does by default. Actors start in the
+    background; the first call to each waits for its `factory` to finish (`pids()` waits for
+    all of them).
 
     Args:
       factory: a picklable zero-argument callable, run inside each actor process, that

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from gac_jax.train.config import preset_names
-from gac_jax.train.config_io import apply_overrides, load_config, to_yaml
+from gac_jax.train.config_io import RESUMABLE_FIELDS, apply_overrides, load_config, to_yaml
 
 CONFIG_FILE = "config.json"  # Written into the run directory by `loop.train`.
 
@@ -98,7 +98,7 @@ def _cmd_train(args, parser) -> int:
         parser.error(str(error))
     loop = _loop()
     if args.resume:
-        config = _resume_config(parser, out_dir, args.set, loop.RESUMABLE_FIELDS)
+        config = _resume_config(parser, out_dir, args.set, RESUMABLE_FIELDS)
     else:
         config = _resolve(parser, name, args.set)
     if _missing_task_data(config, "train"):

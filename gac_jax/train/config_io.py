@@ -224,6 +224,33 @@ def config_hash(config: Any, exclude: Sequence[str] = ()) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
+# What may change when a run is resumed: how long it runs and how it is evaluated and
+# checkpointed, nothing that changes what it trains.
+RESUMABLE_FIELDS = (
+    "steps",
+    "eval_every",
+    "eval_size",
+    "eval_samples",
+    "checkpoint_every",
+    "keep_checkpoints",
+    "samples_every",
+    "samples_per_log",
+    "wandb_project",
+    "wandb_mode",
+)
+
+
+def run_hash(config: Any) -> str:
+    """The hash of what a run's results depend on: the config but for `steps` (resuming
+    with more steps is how a finished run is trained further)."""
+    return config_hash(config, exclude=("steps",))
+
+
+def resume_hash(config: Any) -> str:
+    """The hash a checkpoint records: the config but for `RESUMABLE_FIELDS`."""
+    return config_hash(config, exclude=RESUMABLE_FIELDS)
+
+
 def config_diff(old: Any, new: Any) -> list[tuple[str, Any, Any]]:
     """The fields that differ between two configs (or their dicts), as ``(dotted key, old
     value, new value)`` in field order."""

@@ -44,13 +44,7 @@ from gac_jax.train.checkpoint import CheckpointManager
 from gac_jax.train.config import TrainConfig, require_init, run_chat_template
 from gac_jax.train.evaluation import evaluate_policy
 from gac_jax.train.interrupt import RunInterrupted, StopSignals
-from gac_jax.train.run_checkpoint import (  # noqa: F401 - part of the loop's API
-    RESUMABLE_FIELDS,
-    config_hash,
-    restore_run,
-    resume_hash,
-    save_run,
-)
+from gac_jax.train.run_checkpoint import restore_run, save_run
 
 logger = logging.getLogger(__name__)
 

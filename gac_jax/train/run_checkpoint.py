@@ -20,37 +20,10 @@ import numpy as np
 
 from gac_jax.train import config_io, processes
 from gac_jax.train.checkpoint import CheckpointManager
-from gac_jax.train.config import TrainConfig
+from gac_jax.train.config_io import RESUMABLE_FIELDS, resume_hash
 
 if TYPE_CHECKING:
     from gac_jax.train.loop import Run
-
-# What may change when a run is resumed: how long it runs and how it is evaluated and
-# checkpointed, nothing that changes what it trains.
-RESUMABLE_FIELDS = (
-    "steps",
-    "eval_every",
-    "eval_size",
-    "eval_samples",
-    "checkpoint_every",
-    "keep_checkpoints",
-    "samples_every",
-    "samples_per_log",
-    "wandb_project",
-    "wandb_mode",
-)
-
-
-def config_hash(config: TrainConfig) -> str:
-    """The hash of what a checkpoint depends on: the config but for `steps` (resuming with
-    more steps is how a finished run is trained further)."""
-    return config_io.config_hash(config, exclude=("steps",))
-
-
-def resume_hash(config: TrainConfig) -> str:
-    """The hash a checkpoint records: the config but for `RESUMABLE_FIELDS`."""
-    return config_io.config_hash(config, exclude=RESUMABLE_FIELDS)
-
 
 def _checkpoint_state(run: Run) -> dict[str, Any]:
     store, params, like = run.store, run.learner.params, run.policy.like()

@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from gac_jax.train.config import TrainConfig
-from gac_jax.train.config_io import apply_overrides, load_config
+from gac_jax.train.config_io import apply_overrides, load_config, run_hash
 from gac_jax.train.metrics import read_metrics
 from gac_jax.train.provenance import (  # noqa: F401  (StaleRunError: what a sweep raises)
     StaleRunError,
@@ -113,12 +113,12 @@ def run_spec(
     again from scratch) or `allow_stale` (the summary is returned as it is). `train_fn`
     defaults to `gac_jax.train.train`.
     """
-    from gac_jax.train.loop import config_hash, train
+    from gac_jax.train.loop import train
 
     config = spec.config(base)
     out = spec.directory(root)
     path = out / SUMMARY_FILE
-    digest = config_hash(config)
+    digest = run_hash(config)
     if path.exists():
         summary = json.loads(path.read_text())
         if summary.get("config_hash") != digest or summary.get("config_steps") != config.steps:

@@ -10,9 +10,8 @@ import yaml
 
 from gac_jax.train.cli import main
 from gac_jax.train.config import get_preset, preset_names
-from gac_jax.train.config_io import apply_overrides, save_config
+from gac_jax.train.config_io import RESUMABLE_FIELDS, apply_overrides, save_config
 from gac_jax.train.interrupt import RunInterrupted
-from gac_jax.train.loop import RESUMABLE_FIELDS
 from gac_jax.train.metrics import MetricWriter
 
 

@@ -396,16 +396,18 @@ class FakePool:
 def _build(config, model, monkeypatch):
     import ray
 
-    from gac_jax.train import ray_backend
+    from gac_jax.rollout import ray_rollouts
+    from gac_jax.train import build
 
     calls = {}
     _spied(monkeypatch, calls)
-    monkeypatch.setattr(loop, "build_model", lambda config, mesh: model)
-    monkeypatch.setattr(ray_backend, "RayRolloutPool", FakePool)
+    monkeypatch.setattr(build, "build_model", lambda config, mesh, abstract=False: model)
+    monkeypatch.setattr(ray_rollouts, "RayRolloutPool", FakePool)
     monkeypatch.setattr(ray, "is_initialized", lambda: True)
     run = loop.build_run(config)
     # No version is published, so the async source's workers wait and generate nothing.
-    source = loop.make_source(run)
+    run.start()
+    source = run.source
     try:
         return {"run": run, "source": source, "calls": calls}
     finally:

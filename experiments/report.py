@@ -27,9 +27,9 @@ from scipy import stats
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import lab  # noqa: E402  (experiments/lab.py: the sweeps' labels and settings)
 
+from gac_jax.lab.provenance import check_one_version, runs_by_version  # noqa: E402
+from gac_jax.lab.sweeps import load_summaries  # noqa: E402
 from gac_jax.train.metrics import read_metrics  # noqa: E402
-from gac_jax.train.provenance import check_one_version, runs_by_version  # noqa: E402
-from gac_jax.train.sweeps import load_summaries  # noqa: E402
 
 ALLOW_MIXED = False  # --allow-mixed: tables may mix runs of two code versions.
 # The only keys of a run's metrics records read here (the rest comes from its summary);

@@ -4,7 +4,7 @@ A sweep is a list of `RunSpec`s (a label, config overrides, a seed). `run_spec` 
 into ``root/<label>/seed<seed>`` and writes ``summary.json`` there; a run whose summary
 exists for the same config is skipped and an interrupted one resumes from its newest
 checkpoint, so a sweep is restarted by running it again. `summarize_run`
-(`gac_jax.train.run_summary`) turns a run's metrics into the numbers the experiments
+(`gac_jax.lab.summary`) turns a run's metrics into the numbers the experiments
 report, `aggregate` gives their mean and std over seeds, and `markdown_table` prints them.
 
 A summary records the code that made it (`provenance.code_version`). A sweep refuses a
@@ -31,22 +31,23 @@ from typing import Any
 
 import numpy as np
 
-from gac_jax.train.config import TrainConfig
-from gac_jax.train.config_io import apply_overrides, load_config, run_hash
-from gac_jax.train.metrics import read_metrics
-from gac_jax.train.provenance import (  # noqa: F401  (StaleRunError: what a sweep raises)
+from gac_jax.lab.provenance import (  # noqa: F401  (StaleRunError: what a sweep raises)
     StaleRunError,
     check_one_version,
     code_version,
     runs_by_version,
     settle_stale,
 )
-from gac_jax.train.run_summary import (  # noqa: F401  (re-exported: a sweep's vocabulary)
+from gac_jax.lab.summary import (  # noqa: F401  (re-exported: a sweep's vocabulary)
     CollapseRule,
     collapse_step,
     cosine_samples,
     summarize_run,
 )
+from gac_jax.train import train
+from gac_jax.train.config import TrainConfig
+from gac_jax.train.config_io import apply_overrides, load_config, run_hash
+from gac_jax.train.metrics import read_metrics
 
 SUMMARY_FILE = "summary.json"
 DEFAULT_RULE = CollapseRule()
@@ -101,7 +102,7 @@ def run_spec(
     root: str | os.PathLike,
     *,
     rule: CollapseRule = DEFAULT_RULE,
-    train_fn: Callable[..., Any] | None = None,
+    train_fn: Callable[..., Any] = train,
     rerun_stale: bool = False,
     allow_stale: bool = False,
 ) -> dict[str, Any]:
@@ -113,8 +114,6 @@ def run_spec(
     again from scratch) or `allow_stale` (the summary is returned as it is). `train_fn`
     defaults to `gac_jax.train.train`.
     """
-    from gac_jax.train.loop import train
-
     config = spec.config(base)
     out = spec.directory(root)
     path = out / SUMMARY_FILE
@@ -132,7 +131,7 @@ def run_spec(
         return json.loads(path.read_text())
     resumed = (out / "metrics.jsonl").exists()
     started = time.monotonic()
-    (train_fn or train)(config, out, resume=True)
+    train_fn(config, out, resume=True)
     wall = time.monotonic() - started
     summary = {
         "label": spec.label,

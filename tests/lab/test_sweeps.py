@@ -15,10 +15,9 @@ import optax
 import pytest
 
 import gac_jax
-from gac_jax.train import get_preset, provenance
-from gac_jax.train.metrics import MetricWriter
-from gac_jax.train.provenance import code_version, describe, same_code
-from gac_jax.train.sweeps import (
+from gac_jax.lab import provenance
+from gac_jax.lab.provenance import code_version, describe, same_code
+from gac_jax.lab.sweeps import (
     METHODS,
     CollapseRule,
     RunSpec,
@@ -33,6 +32,8 @@ from gac_jax.train.sweeps import (
     shard,
     summarize_run,
 )
+from gac_jax.train import get_preset
+from gac_jax.train.metrics import MetricWriter
 from gac_jax.transforms import ESSConfig
 
 

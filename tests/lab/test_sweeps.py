@@ -26,11 +26,11 @@ from gac_jax.lab.sweeps import (
     aggregate,
     collapse_step,
     load_summaries,
-    markdown_table,
     run_spec,
     run_sweep,
     shard,
     summarize_run,
+    summary_table,
 )
 from gac_jax.train import get_preset
 from gac_jax.train.metrics import MetricWriter
@@ -202,7 +202,7 @@ def test_aggregate_and_table():
     np.testing.assert_allclose(rows[0]["final_accuracy"], 0.3)
     np.testing.assert_allclose(rows[0]["final_accuracy_std"], np.std([0.2, 0.4], ddof=1))
     assert rows[0]["collapsed"] == 1 and rows[1]["final_accuracy_std"] == 0.0
-    table = markdown_table(rows, {"label": "method", "final_accuracy": "accuracy"}, digits=2)
+    table = summary_table(rows, {"label": "method", "final_accuracy": "accuracy"}, digits=2)
     assert table.splitlines()[2] == "| a | 0.30 ± 0.14 |"
 
 
@@ -394,8 +394,8 @@ def test_a_table_refuses_two_code_versions_unless_allowed():
     np.testing.assert_allclose(rows[0]["final_accuracy"], 0.3)
     columns = {"label": "method", "final_accuracy": "accuracy"}
     with pytest.raises(ValueError, match="2 code versions"):
-        markdown_table(rows, columns)
-    lines = markdown_table(rows, columns, digits=2, allow_mixed=True).splitlines()
+        summary_table(rows, columns)
+    lines = summary_table(rows, columns, digits=2, allow_mixed=True).splitlines()
     assert lines[2:4] == ["| a | 0.30 ± 0.14 |", "| b | 0.10 ± 0.00 |"]
     assert lines[-1].startswith("Mixed code versions (allowed by allow_mixed): ")
     assert "a seed 1" in lines[-1] and "a seed 0; b seed 0" in lines[-1]
@@ -404,6 +404,6 @@ def test_a_table_refuses_two_code_versions_unless_allowed():
         summaries[1:2], ["final_accuracy"]
     )
     with pytest.raises(ValueError, match="2 code versions"):
-        markdown_table(one, columns)
+        summary_table(one, columns)
     same = aggregate([summaries[0], summaries[2]], ["final_accuracy"])
-    assert "Mixed" not in markdown_table(same, columns)
+    assert "Mixed" not in summary_table(same, columns)

@@ -31,6 +31,7 @@ from gac_jax.train.evaluation import evaluate_policy, pass_at_k
 from gac_jax.train.loop import build_run, evaluate_checkpoint, train
 from gac_jax.train.warm_start import (
     SHIPPED_WARM_START_DIR,
+    SFTConfig,
     WarmStartConfig,
     ensure_warm_start,
     evaluate_warm_start,
@@ -41,6 +42,7 @@ from gac_jax.train.warm_start import (
 
 __all__ = [
     "SHIPPED_WARM_START_DIR",
+    "SFTConfig",
     "TrainConfig",
     "apply_overrides",
     "config_hash",

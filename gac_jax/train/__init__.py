@@ -32,6 +32,7 @@ from gac_jax.train.loop import train
 from gac_jax.train.run import Run, build_run, evaluate_checkpoint, load_checkpoint
 from gac_jax.train.warm_start import (
     SHIPPED_WARM_START_DIR,
+    SFTConfig,
     WarmStartConfig,
     ensure_warm_start,
     evaluate_warm_start,
@@ -42,6 +43,7 @@ from gac_jax.train.warm_start import (
 
 __all__ = [
     "SHIPPED_WARM_START_DIR",
+    "SFTConfig",
     "TrainConfig",
     "apply_overrides",
     "config_hash",

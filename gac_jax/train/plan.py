@@ -139,22 +139,15 @@ def plan_sampler(
     def spec(shape, dtype):
         return jax.ShapeDtypeStruct(shape, dtype, sharding=replicated)
 
-    per_row = (
-        spec((rows,), jnp.float32),
-        spec((rows,), jnp.int32),
-        spec((rows,), jnp.float32),
-        spec((rows,), jnp.int32),
-    )
     key = jax.eval_shape(lambda: jax.random.key(0))
-    lowered = sampler._jitted.lower(
+    lowered = sampler.lower(
         learner.graphdef,
         learner.params,
         spec((rows, g.prompt_length), jnp.int32),
         spec((rows, g.prompt_length), bool),
         key,
-        per_row,
     )
-    return {"rows": rows, "sampler": g.sampler, **_memory(lowered.compile())}
+    return {"rows": rows, "slots": g.slots, **_memory(lowered.compile())}
 
 
 def plan(config: TrainConfig, device_memory_gib: float = 80.0) -> dict[str, Any]:

@@ -25,6 +25,7 @@ from gac_jax.train.config_io import RESUMABLE_FIELDS, resume_hash
 if TYPE_CHECKING:
     from gac_jax.train.loop import Run
 
+
 def _checkpoint_state(run: Run) -> dict[str, Any]:
     store, params, like = run.store, run.learner.params, run.policy.like()
     history = {str(v): run.placement.to_learner(store.get(v), like) for v in store.versions()}

@@ -362,11 +362,16 @@ class Sampler:
         return self._jitted(graphdef, state, prompt_tokens, prompt_mask, key, per_row)
 
     def lower(self, graphdef, state, prompt_tokens, prompt_mask, key, **sampling):
-        """`__call__`'s program lowered for these arguments (`jax.stages.Lowered`).
+        """`__call__`'s program lowered for these arguments, for ahead-of-time planning.
 
-        The params, prompts and key may be abstract (`jax.ShapeDtypeStruct`s, with their
-        shardings): `.compile().memory_analysis()` then says whether sampling fits
-        without creating a weight. `sampling` takes `__call__`'s scalar keywords.
+        Args:
+          graphdef, state, prompt_tokens, prompt_mask, key: as for `__call__`; the params,
+            prompts and key may be abstract (`jax.ShapeDtypeStruct`s, with shardings).
+          **sampling: `__call__`'s `temperature`, `top_k`, `top_p`, `max_new_tokens`.
+
+        Returns:
+          A `jax.stages.Lowered`: `.compile().memory_analysis()` says whether sampling
+          fits without creating a weight.
         """
         rows = prompt_tokens.shape[0]
         per_row = tuple(

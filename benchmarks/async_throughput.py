@@ -2,9 +2,9 @@
 
     python benchmarks/async_throughput.py [--quick] [--rounds 3] [--steps 8]
 
-One run config (`arithmetic/add2`, random `tiny` model, the refill sampler, 6 groups of 8
-completions per step so that the split learner's 6 devices divide the batch, buffer
-staleness bound 2), four rollout settings on 8 fake CPU devices:
+One run config (`arithmetic/add2`, random `tiny` model, the sampler with no slot limit, 6
+groups of 8 completions per step so that the split learner's 6 devices divide the batch,
+buffer staleness bound 2), four rollout settings on 8 fake CPU devices:
 
   sync             rollout.mode=sync: generate the step's batch, then train on it.
   async shared     rollout.mode=async, rollout.devices=0: a worker thread samples on the
@@ -78,7 +78,6 @@ BASE = [
     "checkpoint_every=0",
     f"generation.group_size={GROUP_SIZE}",
     f"generation.max_new_tokens={MAX_NEW}",
-    "generation.sampler=refill",
     f"rollout.groups_per_batch={GROUPS_PER_BATCH}",
     f"buffer.max_staleness={STALENESS}",
 ]

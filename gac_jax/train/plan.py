@@ -111,25 +111,18 @@ def plan_sampler(config: TrainConfig, run: Run) -> dict[str, Any]:
     params = run.placement.abstract_rollout(run.policy.like())
     inputs = run.placement.input_sharding(rows) or run.learner.replicated
 
-    def spec(shape, dtype, sharding=inputs):
-        return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+    def spec(shape, dtype):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=inputs)
 
-    per_row = (
-        spec((rows,), jnp.float32),
-        spec((rows,), jnp.int32),
-        spec((rows,), jnp.float32),
-        spec((rows,), jnp.int32),
-    )
     key = jax.eval_shape(lambda: jax.random.key(0))
-    lowered = run.sampler._jitted.lower(
+    lowered = run.sampler.lower(
         run.policy.graphdef,
         params,
         spec((rows, g.prompt_length), jnp.int32),
         spec((rows, g.prompt_length), bool),
         key,
-        per_row,
     )
-    return {"rows": rows, "sampler": g.sampler, **_memory(lowered.compile())}
+    return {"rows": rows, "slots": g.slots, **_memory(lowered.compile())}
 
 
 def plan(config: TrainConfig, device_memory_gib: float = 80.0) -> dict[str, Any]:

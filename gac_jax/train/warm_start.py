@@ -54,13 +54,13 @@ from gac_jax.models import (
     CharTokenizer,
     ModelConfig,
     RopeScaling,
-    Sampler,
     ShardingRules,
     create_model,
     get_config,
     make_mesh,
     state_shardings,
 )
+from gac_jax.rollout.generation import GenerationConfig, make_sampler
 from gac_jax.tasks import Task, get_task
 from gac_jax.train.checkpoint import (
     CheckpointManager,
@@ -356,12 +356,11 @@ def evaluate_warm_start(
     examples = task.data_source("test", data_dir=data_dir)
     num_problems = len(examples) if config.eval_problems == 0 else config.eval_problems
     num_problems = min(num_problems, len(examples))
-    sampler = Sampler(
-        model.config,
-        max_new_tokens=config.max_new_tokens,
-        eos_ids=tokenizer.eos_id,
-        pad_id=tokenizer.pad_id,
+    # The sampler a run builds (`make_sampler`), so the figures compare with a run's.
+    generation = GenerationConfig(
+        prompt_length=config.prompt_length, max_new_tokens=config.max_new_tokens
     )
+    sampler = make_sampler(model.config, tokenizer, generation)
     graphdef, state = nnx.split(model)
     metrics = evaluate_policy(
         graphdef,

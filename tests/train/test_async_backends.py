@@ -69,7 +69,6 @@ def test_inflight_updates_tag_each_token_with_its_version(tmp_path, digit_task, 
     config = _config(
         tmp_path,
         6,
-        "generation.sampler=refill",
         "generation.slots=2",
         "rollout.inflight_updates=true",
         "rollout.inflight_chunk_steps=1",

@@ -46,3 +46,22 @@ def check_choice(name: str, value, choices: Iterable[str]):
     choices = tuple(choices)
     if value not in choices:
         raise ValueError(f"{name}={value!r} is unknown; expected one of {sorted(choices)}.")
+
+
+def check_int(name: str, value, low: int | None = None, *, allow_none: bool = False, note=""):
+    """Raises ValueError unless `value` is an int (a bool is not one) and at least `low`,
+    or None where `allow_none`: the one check of the configs' integer fields."""
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or (low is not None and value < low):
+        bound = "an int" if low is None else f"an int >= {low}"
+        others = " or None" if allow_none else ""
+        raise ValueError(f"{name}={value!r} must be {bound}{others}{note}.")
+
+
+def check_bool(name: str, value, *, allow_none: bool = False):
+    """Raises ValueError unless `value` is True or False (or None where `allow_none`)."""
+    if not isinstance(value, bool) and not (value is None and allow_none):
+        raise ValueError(
+            f"{name}={value!r} must be true or false{' or null' if allow_none else ''}."
+        )

@@ -41,6 +41,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
+from gac_jax._validation import check_int
 from gac_jax.models.sharding import constrain
 
 HEAD_LAYOUTS = ("dv", "vd")
@@ -142,8 +143,7 @@ _logps_and_entropy.defvjp(_fwd, _bwd)
 
 def _check(hidden_btd, head_weights, tokens_bt, mask_bt, chunk_size, head_layout) -> None:
     """Raises ValueError naming a bad argument."""
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
-        raise ValueError(f"chunk_size={chunk_size!r} must be an int >= 1.")
+    check_int("chunk_size", chunk_size, 1)
     if head_layout not in HEAD_LAYOUTS:
         raise ValueError(f"head_layout={head_layout!r} must be one of {HEAD_LAYOUTS}.")
     if hidden_btd.ndim != 3 or head_weights.ndim != 2:

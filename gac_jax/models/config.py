@@ -12,6 +12,8 @@ from typing import Any
 
 import jax.numpy as jnp
 
+from gac_jax._validation import check_int
+
 FAMILIES = ("qwen3", "llama")
 REMAT_POLICIES = ("none", "full", "dots")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -112,9 +114,7 @@ class ModelConfig:
             "mlp_dim",
             "max_position_embeddings",
         ):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{name}={value!r} must be a positive int.")
+            check_int(name, getattr(self, name), 1)
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_heads={self.num_heads} must be a multiple of "

@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from gac_jax._validation import check_int
 from gac_jax.models.config import ModelConfig
 from gac_jax.models.layers import (
     DecoderLayer,
@@ -59,8 +60,7 @@ def init_cache(config: ModelConfig, batch_size: int, max_length: int, dtype=None
       dtype: storage dtype of keys and values; `config.dtype` by default.
     """
     for name, value in (("batch_size", batch_size), ("max_length", max_length)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name}={value!r} must be a positive int.")
+        check_int(name, value, 1)
     dtype = config.compute_dtype if dtype is None else jnp.dtype(dtype)
     k, h = config.num_kv_heads, config.head_dim
     return {

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from gac_jax._validation import check_int
 from gac_jax.models.config import ModelConfig, RopeScaling
 from gac_jax.models.sharding import ShardingRules, constrain
 
@@ -125,9 +126,8 @@ def rope_tables(
     a tenth of its time. The decoder uses the lookup whenever it derives the positions
     from the mask itself (they are then below the sequence length).
     """
+    check_int("max_position", max_position, 1, allow_none=True)
     if max_position is not None:
-        if isinstance(max_position, bool) or not isinstance(max_position, int) or max_position < 1:
-            raise ValueError(f"max_position={max_position!r} must be a positive int or None.")
         inv_freq = np.asarray(inv_freq_h, np.float32)  # Concrete: the tables are constants.
         # float32 angles as the evaluated path (and HF) computes them; cos and sin in
         # float64, rounded once.

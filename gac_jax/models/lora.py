@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from gac_jax._validation import check_int
 from gac_jax.models.sharding import logical_axes_of, state_shardings
 
 # Projection names (as Hugging Face / PEFT name them) -> (submodule of a decoder layer,
@@ -68,9 +69,7 @@ class LoraConfig:
 
     def validate(self) -> None:
         """Raises ValueError naming a bad field."""
-        r = self.rank
-        if isinstance(r, bool) or not isinstance(r, int) or r < 0:
-            raise ValueError(f"rank={r!r} must be an int >= 0 (0: LoRA off).")
+        check_int("rank", self.rank, 0, note=" (0: LoRA off)")
         a = self.alpha
         if isinstance(a, bool) or not isinstance(a, (int, float)) or not math.isfinite(a) or a <= 0:
             raise ValueError(f"alpha={a!r} must be a finite number > 0.")

@@ -61,6 +61,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from gac_jax._validation import check_int
 from gac_jax.models.config import ModelConfig
 from gac_jax.models.decoder import init_cache
 from gac_jax.models.scoring import logps_of_tokens
@@ -296,14 +297,8 @@ class Sampler:
             together. A call with fewer rows uses one slot per row.
           cache_dtype: KV cache dtype; `config.dtype` by default.
         """
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int):
-            raise ValueError(f"max_new_tokens={max_new_tokens!r} must be a positive int.")
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens={max_new_tokens!r} must be a positive int.")
-        if slots is not None and (
-            isinstance(slots, bool) or not isinstance(slots, int) or slots < 1
-        ):
-            raise ValueError(f"slots={slots!r} must be a positive int or None.")
+        check_int("max_new_tokens", max_new_tokens, 1)
+        check_int("slots", slots, 1, allow_none=True)
         eos = (eos_ids,) if isinstance(eos_ids, int | np.integer) else tuple(eos_ids)
         if not eos:
             raise ValueError("eos_ids is empty; give at least one end-of-sequence id.")
@@ -455,8 +450,7 @@ class Sampler:
         Returns:
           An `InflightSampleOutput`: `__call__`'s fields and `token_versions`.
         """
-        if isinstance(chunk_steps, bool) or not isinstance(chunk_steps, int) or chunk_steps < 1:
-            raise ValueError(f"chunk_steps={chunk_steps!r} must be a positive int.")
+        check_int("chunk_steps", chunk_steps, 1)
         prompt_tokens, prompt_mask, per_row = self._prepared(
             prompt_tokens, prompt_mask, temperature, top_k, top_p, max_new_tokens
         )

@@ -35,6 +35,8 @@ import numpy as np
 from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
+from gac_jax._validation import check_int
+
 MESH_AXES = ("data", "fsdp", "tensor")
 
 MeshAxes = str | tuple[str, ...] | None
@@ -111,8 +113,8 @@ class MeshConfig:
         """Raises ValueError naming a bad field."""
         sizes = dataclasses.asdict(self)
         for name, size in sizes.items():
-            if isinstance(size, bool) or not isinstance(size, int) or size == 0 or size < -1:
-                raise ValueError(f"{name}={size!r} must be a positive int or -1.")
+            if size != -1:
+                check_int(name, size, 1, note=" or -1 (the devices left)")
         if list(sizes.values()).count(-1) > 1:
             raise ValueError(f"at most one mesh axis may be -1, got {sizes}.")
 
@@ -149,8 +151,7 @@ def make_mesh(
     """
     sizes = {"data": data, "fsdp": fsdp, "tensor": tensor}
     for name, size in sizes.items():
-        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-            raise ValueError(f"{name}={size!r} must be a positive int.")
+        check_int(name, size, 1)
     devices = list(jax.devices() if devices is None else devices)
     needed = data * fsdp * tensor
     if len(devices) < needed:

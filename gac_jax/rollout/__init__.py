@@ -5,7 +5,8 @@ versions; `RolloutBuffer` bounds memory and staleness; `RolloutWorker` threads g
 asynchronous mode; `SyncRollouts`, `LaggedRollouts` and `AsyncRollouts` give the learner one
 call, `next_batch(step)`, for the three modes. `collate` lays groups out as the arrays of a
 train step; the staleness and reservation rules are the pure functions of
-`gac_jax.rollout.staleness`.
+`gac_jax.rollout.staleness`. `evaluate_policy` scores a policy on held-out problems through
+the same generation path as training.
 """
 
 from gac_jax.rollout.batching import BATCH_KEYS, collate
@@ -17,6 +18,7 @@ from gac_jax.rollout.buffer import (
     RolloutBufferClosed,
     RolloutWorkerError,
 )
+from gac_jax.rollout.evaluation import evaluate_policy, pass_at_k
 from gac_jax.rollout.generation import (
     GenerationConfig,
     TaskGroupGenerator,
@@ -42,6 +44,8 @@ from gac_jax.rollout.worker import (
 )
 
 __all__ = [
+    "evaluate_policy",
+    "pass_at_k",
     "BATCH_KEYS",
     "ROLLOUT_MODES",
     "STALE_POLICIES",

@@ -9,6 +9,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from gac_jax._validation import check_int
 from gac_jax.rollout.record import Rollout
 from gac_jax.rollout.staleness import (
     STALE_POLICIES,
@@ -50,17 +51,9 @@ class BufferConfig:
 
     def validate(self) -> None:
         """Raises ValueError naming a bad field."""
-        if self.max_staleness is not None and (
-            isinstance(self.max_staleness, bool) or not isinstance(self.max_staleness, int)
-        ):
-            raise ValueError(f"max_staleness={self.max_staleness!r} must be an int or None.")
+        check_int("max_staleness", self.max_staleness, allow_none=True)
         check_staleness_settings(self.max_staleness, self.stale_policy)
-        if self.capacity is not None and (
-            isinstance(self.capacity, bool)
-            or not isinstance(self.capacity, int)
-            or self.capacity < 1
-        ):
-            raise ValueError(f"capacity={self.capacity!r} must be an int >= 1 or None.")
+        check_int("capacity", self.capacity, 1, allow_none=True)
         if self.take_timeout is not None and not self.take_timeout > 0:
             raise ValueError(f"take_timeout={self.take_timeout!r} must be > 0 or None.")
 

@@ -11,6 +11,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from gac_jax._validation import check_int
 from gac_jax.models import SampleOutput, Sampler, left_pad
 from gac_jax.models.tokenizers import Tokenizer, decode_completion
 from gac_jax.rollout.placement import RolloutPlacement
@@ -54,9 +55,7 @@ class GenerationConfig:
     def validate(self) -> None:
         """Raises ValueError naming a bad field."""
         for name in ("group_size", "prompt_length", "max_new_tokens"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}={value!r} must be an int >= 1.")
+            check_int(name, getattr(self, name), 1)
         if self.group_size < 2:
             raise ValueError(
                 f"group_size={self.group_size} must be >= 2: GRPO compares completions "
@@ -70,18 +69,14 @@ class GenerationConfig:
                 f"temperature={self.temperature!r} must be > 0 (rollouts are samples); "
                 "set greedy=true for greedy decoding."
             )
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
-            raise ValueError(f"top_k={self.top_k!r} must be an int >= 0.")
+        check_int("top_k", self.top_k, 0)
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p={self.top_p!r} must be in (0, 1].")
         if not isinstance(self.stop, tuple | list) or not all(
             isinstance(s, str) and s for s in self.stop
         ):
             raise ValueError(f"stop={self.stop!r} must be a list of non-empty strings.")
-        if self.slots is not None and (
-            isinstance(self.slots, bool) or not isinstance(self.slots, int) or self.slots < 1
-        ):
-            raise ValueError(f"slots={self.slots!r} must be an int >= 1 or None.")
+        check_int("slots", self.slots, 1, allow_none=True)
 
 
 class TaskGroupGenerator:

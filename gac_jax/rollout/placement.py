@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from gac_jax._validation import check_int
 from gac_jax.models.sharding import ShardingRules, make_mesh, state_shardings
 
 
@@ -41,8 +42,7 @@ def split_devices(
     learner's mesh. 0 gives the learner everything and returns no rollout devices.
     """
     devices = list(jax.devices() if devices is None else devices)
-    if isinstance(rollout_devices, bool) or not isinstance(rollout_devices, int):
-        raise ValueError(f"rollout.devices={rollout_devices!r} must be an int >= 0.")
+    check_int("rollout.devices", rollout_devices, 0)
     if rollout_devices == 0:
         return devices, []
     by_process: dict[int, list[jax.Device]] = {}

@@ -45,6 +45,7 @@ import jax
 import numpy as np
 import ray
 
+from gac_jax._validation import check_int
 from gac_jax.rollout.buffer import RolloutBufferClosed
 from gac_jax.rollout.record import Rollout
 from gac_jax.rollout.worker import GenerateGroups, GroupRequest
@@ -153,8 +154,7 @@ class RayRolloutPool:
     ):
         if not callable(factory):
             raise TypeError(f"factory must be a zero-argument callable, got {factory!r}.")
-        if isinstance(num_actors, bool) or not isinstance(num_actors, int) or num_actors < 1:
-            raise ValueError(f"num_actors={num_actors!r} must be an int >= 1.")
+        check_int("num_actors", num_actors, 1)
         if on_actor_failure not in ON_ACTOR_FAILURE:
             raise ValueError(
                 f"on_actor_failure={on_actor_failure!r} is unknown; expected one of "

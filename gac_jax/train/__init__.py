@@ -5,6 +5,7 @@ config = gac_jax.train.apply_overrides(config, ["rollout.lag=8", "gac.monitor_on
 gac_jax.train.train(config, "runs/mine")
 """
 
+from gac_jax.rollout.evaluation import evaluate_policy, pass_at_k
 from gac_jax.train.checkpoint import (
     Checkpoint,
     CheckpointManager,
@@ -27,7 +28,6 @@ from gac_jax.train.config_io import (
     save_config,
     to_yaml,
 )
-from gac_jax.train.evaluation import evaluate_policy, pass_at_k
 from gac_jax.train.loop import train
 from gac_jax.train.run import Run, build_run, evaluate_checkpoint, load_checkpoint
 from gac_jax.train.warm_start import (

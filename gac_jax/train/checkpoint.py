@@ -37,6 +37,7 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 from gac_jax._quiet import absl_records_dropped
+from gac_jax._validation import check_int
 
 __all__ = [
     "Checkpoint",
@@ -148,10 +149,7 @@ class CheckpointManager:
           read_only: never write or delete anything (e.g. the shipped warm start inside
             an installed package).
         """
-        if max_to_keep is not None and (
-            isinstance(max_to_keep, bool) or not isinstance(max_to_keep, int) or max_to_keep < 1
-        ):
-            raise ValueError(f"max_to_keep={max_to_keep!r} must be a positive int or None.")
+        check_int("max_to_keep", max_to_keep, 1, allow_none=True)
         self.directory = Path(directory).expanduser().resolve()
         if read_only and not self.directory.is_dir():
             raise FileNotFoundError(f"No checkpoint directory at {str(self.directory)!r}.")
@@ -210,8 +208,7 @@ class CheckpointManager:
           ValueError: if `step` is negative or already saved, or `metadata` is not
             JSON-serialisable.
         """
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise ValueError(f"step={step!r} must be a non-negative int.")
+        check_int("step", step, 0)
         metadata = {} if metadata is None else metadata
         _check_jsonable(metadata)
         if step in self.steps():

@@ -17,6 +17,7 @@ import dataclasses
 import os
 from typing import Any
 
+from gac_jax._validation import check_int
 from gac_jax.learner import LearnerConfig, LossConfig, OptimizerConfig
 from gac_jax.models import ComputeConfig, LoraConfig, MeshConfig
 from gac_jax.rollout import BufferConfig, GenerationConfig, RolloutConfig
@@ -143,9 +144,7 @@ def _in_section(name: str, section, error: ValueError) -> str:
 
 
 def _int_at_least(config, name: str, low: int) -> None:
-    value = getattr(config, name)
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(f"{name}={value!r} must be an int >= {low}.")
+    check_int(name, getattr(config, name), low)
 
 
 WARM_START_WARMUP = 100  # `WarmStartConfig.warmup_steps`: `warm_start_steps` must exceed it.

@@ -39,11 +39,11 @@ from gac_jax.rollout import (
     make_source,
     store_history,
 )
+from gac_jax.rollout.evaluation import evaluate_policy
 from gac_jax.rollout.placement import RolloutPlacement
 from gac_jax.train import build, config_io, processes
 from gac_jax.train.checkpoint import CheckpointManager
 from gac_jax.train.config import TrainConfig, require_init
-from gac_jax.train.evaluation import evaluate_policy
 
 logger = logging.getLogger(__name__)
 

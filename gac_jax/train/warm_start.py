@@ -4,7 +4,7 @@ Reinforcement learning from a randomly initialised character model gets no rewar
 learn from. `warm_start` first fits the model to the task's reference completions
 (`train_sft`: teacher forcing, loss on the completion tokens only), just long enough that
 it solves some problems, then measures it on the test split with the RL loop's own
-evaluation (`gac_jax.train.evaluation.evaluate_policy`), so RL runs compare against the
+evaluation (`gac_jax.rollout.evaluation.evaluate_policy`), so RL runs compare against the
 same figures:
 
 * pass@1: the unbiased estimator from n samples at temperature 1 (the mean reward);
@@ -48,6 +48,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+from gac_jax._validation import check_int
 from gac_jax.learner import SupervisedLearner
 from gac_jax.learner.supervised import masked_nll, sft_loss
 from gac_jax.models import (
@@ -60,6 +61,7 @@ from gac_jax.models import (
     make_mesh,
     state_shardings,
 )
+from gac_jax.rollout.evaluation import evaluate_policy
 from gac_jax.rollout.generation import GenerationConfig, make_sampler
 from gac_jax.tasks import Task, get_task
 from gac_jax.train.checkpoint import (
@@ -70,7 +72,6 @@ from gac_jax.train.checkpoint import (
     read_metadata,
 )
 from gac_jax.train.config_io import config_hash, config_to_dict
-from gac_jax.train.evaluation import evaluate_policy
 from gac_jax.train.metrics import MetricWriter, ProgressLine
 
 __all__ = [
@@ -101,10 +102,7 @@ def _check_ints(config, positive: Sequence[str], non_negative: Sequence[str]) ->
     fields `non_negative` ints >= 0."""
     for names, low in ((positive, 1), (non_negative, 0)):
         for name in names:
-            value = getattr(config, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                kind = "a positive int" if low else "an int >= 0"
-                raise ValueError(f"{type(config).__name__}.{name}={value!r} must be {kind}.")
+            check_int(f"{type(config).__name__}.{name}", getattr(config, name), low)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -345,7 +343,7 @@ def evaluate_warm_start(
     model, tokenizer, config: WarmStartConfig, *, data_dir: str | os.PathLike | None = None
 ) -> dict[str, float]:
     """pass@1, pass@n and greedy accuracy of `model` on the test split, measured by
-    `gac_jax.train.evaluation.evaluate_policy` (the RL loop's own evaluation), so the
+    `gac_jax.rollout.evaluation.evaluate_policy` (the RL loop's own evaluation), so the
     warm start's figures and an RL run's are comparable.
 
     Returns:

@@ -127,8 +127,7 @@ class LearnerConfig:
             )
         if rows is not None and rows % (m * k):
             raise ValueError(
-                f"mini_batches x micro_batches = {k} x {m} must divide the batch of {rows} "
-                "sequences."
+                f"micro_batches={m} x mini_batches={k} must divide the batch of {rows} sequences."
             )
 
 

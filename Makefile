@@ -34,7 +34,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/learner.py --quick
 	$(BIN)/python benchmarks/pipeline.py --quick
 
-# Slot refill against the fixed sampler on heavy-tailed lengths (about 5 minutes).
+# The sampler's throughput with and without slot refill, heavy-tailed and equal lengths.
 bench-sampler: $(STAMP)
 	$(BIN)/python benchmarks/sampler.py
 

@@ -2,9 +2,9 @@
 
     python benchmarks/async_throughput.py [--quick] [--rounds 3] [--steps 8]
 
-One run config (`arithmetic/add2`, random `tiny` model, the refill sampler, 6 groups of 8
-completions per step so that the split learner's 6 devices divide the batch, buffer
-staleness bound 2), four rollout settings on 8 fake CPU devices:
+One run config (`arithmetic/add2`, random `tiny` model, the sampler with no slot limit, 6
+groups of 8 completions per step so that the split learner's 6 devices divide the batch,
+buffer staleness bound 2), four rollout settings on 8 fake CPU devices:
 
   sync             rollout.mode=sync: generate the step's batch, then train on it.
   async shared     rollout.mode=async, rollout.devices=0: a worker thread samples on the
@@ -19,8 +19,8 @@ A random model's completions are not heavy-tailed, so, as `benchmarks/sampler.py
 every row of every sampler call gets its own length limit (`max_new_tokens`), drawn from a
 clipped log-normal (`LengthDistribution`); the random model's EOS can end a row sooner.
 
-Each setting is built with `gac_jax.train.loop.build_run` and stepped with the loop's own
-step, `loop._train_step` (publish, take the batch, update: what `train` runs per step; no
+Each setting is built with `gac_jax.train.run.build_run` and stepped with the loop's own
+step, `Run.step` (publish, take the batch, update: what `train` runs per step; no
 evaluation, no checkpoints). One warm-up step compiles; while it does, an async worker
 fills the buffer, so 2 x `--steps` more untimed steps let that head start drain. Then
 `--rounds` rounds of `--steps` steps are timed back to back. Per round: trained tokens/s =
@@ -64,9 +64,9 @@ from gac_jax.rollout.simulation import (
     compare_async_to_sync,
     format_comparison,
 )
-from gac_jax.train import loop
 from gac_jax.train.config import TrainConfig
 from gac_jax.train.config_io import apply_overrides
+from gac_jax.train.run import build_run
 
 GROUP_SIZE, GROUPS_PER_BATCH, MAX_NEW, STALENESS = 8, 6, 128, 2
 LENGTHS = LengthDistribution("lognormal", scale=16, shape=1.0, max_tokens=MAX_NEW)
@@ -78,7 +78,6 @@ BASE = [
     "checkpoint_every=0",
     f"generation.group_size={GROUP_SIZE}",
     f"generation.max_new_tokens={MAX_NEW}",
-    "generation.sampler=refill",
     f"rollout.groups_per_batch={GROUPS_PER_BATCH}",
     f"buffer.max_staleness={STALENESS}",
 ]
@@ -147,15 +146,15 @@ class Measured:
 def build(overrides: list[str], steps: int):
     config = apply_overrides(TrainConfig(steps=steps), BASE + overrides)
     config.validate()
-    run = loop.build_run(config)
+    run = build_run(config)
     sampler = HeavyTailedLengths(run.generator.sampler, LENGTHS, seed=config.seed)
     run.generator.sampler = sampler
     return run, sampler
 
 
-def time_round(run, source, sampler, first_step: int, steps: int, key) -> tuple[dict, list]:
+def time_round(run, sampler, first_step: int, steps: int) -> tuple[dict, list]:
     start = time.perf_counter()
-    metrics = [loop._train_step(run, source, s, key) for s in range(first_step, first_step + steps)]
+    metrics = [run.step(s)[0] for s in range(first_step, first_step + steps)]
     end = time.perf_counter()
     wall = end - start
     trained = sum(m["generated_tokens"] for m in metrics)
@@ -195,15 +194,14 @@ def fit_sampler(run, sampler: HeavyTailedLengths, calls: int) -> tuple[float, fl
 
 
 def measure(name: str, run, sampler: HeavyTailedLengths, args) -> Measured:
-    source = loop.make_source(run)
-    key = jax.random.key(run.config.seed + 1)
+    run.start()
     try:
         start = time.perf_counter()
-        loop._train_step(run, source, 0, key)
+        run.step(0)
         measured = Measured(time.perf_counter() - start, [], [])
         settle = 2 * args.steps
         for step in range(1, 1 + settle):
-            loop._train_step(run, source, step, key)
+            run.step(step)
         print(
             f"  {name}: compile + first step {measured.compile_seconds:.1f} s, "
             f"then {settle} untimed steps",
@@ -211,7 +209,7 @@ def measure(name: str, run, sampler: HeavyTailedLengths, args) -> Measured:
         )
         for r in range(args.rounds):
             first = 1 + settle + r * args.steps
-            row, learner = time_round(run, source, sampler, first, args.steps, key)
+            row, learner = time_round(run, sampler, first, args.steps)
             measured.rounds.append(row)
             measured.learner_seconds.extend(learner)
             print(
@@ -222,7 +220,7 @@ def measure(name: str, run, sampler: HeavyTailedLengths, args) -> Measured:
                 flush=True,
             )
     finally:
-        source.close()
+        run.close()
     if name == "sync":
         measured.sampler_fit = fit_sampler(run, sampler, args.fit_calls)
     return measured

@@ -122,6 +122,7 @@ LEARNING_RATE = 1e-4
 CLIP_EPS = 0.2
 GRAD_CLIP = 1.0
 
+
 def tunix_config(cfg: models.ModelConfig):
     from tunix.models.qwen3 import model as tunix_qwen3
 

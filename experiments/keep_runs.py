@@ -18,9 +18,9 @@ import shutil
 import sys
 from pathlib import Path
 
+from gac_jax.lab.sweeps import SUMMARY_FILE
 from gac_jax.train.cli import CONFIG_FILE
 from gac_jax.train.metrics import METRICS_FILE
-from gac_jax.train.sweeps import SUMMARY_FILE
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from report import RECORD_KEYS  # noqa: E402  (experiments/report.py)

@@ -12,7 +12,7 @@ The sweeps' lengths were cut to fit the whole set in about 2 hours on 2 cores, w
   norm, clip fraction and c_t turn?
 - ``alignment``: the gradient noise scale and c_t at 1 to 128 prompts a batch, at k in
   {0, 8, 32}, 1 seed, 100 steps each: does c_t follow 1 / (1 + B_simple / B)?
-- ``cures``: every method of `gac_jax.train.sweeps.METHODS` at k=32, and naive GRPO at half
+- ``cures``: every method of `gac_jax.lab.sweeps.METHODS` at k=32, and naive GRPO at half
   the learning rate (the step-size control of VCPO's ESS scaling), 5 seeds, 200 steps
   (naive GRPO at k=32 already trails synchronous GRPO there).
 - ``async``: naive GRPO and GAC with a real rollout worker thread (staleness bound 32,
@@ -36,15 +36,15 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from gac_jax.train.config import LAB_LEARNING_RATE, get_preset
-from gac_jax.train.provenance import StaleRunError
-from gac_jax.train.sweeps import (
+from gac_jax.lab.provenance import StaleRunError
+from gac_jax.lab.sweeps import (
     METHODS,
     RunSpec,
     add_sweep_arguments,
     base_config,
     run_sweep,
 )
+from gac_jax.train.config import LAB_LEARNING_RATE, get_preset
 
 SYNC_LABEL = "sync/k0"  # Its own label: longer than the staleness sweep's naive/k0.
 SYNC_STEPS = 1500

@@ -27,9 +27,9 @@ from scipy import stats
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import lab  # noqa: E402  (experiments/lab.py: the sweeps' labels and settings)
 
-from gac_jax.train.metrics import read_metrics  # noqa: E402
-from gac_jax.train.provenance import check_one_version, runs_by_version  # noqa: E402
-from gac_jax.train.sweeps import load_summaries  # noqa: E402
+from gac_jax.lab.provenance import check_one_version, runs_by_version  # noqa: E402
+from gac_jax.lab.sweeps import load_summaries  # noqa: E402
+from gac_jax.train.metrics import markdown_table, read_metrics  # noqa: E402
 
 ALLOW_MIXED = False  # --allow-mixed: tables may mix runs of two code versions.
 # The only keys of a run's metrics records read here (the rest comes from its summary);
@@ -74,12 +74,6 @@ def _values(runs, key) -> list[float]:
 def _median_cell(runs, key, digits=3) -> str:
     values = [v for v in _values(runs, key) if math.isfinite(v)]
     return f"{np.median(values):.{digits}g}" if values else "-"
-
-
-def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
-    return "\n".join(lines)
 
 
 def _figure(panels: int, width: float = 7.0):
@@ -127,7 +121,7 @@ def sync(runs: dict, root: Path, out: Path) -> dict[str, str]:
         table.append((step, ci_cell(values), ci_cell(greedy)))
         points.append((step, values))
     gains = _values(seeds, "gain")
-    text = _table(("step", "held-out pass@1", "greedy accuracy"), table)
+    text = markdown_table(("step", "held-out pass@1", "greedy accuracy"), table, escape=False)
     text += (
         f"\n\nGain of held-out pass@1 over the warm start (last evaluation less the one "
         f"before the first update), {len(seeds)} seeds: **{ci_cell(gains)}**."
@@ -204,7 +198,7 @@ def staleness(runs: dict, out: Path) -> dict[str, str]:
     axes[-1].set_xlabel("staleness k (k=0 drawn at 1)")
     fig.savefig(out / "staleness.png", dpi=100)
     header = ("lr", "k", "seeds", *(h for _, h in STALENESS_KEYS), "collapsed")
-    text = _table(header, rows)
+    text = markdown_table(header, rows, escape=False)
     text += "\n\n" + ("\n".join(f"- {w}" for w in warnings) or "No run collapsed.")
     return {"staleness": text}
 
@@ -273,7 +267,7 @@ def alignment(runs: dict, out: Path) -> dict[str, str]:
         "median c_t",
         "predicted c_t (sync)",
     )
-    return {"alignment": _table(header, rows)}
+    return {"alignment": markdown_table(header, rows, escape=False)}
 
 
 # --------------------------------------------------------------------------------- cures
@@ -346,7 +340,7 @@ def cures(runs: dict, root: Path, out: Path) -> dict[str, str]:
         "median ESS ratio",
         "vs naive (intervals)",
     )
-    return {"cures": text + _table(header, rows)}
+    return {"cures": text + markdown_table(header, rows, escape=False)}
 
 
 # --------------------------------------------------------------------------------- async
@@ -392,7 +386,7 @@ def real_async(runs: dict, lagged: dict, root: Path, lagged_root: Path, out: Pat
     ax.legend(fontsize="small")
     fig.savefig(out / "async_gaps.png", dpi=100)
     header = ("run", "seeds", "mean staleness", "max staleness", "final pass@1", "median c_t")
-    return {"async": _table(header, rows)}
+    return {"async": markdown_table(header, rows, escape=False)}
 
 
 def rewrite_blocks(path: Path, blocks: dict[str, str]) -> None:

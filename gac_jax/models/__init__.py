@@ -38,8 +38,8 @@ from gac_jax.models.hf_checkpoint import (
 )
 from gac_jax.models.layers import rope_inverse_frequencies
 from gac_jax.models.lora import LoraConfig, apply_lora, lora_filter, merge_lora
-from gac_jax.models.refill_sampler import InflightSampleOutput, RefillSampler
 from gac_jax.models.sampler import (
+    InflightSampleOutput,
     SampleOutput,
     Sampler,
     filter_logits,
@@ -78,7 +78,6 @@ __all__ = [
     "InflightSampleOutput",
     "LoraConfig",
     "ModelConfig",
-    "RefillSampler",
     "RopeScaling",
     "SampleOutput",
     "Sampler",

@@ -184,7 +184,12 @@ class Policy:
         self._merge = self._like = None
         if learner.frozen is None:
             return
-        abstract = nnx.eval_shape(lambda: merge_lora(learner.model()))
+        # The learner's state as arguments, so abstract params (`plan`) trace as well.
+        abstract = nnx.eval_shape(
+            lambda params, frozen: merge_lora(nnx.merge(learner.graphdef, params, frozen)),
+            learner.params,
+            learner.frozen,
+        )
         self.graphdef, state = nnx.split(abstract)
         shardings = state_shardings(state, learner.mesh, learner.rules)
         self._like = jax.tree.map(

@@ -1,11 +1,40 @@
-r"""KV-cache sampler that records each sampled token's log-probability.
+r"""The KV-cache sampler: continuous batching, per-token log-probabilities, in-flight updates.
 
-One jitted program per (prompt length, batch size): a prefill over the left-padded
-prompts, then a `jax.lax.while_loop` that samples one token per step from the cached
-decoder until every row has emitted an end-of-sequence id or `max_new_tokens` are out.
-Temperature, top-k and top-p are array arguments (one value per row, or one for all), so
-changing them does not recompile; `(graphdef, state)` are jit arguments, so new
-parameters do not recompile either.
+`Sampler` takes R left-padded prompts and decodes B of them at a time (`slots`; all R by
+default). When a row ends (an EOS id or its length limit) its slot takes the next
+waiting prompt, in row order, and reuses the slot's part of the KV cache: with
+heavy-tailed completion lengths the slots stay busy instead of padding behind the
+longest row. The cache is B slots of `S = P + max_new_tokens` positions, whatever R is.
+A slot's sequence has the prompt left-padded into positions [0, P) and token j of the
+completion at P + j; slots write at their own positions with the decoder's per-row cache
+index. A refilled slot ignores the previous row's keys: the new prompt's key mask covers
+[0, P), and each completion position is overwritten before the causal mask lets the new
+row see it.
+
+Once no prompt waits, the last long rows would still pay for B slots per step: each time
+the busy slots fit in half the width (`_narrower`), they are gathered into a state of
+half as many slots (down to 4) and decoding goes on there ("tail compaction").
+
+One decode step (`Sampler._decode_step`: sample a token in every busy slot, record it,
+feed it to the decoder, refill the slots that ended) sits behind one loop
+(`Sampler._decode_loop`) and two drivers, as gemma's sampler has one `_sample_step`
+behind its loops:
+
+* `__call__`: one jitted program per (rows, prompt length, slots), a batched prefill of
+  the first B prompts, then one `jax.lax.while_loop` per width. The scheduler lives on
+  the device: no host round trip per step and no program per refill batch size.
+* `sample_inflight` (in-flight weight updates, PipelineRL's idea): the same loop cut into
+  chunks of at most `chunk_steps` decode steps, one jitted call each, the slot state (KV
+  cache included) staying on the device between calls. Before each chunk the sampler
+  asks for the newest published params, so a long row is finished by newer weights
+  instead of holding its batch on the old ones; each token records the version that
+  sampled it (`InflightSampleOutput`).
+
+Temperature, top-k, top-p and each row's length limit are array arguments (one value per
+row, or one for all), so changing them does not recompile; `(graphdef, state)` are jit
+arguments, so new parameters do not recompile either. Randomness is per row: row r's
+token j is drawn with `fold_in(fold_in(key, r), j)`, so a row's completion does not
+depend on which slot served it, when, or how many rows shared its call.
 
 For each sampled token the sampler keeps two log-probabilities:
 
@@ -16,12 +45,16 @@ For each sampled token the sampler keeps two log-probabilities:
 
 Top-k and top-p keep every token whose scaled logit is at least the cut-off logit, so a
 tie at the cut-off keeps all tied tokens. `temperature == 0` means greedy decoding.
+
+Over 450 lines because the plain and the in-flight drivers share the slot state, the
+decode step, the refill and the compaction, which would otherwise be split across
+modules that only make sense together.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -31,6 +64,10 @@ from flax import nnx
 from gac_jax.models.config import ModelConfig
 from gac_jax.models.decoder import init_cache
 from gac_jax.models.scoring import logps_of_tokens
+
+# Tail compaction stops halving the decode width here: narrower steps cost about the same
+# (the weights, not the rows, dominate) and each width is one more compiled loop.
+_MIN_WIDTH = 4
 
 
 @jax.tree_util.register_dataclass
@@ -47,16 +84,45 @@ class SampleOutput:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class _LoopState:
-    step: jax.Array  # int32 []: tokens sampled so far.
-    cache: dict  # the decoder's KV cache (see gac_jax.models.decoder).
-    logits_bv: jax.Array  # f32 [B, V]: logits for the next token.
-    positions_b: jax.Array  # int32 [B]: rotary position of the next token.
-    done_b: jax.Array  # bool [B]: row has emitted EOS.
-    tokens_bn: jax.Array  # int32 [B, N]
-    mask_bn: jax.Array  # bool [B, N]
-    logps_bn: jax.Array  # f32 [B, N]
-    policy_logps_bn: jax.Array  # f32 [B, N]
+class InflightSampleOutput(SampleOutput):
+    """`SampleOutput` of `Sampler.sample_inflight`, with each token's version."""
+
+    # int32 [R, N]: version of the params that sampled each token, -1 past a row's end;
+    # non-decreasing along a row when the published versions are.
+    token_versions: jax.Array
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class _SlotState:
+    cache: dict  # the decoder's KV cache of B slots x S positions; "index" int32 [B].
+    logits_bv: jax.Array  # f32 [B, V]: logits for each slot's next token.
+    row_b: jax.Array  # int32 [B]: the prompt row a slot serves; R when it is idle.
+    step_b: jax.Array  # int32 [B]: tokens the slot's row has sampled so far.
+    positions_b: jax.Array  # int32 [B]: rotary position of the slot's next token.
+    next_row: jax.Array  # int32 []: the first row no slot has taken yet.
+    tokens_rn: jax.Array  # int32 [R, N]
+    mask_rn: jax.Array  # bool [R, N]
+    logps_rn: jax.Array  # f32 [R, N]
+    policy_logps_rn: jax.Array  # f32 [R, N]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class _InflightState:
+    slots: _SlotState
+    versions_rn: jax.Array  # int32 [R, N]: the params version that sampled each token; -1.
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class _Inputs:
+    """A call's per-row inputs, the same for every decode step."""
+
+    prompt_tokens: jax.Array  # int32 [R, P], left-padded.
+    prompt_mask: jax.Array  # bool [R, P]
+    row_keys: jax.Array  # [R] keys: row r's is fold_in(key, r).
+    per_row: tuple  # [R] arrays (temperature f32, top_k i32, top_p f32, max_new_tokens i32).
 
 
 def filter_logits(
@@ -198,11 +264,12 @@ def _per_row(name: str, value, batch: int, dtype) -> jax.Array:
 
 
 class Sampler:
-    """Generates completions for left-padded prompts with a KV cache.
+    """Generates completions for left-padded prompts with a KV cache of `slots` rows.
 
     Example::
 
-        sampler = Sampler(config, max_new_tokens=32, eos_ids=tok.eos_id, pad_id=tok.pad_id)
+        sampler = Sampler(config, max_new_tokens=1024, eos_ids=tok.eos_id,
+                          pad_id=tok.pad_id, slots=64)
         graphdef, state = nnx.split(model)
         out = sampler(graphdef, state, prompt_tokens, prompt_mask, jax.random.key(0),
                       temperature=0.8, top_p=0.95)
@@ -215,21 +282,28 @@ class Sampler:
         max_new_tokens: int,
         eos_ids: int | Sequence[int],
         pad_id: int,
+        slots: int | None = None,
         cache_dtype=None,
     ):
-        """Creates the sampler and its jitted program.
+        """Creates the sampler and its jitted programs.
 
         Args:
           config: the model's configuration.
           max_new_tokens: N, the most tokens generated per row (static).
           eos_ids: id or ids that end a row; the EOS token is part of the completion.
           pad_id: id written after a row has ended.
+          slots: B, rows decoded together (static); None decodes all rows of a call
+            together. A call with fewer rows uses one slot per row.
           cache_dtype: KV cache dtype; `config.dtype` by default.
         """
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int):
             raise ValueError(f"max_new_tokens={max_new_tokens!r} must be a positive int.")
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens={max_new_tokens!r} must be a positive int.")
+        if slots is not None and (
+            isinstance(slots, bool) or not isinstance(slots, int) or slots < 1
+        ):
+            raise ValueError(f"slots={slots!r} must be a positive int or None.")
         eos = (eos_ids,) if isinstance(eos_ids, int | np.integer) else tuple(eos_ids)
         if not eos:
             raise ValueError("eos_ids is empty; give at least one end-of-sequence id.")
@@ -243,9 +317,13 @@ class Sampler:
         self.max_new_tokens = max_new_tokens
         self.eos_ids = tuple(int(t) for t in eos)
         self.pad_id = int(pad_id)
+        self.slots = slots
         self.cache_dtype = cache_dtype
-        self.num_traces = 0  # How often the program was traced (a recompilation check).
+        self.num_traces = 0  # How often `__call__`'s program was traced (recompilations).
         self._jitted = jax.jit(self._sample)
+        self._inflight_start = jax.jit(self._start_program)
+        self._inflight_chunk = jax.jit(self._chunk_program, donate_argnames="st")
+        self._inflight_compact = jax.jit(_compacted_inflight, static_argnames="width")
 
     def __call__(
         self,
@@ -265,27 +343,157 @@ class Sampler:
         Args:
           graphdef: from `nnx.split(model)`.
           state: the parameters, from `nnx.split(model)`.
-          prompt_tokens: int [B, P], left-padded (see `left_pad`).
-          prompt_mask: bool [B, P], True for real tokens; each row needs at least one, and
+          prompt_tokens: int [R, P], left-padded (see `left_pad`).
+          prompt_mask: bool [R, P], True for real tokens; each row needs at least one, and
             all its padding must come first.
           key: a `jax.random` key; the same key gives the same tokens.
-          temperature: scalar or [B], >= 0 (0 is greedy).
-          top_k: scalar or [B] int, >= 0 (0 disables).
-          top_p: scalar or [B], in (0, 1] (1 disables).
-          max_new_tokens: scalar or [B] int in [1, `self.max_new_tokens`], each row's own
+          temperature: scalar or [R], >= 0 (0 is greedy).
+          top_k: scalar or [R] int, >= 0 (0 disables).
+          top_p: scalar or [R], in (0, 1] (1 disables).
+          max_new_tokens: scalar or [R] int in [1, `self.max_new_tokens`], each row's own
             limit (the output keeps `self.max_new_tokens` columns); all of them by default.
 
         Returns:
-          A `SampleOutput`.
+          A `SampleOutput`, one row per prompt, in prompt order.
         """
         prompt_tokens, prompt_mask, per_row = self._prepared(
             prompt_tokens, prompt_mask, temperature, top_k, top_p, max_new_tokens
         )
         return self._jitted(graphdef, state, prompt_tokens, prompt_mask, key, per_row)
 
+    def lower(self, graphdef, state, prompt_tokens, prompt_mask, key, **sampling):
+        """`__call__`'s program lowered for these arguments, for ahead-of-time planning.
+
+        Args:
+          graphdef, state, prompt_tokens, prompt_mask, key: as for `__call__`; the params,
+            prompts and key may be abstract (`jax.ShapeDtypeStruct`s, with shardings).
+          **sampling: `__call__`'s `temperature`, `top_k`, `top_p`, `max_new_tokens`.
+
+        Returns:
+          A `jax.stages.Lowered`: `.compile().memory_analysis()` says whether sampling
+          fits without creating a weight.
+        """
+        rows = prompt_tokens.shape[0]
+        per_row = tuple(
+            _per_row(name, sampling.get(name, default), rows, dtype)
+            for name, default, dtype in (
+                ("temperature", 1.0, jnp.float32),
+                ("top_k", 0, jnp.int32),
+                ("top_p", 1.0, jnp.float32),
+                ("max_new_tokens", self.max_new_tokens, jnp.int32),
+            )
+        )
+        return self._jitted.lower(graphdef, state, prompt_tokens, prompt_mask, key, per_row)
+
+    def generate(self, model: nnx.Module, prompt_tokens, prompt_mask, key, **sampling):
+        """`self(*nnx.split(model), prompt_tokens, prompt_mask, key, **sampling)`."""
+        graphdef, state = nnx.split(model)
+        return self(graphdef, state, prompt_tokens, prompt_mask, key, **sampling)
+
+    def sample_inflight(
+        self,
+        graphdef: nnx.GraphDef,
+        params_fn: Callable[[], tuple[nnx.State, int]],
+        prompt_tokens: jax.Array,
+        prompt_mask: jax.Array,
+        key: jax.Array,
+        *,
+        chunk_steps: int,
+        temperature=1.0,
+        top_k=0,
+        top_p=1.0,
+        max_new_tokens=None,
+    ) -> InflightSampleOutput:
+        """Samples completions, picking up newly published params between decode chunks.
+
+        The decode of `__call__` (same slots, refill order, tail compaction and per-row
+        keys) runs in chunks of `chunk_steps` decode steps, one jitted call each; the
+        slot state, KV cache included, stays on the device between calls and the host
+        reads back three scalars per call (steps run, busy slots, next waiting row).
+
+        Schedule: `params_fn()` is called once before the prefill of the first B prompts
+        (chunk 0 uses those params) and once before each later chunk, never after the
+        last: with D decode steps in all (`__call__`'s loop count), it is called exactly
+        `ceil(D / chunk_steps)` times. Chunk c runs global decode steps
+        `[c * chunk_steps, (c + 1) * chunk_steps)`; tail compaction may split a chunk into
+        several calls, with no `params_fn` call between them. A row refilled during chunk
+        c is prefilled with chunk c's params. Every version's params share `graphdef`'s
+        structure, shapes and dtypes (a new version does not recompile), and a version
+        number names one set of params: a repeated version is taken as unchanged. The
+        host waits for each chunk's three scalars before it dispatches the next chunk.
+
+        Versions: the token sampled at global step t is drawn from logits of chunk
+        `t // chunk_steps`'s params, and `token_versions` records that version (its
+        `logps` and `policy_logps` are under those params). To make that true at the
+        first step of a chunk whose version is new, the last token fed to each busy slot
+        (the previous sample, or a fresh row's last prompt token) is fed again with the
+        new params, overwriting its KV entry, before the chunk decodes: one extra
+        one-token forward per version change. That is where vLLM-based PipelineRL stands
+        too (its forward of a sampled token runs in the next engine step, after the
+        update).
+
+        Stale KV cache: the keys and values of the tokens already in a slot stay those of
+        the params that computed them (prompt by the prefill's version, each later
+        position by the version of the token its logits sampled). A token sampled after
+        a swap therefore is not the new params' teacher-forced prediction of its prefix,
+        but the new params' decode over that mixed cache; PipelineRL keeps the stale
+        cache the same way rather than re-prefilling every row. A row prefilled and
+        completed within one version is exactly that version's sample.
+
+        With a `params_fn` that always returns the same params and version, the output
+        equals `__call__`'s (tokens and both log-probs).
+
+        Args:
+          graphdef: from `nnx.split(model)`; the structure of every version's params.
+          params_fn: `() -> (state, version)`: the newest published params and their int
+            version, e.g. `lambda: param_store.latest()`.
+          prompt_tokens, prompt_mask, key, temperature, top_k, top_p, max_new_tokens: as
+            for `__call__`.
+          chunk_steps: decode steps per chunk, >= 1 (static for the host loop only: a new
+            value does not recompile).
+
+        Returns:
+          An `InflightSampleOutput`: `__call__`'s fields and `token_versions`.
+        """
+        if isinstance(chunk_steps, bool) or not isinstance(chunk_steps, int) or chunk_steps < 1:
+            raise ValueError(f"chunk_steps={chunk_steps!r} must be a positive int.")
+        prompt_tokens, prompt_mask, per_row = self._prepared(
+            prompt_tokens, prompt_mask, temperature, top_k, top_p, max_new_tokens
+        )
+        rows = prompt_tokens.shape[0]
+        state, version = _published(params_fn)
+        st, progress = self._inflight_start(graphdef, state, prompt_tokens, prompt_mask)
+        steps, busy, next_row = (int(x) for x in jax.device_get(progress))
+        remaining, refresh = chunk_steps, False
+        while busy:
+            remaining -= steps
+            if remaining == 0:
+                new_state, new_version = _published(params_fn)
+                refresh = new_version != version
+                state, version, remaining = new_state, new_version, chunk_steps
+            narrower = _narrower(st.slots.row_b.shape[0])
+            if next_row >= rows and busy <= narrower:
+                st, steps = self._inflight_compact(st, width=narrower), 0
+                continue
+            st, progress = self._inflight_chunk(
+                graphdef,
+                state,
+                st,
+                prompt_tokens,
+                prompt_mask,
+                key,
+                per_row,
+                jnp.asarray(version, jnp.int32),
+                jnp.asarray(remaining, jnp.int32),
+                jnp.asarray(refresh),
+            )
+            refresh = False
+            steps, busy, next_row = (int(x) for x in jax.device_get(progress))
+        return _output(st.slots, InflightSampleOutput, token_versions=st.versions_rn)
+
     def _prepared(self, prompt_tokens, prompt_mask, temperature, top_k, top_p, max_new_tokens):
         """The call's checks and conversions: `(tokens, mask, per_row)`, with `per_row` the
-        [B] arrays `(temperature, top_k, top_p, max_new_tokens)`."""
+        [R] arrays `(temperature, top_k, top_p, max_new_tokens)`."""
         prompt_tokens = jnp.asarray(prompt_tokens)
         prompt_mask = jnp.asarray(prompt_mask)
         self._check_prompts(prompt_tokens, prompt_mask)
@@ -298,11 +506,6 @@ class Sampler:
         self._check_sampling(temperature, top_k, top_p, limit, self.max_new_tokens)
         per_row = (temperature, top_k, top_p, limit)
         return prompt_tokens.astype(jnp.int32), prompt_mask.astype(bool), per_row
-
-    def generate(self, model: nnx.Module, prompt_tokens, prompt_mask, key, **sampling):
-        """`self(*nnx.split(model), prompt_tokens, prompt_mask, key, **sampling)`."""
-        graphdef, state = nnx.split(model)
-        return self(graphdef, state, prompt_tokens, prompt_mask, key, **sampling)
 
     def _check_prompts(self, tokens, mask):
         if tokens.ndim != 2:
@@ -346,78 +549,288 @@ class Sampler:
                 if not np.all(ok(value)):
                     raise ValueError(f"{name}={value.tolist()} must be {expected}.")
 
+    def _width(self, rows: int) -> int:
+        """B for a call of `rows` rows: the slots that start decoding (and refill)."""
+        return rows if self.slots is None else min(self.slots, rows)
+
     def _sample(self, graphdef, state, prompt_tokens, prompt_mask, key, per_row):
+        """`__call__`'s program: the first B rows prefilled, then one decode loop per width
+        of the tail compaction schedule."""
         self.num_traces += 1  # Runs only while tracing.
-        temp, top_k, top_p, limit_b = per_row
-        cfg, n = self.config, self.max_new_tokens
-        batch, prompt_len = prompt_tokens.shape
-        eos = jnp.asarray(self.eos_ids, jnp.int32)
+        rows = prompt_tokens.shape[0]
+        inputs = _Inputs(prompt_tokens, prompt_mask, _row_keys(key, rows), per_row)
+        width = self._width(rows)
+        s = self._first_slots(nnx.merge(graphdef, state), prompt_tokens, prompt_mask, width)
+        no_budget = jnp.asarray(np.iinfo(np.int32).max, jnp.int32)
+        while True:
+            s, _, _ = self._decode_loop(graphdef, state, s, inputs, no_budget)
+            if not _narrower(width):
+                return _output(s, SampleOutput)
+            width = _narrower(width)
+            s = _compacted(s, width)
 
+    def _start_program(self, graphdef, state, prompt_tokens, prompt_mask):
+        """The first B rows prefilled (`_first_slots`), no version recorded yet."""
+        rows = prompt_tokens.shape[0]
         model = nnx.merge(graphdef, state)
-        cache = init_cache(cfg, batch, prompt_len + n, self.cache_dtype)
-        # Positions from the mask (the default): the prefill looks its rotary tables up.
-        hidden, cache = model.hidden_states(prompt_tokens, None, prompt_mask, cache)
-        logits_bv = model.logits(hidden[:, -1:])[:, 0]
+        s = self._first_slots(model, prompt_tokens, prompt_mask, self._width(rows))
+        versions_rn = jnp.full((rows, self.max_new_tokens), -1, jnp.int32)
+        return _InflightState(slots=s, versions_rn=versions_rn), _progress(s, 0)
 
-        # Rotary tables for every decode step, looked up once outside the loop (the same
-        # constant tables the prefill and the learner's forward use).
-        positions_b0 = jnp.sum(prompt_mask, axis=1, dtype=jnp.int32)
-        rope_cos, rope_sin = model.rope_tables(
-            positions_b0[:, None] + jnp.arange(n, dtype=jnp.int32)[None, :], prompt_len + n
+    def _chunk_program(
+        self,
+        graphdef,
+        state,
+        st,
+        prompt_tokens,
+        prompt_mask,
+        key,
+        per_row,
+        version,
+        budget,
+        refresh,
+    ):
+        """At most `budget` decode steps of `__call__`'s loop at the state's width, with
+        `state` (version `version`, fed again to the busy slots first if `refresh`);
+        stops early where `__call__` would compact. Returns the new state and
+        `_progress`."""
+        rows = prompt_tokens.shape[0]
+        inputs = _Inputs(prompt_tokens, prompt_mask, _row_keys(key, rows), per_row)
+
+        def refreshed(s: _SlotState) -> _SlotState:
+            return self._fed_again(nnx.merge(graphdef, state), s, prompt_tokens)
+
+        s = jax.lax.cond(refresh, refreshed, lambda s: s, st.slots)
+        s, versions_rn, steps = self._decode_loop(
+            graphdef, state, s, inputs, budget, (st.versions_rn, version)
+        )
+        return _InflightState(slots=s, versions_rn=versions_rn), _progress(s, steps)
+
+    def _decode_loop(self, graphdef, state, s: _SlotState, inputs: _Inputs, budget, versions=None):
+        """Decode steps at `s`'s width until `budget` steps are run, every row has ended,
+        or no row waits and the busy slots fit the next width. The widest state refills
+        the slots that end; narrower ones only follow their rows to the end.
+
+        Args:
+          versions: `(versions_rn, version)` to record each sampled token's params
+            version in, or None.
+
+        Returns:
+          `(state, versions_rn or None, decode steps run)`.
+        """
+        rows = inputs.prompt_tokens.shape[0]
+        width = s.row_b.shape[0]
+        refill = width == self._width(rows)
+        narrower = _narrower(width)
+        versions_rn, version = (None, None) if versions is None else versions
+
+        def cond(carry) -> jax.Array:
+            s, _, step = carry
+            busy = jnp.sum(s.row_b < rows, dtype=jnp.int32)
+            return (step < budget) & (busy > 0) & ((busy > narrower) | (s.next_row < rows))
+
+        def body(carry):
+            s, versions_rn, step = carry
+            if versions_rn is not None:
+                # Recorded at the pre-step (row, step), as `_decode_step` records its token.
+                versions_rn = versions_rn.at[s.row_b, s.step_b].set(version, mode="drop")
+            s = self._decode_step(nnx.merge(graphdef, state), s, inputs, refill)
+            return s, versions_rn, step + 1
+
+        return jax.lax.while_loop(cond, body, (s, versions_rn, jnp.zeros((), jnp.int32)))
+
+    def _decode_step(self, model, s: _SlotState, inputs: _Inputs, refill: bool) -> _SlotState:
+        """The one decode step: samples a token in every busy slot, records it in its row,
+        feeds it to the decoder, then hands each slot whose row has just ended the next
+        waiting row (`refill`) or leaves it idle."""
+        rows = s.tokens_rn.shape[0]
+        busy_b = s.row_b < rows
+        row_b = jnp.minimum(s.row_b, rows - 1)
+        temperature, top_k, top_p, limit = (jnp.take(x, row_b, axis=0) for x in inputs.per_row)
+        keys = jax.vmap(jax.random.fold_in)(jnp.take(inputs.row_keys, row_b, axis=0), s.step_b)
+        tokens, logps, policy_logps = sample_step(s.logits_bv, keys, temperature, top_k, top_p)
+        tokens = jnp.where(busy_b, tokens, self.pad_id)
+
+        def put(buffer, values_b):  # Idle slots carry row R, out of bounds: dropped.
+            return buffer.at[s.row_b, s.step_b].set(values_b, mode="drop")
+
+        eos = jnp.asarray(self.eos_ids, jnp.int32)
+        ends = jnp.any(tokens[:, None] == eos[None, :], axis=1) | (s.step_b + 1 >= limit)
+        seq_len = s.cache["key_mask"].shape[1]
+        positions_b1 = s.positions_b[:, None]
+        hidden, cache = model.hidden_states(
+            tokens[:, None],
+            positions_b1,
+            busy_b[:, None],
+            s.cache,
+            model.rope_tables(positions_b1, seq_len),
+        )
+        advance = busy_b.astype(jnp.int32)  # An idle slot stays where it is.
+        s = dataclasses.replace(
+            s,
+            cache=cache | {"index": s.cache["index"] + advance},
+            logits_bv=model.logits(hidden)[:, 0],
+            step_b=s.step_b + advance,
+            positions_b=s.positions_b + advance,
+            tokens_rn=put(s.tokens_rn, tokens),
+            mask_rn=put(s.mask_rn, busy_b),
+            logps_rn=put(s.logps_rn, logps),
+            policy_logps_rn=put(s.policy_logps_rn, policy_logps),
+        )
+        ended_b = busy_b & ends
+        if refill:
+            return self._refill(model, s, ended_b, inputs.prompt_tokens, inputs.prompt_mask)
+        return dataclasses.replace(s, row_b=jnp.where(ended_b, rows, s.row_b))
+
+    def _fed_again(self, model, s: _SlotState, prompt_tokens) -> _SlotState:
+        """Each busy slot's last fed token (its row's latest sample, or the last prompt
+        token of a row with none yet) fed again through `model` at its own position:
+        its KV entry and the slot's next-token logits become `model`'s."""
+        rows, prompt_len = prompt_tokens.shape
+        busy_b = s.row_b < rows
+        row_b = jnp.minimum(s.row_b, rows - 1)
+        sampled_b = s.tokens_rn[row_b, jnp.maximum(s.step_b - 1, 0)]
+        last_b = jnp.where(s.step_b > 0, sampled_b, prompt_tokens[row_b, prompt_len - 1])
+        seq_len = s.cache["key_mask"].shape[1]
+        positions_b1 = (s.positions_b - 1)[:, None]
+        # Idle slots write nothing real (masked), at a position their next prefill clears.
+        hidden, cache = model.hidden_states(
+            last_b[:, None],
+            positions_b1,
+            busy_b[:, None],
+            s.cache | {"index": s.cache["index"] - 1},
+            model.rope_tables(positions_b1, seq_len),
+        )
+        return dataclasses.replace(
+            s,
+            cache=cache | {"index": s.cache["index"]},
+            logits_bv=jnp.where(busy_b[:, None], model.logits(hidden)[:, 0], s.logits_bv),
         )
 
-        init = _LoopState(
-            step=jnp.zeros((), jnp.int32),
+    def _first_slots(self, model, prompt_tokens, prompt_mask, slots: int) -> _SlotState:
+        """Rows [0, B) prefilled together into the B slots, and empty output buffers."""
+        rows, prompt_len = prompt_tokens.shape
+        n = self.max_new_tokens
+        cache = init_cache(self.config, slots, prompt_len + n, self.cache_dtype)
+        hidden, cache = model.hidden_states(prompt_tokens[:slots], None, prompt_mask[:slots], cache)
+        return _SlotState(
+            cache=cache | {"index": jnp.full((slots,), prompt_len, jnp.int32)},
+            logits_bv=model.logits(hidden[:, -1:])[:, 0],
+            row_b=jnp.arange(slots, dtype=jnp.int32),
+            step_b=jnp.zeros((slots,), jnp.int32),
+            positions_b=jnp.sum(prompt_mask[:slots], axis=1, dtype=jnp.int32),
+            next_row=jnp.asarray(slots, jnp.int32),
+            tokens_rn=jnp.full((rows, n), self.pad_id, jnp.int32),
+            mask_rn=jnp.zeros((rows, n), bool),
+            logps_rn=jnp.zeros((rows, n), jnp.float32),
+            policy_logps_rn=jnp.zeros((rows, n), jnp.float32),
+        )
+
+    def _refill(self, model, s: _SlotState, ended_b, prompt_tokens, prompt_mask):
+        """Gives each ended slot the next waiting row (in slot order), or leaves it idle
+        when none waits, and prefills the new rows one at a time."""
+        rows = prompt_tokens.shape[0]
+        rank_b = jnp.cumsum(ended_b.astype(jnp.int32)) - 1
+        row_b = jnp.where(ended_b, jnp.minimum(s.next_row + rank_b, rows), s.row_b)
+        s = dataclasses.replace(
+            s,
+            row_b=row_b,
+            next_row=jnp.minimum(s.next_row + jnp.sum(ended_b, dtype=jnp.int32), rows),
+        )
+
+        def prefill_one(carry):
+            s, pending_b = carry
+            slot = jnp.argmax(pending_b).astype(jnp.int32)
+            s = self._prefill_slot(model, s, slot, prompt_tokens, prompt_mask)
+            return s, pending_b.at[slot].set(False)
+
+        pending_b = ended_b & (row_b < rows)
+        s, _ = jax.lax.while_loop(lambda c: jnp.any(c[1]), prefill_one, (s, pending_b))
+        return s
+
+    def _prefill_slot(self, model, s: _SlotState, slot, prompt_tokens, prompt_mask):
+        """Prefills slot `slot` with its (new) row's prompt: positions [0, P) of the slot's
+        cache, the key mask of the rest cleared so the previous row's keys are ignored."""
+        prompt_len = prompt_tokens.shape[1]
+        seq_len = s.cache["key_mask"].shape[1]
+        row = s.row_b[slot]
+        tokens_1p = jax.lax.dynamic_slice_in_dim(prompt_tokens, row, 1, axis=0)
+        mask_1p = jax.lax.dynamic_slice_in_dim(prompt_mask, row, 1, axis=0)
+        fresh = init_cache(self.config, 1, seq_len, self.cache_dtype)
+        hidden, fresh = model.hidden_states(tokens_1p, None, mask_1p, fresh)
+        zero = jnp.zeros((), jnp.int32)
+
+        def put_row(big, one):
+            return jax.lax.dynamic_update_slice(big, one, (slot,) + (zero,) * (big.ndim - 1))
+
+        cache = {
+            "index": s.cache["index"].at[slot].set(prompt_len),
+            "key_mask": put_row(s.cache["key_mask"], fresh["key_mask"]),
+            "layers": jax.tree.map(put_row, s.cache["layers"], fresh["layers"]),
+        }
+        return dataclasses.replace(
+            s,
             cache=cache,
-            logits_bv=logits_bv,
-            positions_b=positions_b0,
-            done_b=jnp.zeros((batch,), bool),
-            tokens_bn=jnp.full((batch, n), self.pad_id, jnp.int32),
-            mask_bn=jnp.zeros((batch, n), bool),
-            logps_bn=jnp.zeros((batch, n), jnp.float32),
-            policy_logps_bn=jnp.zeros((batch, n), jnp.float32),
+            logits_bv=put_row(s.logits_bv, model.logits(hidden[:, -1:])[:, 0]),
+            step_b=s.step_b.at[slot].set(0),
+            positions_b=s.positions_b.at[slot].set(jnp.sum(mask_1p, dtype=jnp.int32)),
         )
 
-        def cond(s: _LoopState):
-            return (s.step < n) & ~jnp.all(s.done_b)
 
-        def body(s: _LoopState) -> _LoopState:
-            step_key = jax.random.fold_in(key, s.step)
-            tokens, logps, policy_logps = sample_step(s.logits_bv, step_key, temp, top_k, top_p)
-            active = ~s.done_b
-            tokens = jnp.where(active, tokens, self.pad_id)
-            zero = jnp.zeros((), jnp.int32)
+def _narrower(width: int) -> int:
+    """The tail compaction schedule, written once: the width a state of `width` slots
+    moves to once no row waits and its busy slots fit (0: none, `width` is the last)."""
+    return (width + 1) // 2 if width > _MIN_WIDTH else 0
 
-            def put(buffer, column):
-                return jax.lax.dynamic_update_slice(buffer, column[:, None], (zero, s.step))
 
-            ends = jnp.any(tokens[:, None] == eos[None, :], axis=1) | (s.step + 1 >= limit_b)
-            done = s.done_b | (active & ends)
-            decoder = nnx.merge(graphdef, state)
-            step_rope = tuple(
-                jax.lax.dynamic_slice_in_dim(table, s.step, 1, axis=1)
-                for table in (rope_cos, rope_sin)
-            )
-            hidden, cache = decoder.hidden_states(
-                tokens[:, None], s.positions_b[:, None], active[:, None], s.cache, step_rope
-            )
-            return _LoopState(
-                step=s.step + 1,
-                cache=cache,
-                logits_bv=decoder.logits(hidden)[:, 0],
-                positions_b=s.positions_b + 1,
-                done_b=done,
-                tokens_bn=put(s.tokens_bn, tokens),
-                mask_bn=put(s.mask_bn, active),
-                logps_bn=put(s.logps_bn, jnp.where(active, logps, 0.0)),
-                policy_logps_bn=put(s.policy_logps_bn, jnp.where(active, policy_logps, 0.0)),
-            )
+def _compacted(s: _SlotState, width: int) -> _SlotState:
+    """`s` with only `width` slots: the busy ones first, in slot order (the caller knows
+    at most `width` are busy)."""
+    rows = s.tokens_rn.shape[0]
+    keep = jnp.argsort(s.row_b >= rows, stable=True)[:width]
 
-        final = jax.lax.while_loop(cond, body, init)
-        return SampleOutput(
-            tokens=final.tokens_bn,
-            completion_mask=final.mask_bn,
-            logps=final.logps_bn,
-            policy_logps=final.policy_logps_bn,
-            lengths=jnp.sum(final.mask_bn, axis=1, dtype=jnp.int32),
-        )
+    def take(x):
+        return jnp.take(x, keep, axis=0)
+
+    return dataclasses.replace(
+        s,
+        cache=jax.tree.map(take, s.cache),
+        logits_bv=take(s.logits_bv),
+        row_b=take(s.row_b),
+        step_b=take(s.step_b),
+        positions_b=take(s.positions_b),
+    )
+
+
+def _compacted_inflight(st: _InflightState, width: int) -> _InflightState:
+    return dataclasses.replace(st, slots=_compacted(st.slots, width))
+
+
+def _row_keys(key: jax.Array, rows: int) -> jax.Array:
+    """[R] keys, row r's `fold_in(key, r)`: a row's draws do not depend on its slot."""
+    return jax.vmap(jax.random.fold_in, (None, 0))(key, jnp.arange(rows, dtype=jnp.int32))
+
+
+def _output(s: _SlotState, cls: type, **extra):
+    return cls(
+        tokens=s.tokens_rn,
+        completion_mask=s.mask_rn,
+        logps=s.logps_rn,
+        policy_logps=s.policy_logps_rn,
+        lengths=jnp.sum(s.mask_rn, axis=1, dtype=jnp.int32),
+        **extra,
+    )
+
+
+def _progress(s: _SlotState, steps) -> jax.Array:
+    """int32 [3]: decode steps just run, busy slots, first row no slot has taken."""
+    rows = s.tokens_rn.shape[0]
+    busy = jnp.sum(s.row_b < rows, dtype=jnp.int32)
+    return jnp.stack([jnp.asarray(steps, jnp.int32), busy, s.next_row])
+
+
+def _published(params_fn) -> tuple[nnx.State, int]:
+    state, version = params_fn()
+    if isinstance(version, bool) or not isinstance(version, int | np.integer):
+        raise ValueError(f"params_fn() returned version {version!r}; it must be an int.")
+    return state, int(version)

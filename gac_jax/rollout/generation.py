@@ -11,15 +11,12 @@ import jax
 import numpy as np
 from flax import nnx
 
-from gac_jax.models import RefillSampler, Sampler, left_pad
+from gac_jax.models import SampleOutput, Sampler, left_pad
 from gac_jax.models.tokenizers import Tokenizer, decode_completion
 from gac_jax.rollout.placement import RolloutPlacement
 from gac_jax.rollout.record import Rollout
 from gac_jax.rollout.worker import GroupRequest
 from gac_jax.tasks import Task
-
-# The samplers `make_sampler` builds, by `GenerationConfig.sampler`.
-SAMPLERS = ("fixed", "refill")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,11 +31,9 @@ class GenerationConfig:
       top_k: keep the k most likely tokens; 0 keeps all.
       top_p: nucleus mass in (0, 1]; 1 keeps all.
       greedy: decode greedily (temperature 0). RL needs samples, so this must be asked for.
-      sampler: "fixed" (`Sampler`: all rows of a call decode together until the longest
-        ends) or "refill" (`RefillSampler`: `slots` rows decode together and a row that
-        ends hands its slot to the next; faster when completion lengths vary a lot).
-      slots: the refill sampler's decode slots (its KV cache holds `slots` rows); None
-        decodes all rows of a call together. Only with ``sampler="refill"``.
+      slots: the sampler's decode slots (its KV cache holds `slots` rows; a row that ends
+        hands its slot to the next waiting one, which pays when completion lengths vary a
+        lot); None decodes all rows of a call together.
       stop: stop strings: a completion ends at the first one it contains (besides EOS and
         `max_new_tokens`). Applied on the host after sampling (`cut_at_stop`), as vLLM
         does by default: the reward sees the text before the stop string, the loss mask
@@ -53,7 +48,6 @@ class GenerationConfig:
     top_k: int = 0
     top_p: float = 1.0
     greedy: bool = False
-    sampler: str = "fixed"
     slots: int | None = None
     stop: tuple[str, ...] = ()
 
@@ -84,16 +78,10 @@ class GenerationConfig:
             isinstance(s, str) and s for s in self.stop
         ):
             raise ValueError(f"stop={self.stop!r} must be a list of non-empty strings.")
-        if self.sampler not in SAMPLERS:
-            raise ValueError(f"sampler={self.sampler!r} must be one of {list(SAMPLERS)}.")
-        if self.slots is not None:
-            if isinstance(self.slots, bool) or not isinstance(self.slots, int) or self.slots < 1:
-                raise ValueError(f"slots={self.slots!r} must be an int >= 1 or None.")
-            if self.sampler != "refill":
-                raise ValueError(
-                    f"slots={self.slots} is only used with sampler='refill'; got "
-                    f"sampler={self.sampler!r}."
-                )
+        if self.slots is not None and (
+            isinstance(self.slots, bool) or not isinstance(self.slots, int) or self.slots < 1
+        ):
+            raise ValueError(f"slots={self.slots!r} must be an int >= 1 or None.")
 
 
 class TaskGroupGenerator:
@@ -107,7 +95,7 @@ class TaskGroupGenerator:
 
     Args:
       graphdef: the model's `nnx.GraphDef` (params arrive per call, as an `nnx.State`).
-      sampler: a `gac_jax.models.Sampler` (or `RefillSampler`) for the model.
+      sampler: a `gac_jax.models.Sampler` for the model.
       task: a `gac_jax.tasks.Task` (prompt, reward).
       examples: the task split's data source (indexable by prompt id).
       tokenizer: encodes prompts and decodes completions.
@@ -118,7 +106,7 @@ class TaskGroupGenerator:
       latest_params: in-flight weight updates: a function returning the newest published
         `(params, version)` (`ParamStore.latest`). With it, a call starts with the params it
         was given and swaps to the newest version every `chunk_steps` decode steps
-        (`RefillSampler.sample_inflight`); each token's version is recorded in
+        (`Sampler.sample_inflight`); each token's version is recorded in
         `Rollout.token_versions` and the group's `policy_version` is its oldest token's.
       chunk_steps: decode steps between two looks at `latest_params`.
     """
@@ -136,11 +124,6 @@ class TaskGroupGenerator:
         chunk_steps: int = 16,
     ):
         config = GenerationConfig() if config is None else config
-        if latest_params is not None and not isinstance(sampler, RefillSampler):
-            raise ValueError(
-                "in-flight weight updates need the refill sampler (generation.sampler="
-                f"'refill'), got {type(sampler).__name__}."
-            )
         config.validate()
         if sampler.max_new_tokens != config.max_new_tokens:
             raise ValueError(
@@ -177,15 +160,20 @@ class TaskGroupGenerator:
         g = self.group_size
         prompts = [self.encode_prompt(r.prompt_id) for r in requests]
         rows = [p for p in prompts for _ in range(g)]
-        tokens, mask = left_pad(rows, self.tokenizer.pad_id, self.prompt_length)
-        if self.placement is not None:
-            tokens, mask = self.placement.place_inputs(tokens, mask)
         start = time.monotonic()
-        if self.latest_params is None:
-            out = self.sampler(self.graphdef, params, tokens, mask, key, **self.sampling)
-        else:
-            out = self._sample_inflight(params, version, tokens, mask, key)
-        out = jax.device_get(out)
+        out = generate(
+            self.sampler,
+            self.graphdef,
+            params,
+            rows,
+            key,
+            pad_id=self.tokenizer.pad_id,
+            prompt_length=self.prompt_length,
+            sampling=self.sampling,
+            placement=self.placement,
+            params_fn=None if self.latest_params is None else self._params_fn(params, version),
+            chunk_steps=self.chunk_steps,
+        )
         token_versions = getattr(out, "token_versions", None)
         generate_seconds = (time.monotonic() - start) / len(requests)
         rollouts = []
@@ -232,9 +220,9 @@ class TaskGroupGenerator:
             texts.append(text)
         return texts
 
-    def _sample_inflight(self, params, version, tokens, mask, key):
-        """Samples starting from `(params, version)`, then from the newest version at each
-        chunk boundary (never an older one than the call started with)."""
+    def _params_fn(self, params, version):
+        """In-flight `params_fn`: `(params, version)` first, then the newest version at
+        each chunk boundary (never an older one than the call started with)."""
         first = [(params, int(version))]
 
         def params_fn():
@@ -243,15 +231,49 @@ class TaskGroupGenerator:
             newest, newest_version = self.latest_params()
             return (newest, newest_version) if newest_version >= version else (params, version)
 
-        return self.sampler.sample_inflight(
-            self.graphdef,
-            params_fn,
-            tokens,
-            mask,
-            key,
-            chunk_steps=self.chunk_steps,
-            **self.sampling,
+        return params_fn
+
+
+def generate(
+    sampler: Sampler,
+    graphdef: nnx.GraphDef,
+    params: nnx.State,
+    prompts: Sequence[Sequence[int]],
+    key: jax.Array,
+    *,
+    pad_id: int,
+    prompt_length: int,
+    sampling: dict[str, Any],
+    placement: RolloutPlacement | None = None,
+    params_fn: Callable[[], tuple[Any, int]] | None = None,
+    chunk_steps: int = 16,
+) -> SampleOutput:
+    """Samples one completion per prompt: the one way training rollouts
+    (`TaskGroupGenerator`) and evaluation (`gac_jax.train.evaluate_policy`) generate.
+
+    Args:
+      sampler: the run's `Sampler`.
+      graphdef, params: the policy.
+      prompts: R token lists, left-padded to `prompt_length` with `pad_id`.
+      key: sampling key.
+      sampling: the sampler's keywords (`temperature`, `top_k`, `top_p`).
+      placement: puts the prompts on the sampler's mesh; None leaves them to the jit.
+      params_fn: in-flight updates (`Sampler.sample_inflight`, every `chunk_steps` decode
+        steps); None samples with `params` throughout.
+
+    Returns:
+      The `SampleOutput` (an `InflightSampleOutput` with `params_fn`) as host arrays.
+    """
+    tokens, mask = left_pad(prompts, pad_id, prompt_length)
+    if placement is not None:
+        tokens, mask = placement.place_inputs(tokens, mask)
+    if params_fn is None:
+        out = sampler(graphdef, params, tokens, mask, key, **sampling)
+    else:
+        out = sampler.sample_inflight(
+            graphdef, params_fn, tokens, mask, key, chunk_steps=chunk_steps, **sampling
         )
+    return jax.device_get(out)
 
 
 def cut_at_stop(
@@ -292,11 +314,9 @@ def cut_at_stop(
 
 
 def make_sampler(model_config, tokenizer: Tokenizer, config: GenerationConfig) -> Sampler:
-    """The sampler of `config` for a model (`Sampler`, or `RefillSampler` with
-    `config.slots`): its EOS ids (the tokenizer's if the model names none) end a row, the
-    tokenizer's pad id fills the rest."""
+    """The sampler of `config` for a model, with `config.slots` decode slots: its EOS ids
+    (the tokenizer's if the model names none) end a row, the tokenizer's pad id fills the
+    rest."""
     eos = model_config.eos_token_ids or (tokenizer.eos_id,)
     common = dict(max_new_tokens=config.max_new_tokens, eos_ids=eos, pad_id=tokenizer.pad_id)
-    if config.sampler == "refill":
-        return RefillSampler(model_config, slots=config.slots, **common)
-    return Sampler(model_config, **common)
+    return Sampler(model_config, slots=config.slots, **common)

@@ -124,6 +124,17 @@ class RolloutPlacement:
             params = self._local_replica(params)
         return jax.device_put(params, self._shardings)
 
+    def abstract_rollout(self, params):
+        """`params` (arrays or `jax.ShapeDtypeStruct`s) as `ShapeDtypeStruct`s with the
+        shardings `to_rollout` would give them: what a sampler is lowered on (`plan`)."""
+        if self.mesh is None:
+            shardings = jax.tree.map(lambda x: x.sharding, params)
+        else:
+            shardings = state_shardings(params, self.mesh, self._rules)
+        return jax.tree.map(
+            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), params, shardings
+        )
+
     def to_learner(self, params, like):
         """Published `params` back on the learner's shardings (those of `like`): what a
         checkpoint stores of the store's history. Many processes: every process calls it

@@ -66,10 +66,10 @@ class RolloutConfig:
         "stop" the run with an error naming it.
       actor_gpus: Ray backend: GPUs each actor asks Ray for (0: the actors' JAX runs on
         whatever Ray leaves them, the CPU on a GPU node).
-      inflight_updates: async mode with the refill sampler: a worker swaps to a newly
-        published version between decode chunks instead of finishing its call on the old
-        one (PipelineRL); every token records its version, and the staleness bound applies
-        to a group's oldest token.
+      inflight_updates: async mode: a worker swaps to a newly published version between
+        decode chunks instead of finishing its call on the old one (PipelineRL); every
+        token records its version, and the staleness bound applies to a group's oldest
+        token.
       inflight_chunk_steps: decode steps between two looks at the newest version.
     """
 

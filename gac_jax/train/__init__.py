@@ -28,9 +28,11 @@ from gac_jax.train.config_io import (
     to_yaml,
 )
 from gac_jax.train.evaluation import evaluate_policy, pass_at_k
-from gac_jax.train.loop import build_run, evaluate_checkpoint, train
+from gac_jax.train.loop import train
+from gac_jax.train.run import Run, build_run, evaluate_checkpoint, load_checkpoint
 from gac_jax.train.warm_start import (
     SHIPPED_WARM_START_DIR,
+    SFTConfig,
     WarmStartConfig,
     ensure_warm_start,
     evaluate_warm_start,
@@ -41,6 +43,7 @@ from gac_jax.train.warm_start import (
 
 __all__ = [
     "SHIPPED_WARM_START_DIR",
+    "SFTConfig",
     "TrainConfig",
     "apply_overrides",
     "config_hash",
@@ -50,6 +53,8 @@ __all__ = [
     "config_from_dict",
     "config_to_dict",
     "evaluate_checkpoint",
+    "load_checkpoint",
+    "Run",
     "evaluate_policy",
     "get_preset",
     "load_config",

@@ -35,6 +35,11 @@ def _loop():
     return importlib.import_module("gac_jax.train.loop")
 
 
+def _run_module():
+    # As `_loop`: imported when a checkpoint is evaluated.
+    return importlib.import_module("gac_jax.train.run")
+
+
 def _resolve(parser: argparse.ArgumentParser, config: str, overrides: Sequence[str]):
     try:
         return apply_overrides(load_config(config), overrides)
@@ -167,7 +172,7 @@ def _cmd_eval(args, parser) -> int:
     if _missing_task_data(config, "eval"):
         return 1
     try:
-        metrics = _loop().evaluate_checkpoint(config, checkpoint, step=args.step)
+        metrics = _run_module().evaluate_checkpoint(config, checkpoint, step=args.step)
     except (ValueError, FileNotFoundError) as error:
         parser.error(str(error))
     print(json.dumps({k: _json_value(v) for k, v in dict(metrics).items()}, indent=2))

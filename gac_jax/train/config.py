@@ -316,11 +316,6 @@ def _validate_across_sections(config: TrainConfig) -> None:
             "rollout.version_choice='oldest_allowed' needs buffer.stale_policy='block', got "
             f"{buffer.stale_policy!r}."
         )
-    if rollout.inflight_updates and config.generation.sampler != "refill":
-        raise ValueError(
-            "rollout.inflight_updates=true swaps versions between the refill sampler's decode "
-            f"chunks; set generation.sampler='refill' (got {config.generation.sampler!r})."
-        )
     capacity = config.buffer.capacity
     if capacity is not None and capacity < config.rollout.groups_per_batch:
         raise ValueError(

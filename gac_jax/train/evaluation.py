@@ -9,9 +9,9 @@ import jax
 import numpy as np
 from flax import nnx
 
-from gac_jax.models import Sampler, left_pad
+from gac_jax.models import Sampler
 from gac_jax.models.tokenizers import Tokenizer
-from gac_jax.rollout.generation import cut_at_stop
+from gac_jax.rollout import generation
 from gac_jax.tasks import Task
 
 
@@ -44,7 +44,8 @@ def evaluate_policy(
 
     Args:
       graphdef, params: the policy.
-      sampler: its sampler (any `max_new_tokens`).
+      sampler: its sampler (any `max_new_tokens`); the prompts go through
+        `gac_jax.rollout.generation.generate`, as the training rollouts do.
       task, examples, tokenizer: the task and its held-out split.
       prompt_length: prompts are left-padded to it.
       num_problems: how many problems (the first of the split).
@@ -71,13 +72,19 @@ def evaluate_policy(
         out_rewards = np.zeros(len(rows), np.float32)
         for start in range(0, len(rows), batch_rows):
             chunk = slice(start, start + batch_rows)
-            tokens, mask = left_pad(rows[chunk], tokenizer.pad_id, prompt_length)
             call_key, sub = jax.random.split(call_key)
-            out = jax.device_get(
-                sampler(graphdef, params, tokens, mask, sub, temperature=temperature)
+            out = generation.generate(
+                sampler,
+                graphdef,
+                params,
+                rows[chunk],
+                sub,
+                pad_id=tokenizer.pad_id,
+                prompt_length=prompt_length,
+                sampling={"temperature": temperature},
             )
             for j, (row, row_mask) in enumerate(zip(out.tokens, out.completion_mask, strict=True)):
-                text, _ = cut_at_stop(tokenizer, row, row_mask, stop)
+                text, _ = generation.cut_at_stop(tokenizer, row, row_mask, stop)
                 out_rewards[start + j] = task.reward(text, problems[owners[start + j]])
         return out_rewards.reshape(num_problems, rows_per_problem)
 

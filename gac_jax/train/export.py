@@ -10,7 +10,7 @@ from flax import nnx
 
 from gac_jax import models
 from gac_jax.train.config import TrainConfig
-from gac_jax.train.loop import load_checkpoint
+from gac_jax.train.run import load_checkpoint
 
 # Files of a Hugging Face model directory that describe its tokenizer, copied on export.
 TOKENIZER_FILES = (

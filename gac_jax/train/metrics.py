@@ -91,17 +91,33 @@ def keep_before(path: Path, start_step: int) -> None:
     os.replace(tmp, path)
 
 
-def markdown_table(columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
-    """A markdown table (what TensorBoard's text tab renders), cells escaped so that a
-    completion's ``|``, ``*`` or newlines do not break or restyle it."""
+def markdown_table(
+    columns: Sequence[str], rows: Sequence[Sequence[Any]], *, escape: bool = True
+) -> str:
+    """A Markdown table: the headers `columns`, then one line per row of cells.
+
+    Args:
+      columns: the header of each column.
+      rows: the cells, row by row; a cell that is not a string is written as the progress
+        line writes a metric.
+      escape: escape Markdown's special characters and write newlines as ``<br>``, so that
+        free text (a sampled completion's ``|``, ``*`` or newlines) neither breaks nor
+        restyles the table (TensorBoard's text tab renders it). False for cells that are
+        Markdown already (the laboratory's tables).
+
+    Returns:
+      The table's lines joined by newlines, without a final newline.
+    """
 
     def cell(value: Any) -> str:
-        text = _format_value(to_json_scalar(value)) if not isinstance(value, str) else value
-        for char in "\\`*_[]<>#|":
-            text = text.replace(char, "\\" + char)
-        return text.replace("\r", "").replace("\n", "<br>") or " "
+        text = value if isinstance(value, str) else _format_value(to_json_scalar(value))
+        if escape:
+            for char in "\\`*_[]<>#|":
+                text = text.replace(char, "\\" + char)
+            text = text.replace("\r", "").replace("\n", "<br>") or " "
+        return text
 
-    lines = ["| " + " | ".join(map(cell, columns)) + " |", "|" + " --- |" * len(columns)]
+    lines = ["| " + " | ".join(map(cell, columns)) + " |", "|" + "---|" * len(columns)]
     lines += ["| " + " | ".join(map(cell, row)) + " |" for row in rows]
     return "\n".join(lines)
 

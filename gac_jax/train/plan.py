@@ -1,10 +1,12 @@
 """`gac-jax plan`: will a run fit? Compile its learner step and sampler ahead of time.
 
-Both programs are lowered on the run's mesh from abstract arrays (`nnx.eval_shape`: no
-weight is created or loaded, so a 1.7B-parameter layout is checked on a laptop, on fake
-CPU devices) and compiled; XLA's memory and cost analyses then give, per device, the
-bytes of the arguments (params, optimizer state, batch), the outputs, the temporaries and
-what donation aliases, and the FLOPs. Peak = arguments + outputs - aliased + temporaries.
+The run is the one `train` would build (`build_run(config, abstract=True)`: LoRA, split
+devices and all), with abstract arrays (`nnx.eval_shape`: no weight is created or loaded,
+so a 1.7B-parameter layout is checked on a laptop, on fake CPU devices); the learner step
+is lowered on the learner's mesh and the sampler on the sampler's devices, and compiled;
+XLA's memory and cost analyses then give, per device, the bytes of the arguments (params,
+optimizer state, batch), the outputs, the temporaries and what donation aliases, and the
+FLOPs. Peak = arguments + outputs - aliased + temporaries.
 
 XLA's cost analysis counts a loop's body once: the learner's FLOPs are that count times
 the micro-batches (the step's loop), per device; the sampler's are its prefill and one
@@ -18,42 +20,17 @@ measurement of the accelerator).
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
-from gac_jax import models
-from gac_jax.learner import GRPOLearner, TrainBatch, make_optimizer
-from gac_jax.models.hf_checkpoint import hf_model_config
-from gac_jax.rollout import make_sampler
+from gac_jax.learner import GRPOLearner, TrainBatch
 from gac_jax.train.config import TrainConfig
+from gac_jax.train.run import Run, build_run
 
 GIB = 2**30
-
-
-def _from_checkpoint(config: TrainConfig) -> bool:
-    """Whether the run's model is read from its `init` directory; a preset's checkpoint
-    not downloaded yet is planned from the `model` preset (the same architecture)."""
-    return config.init not in ("random", "warm_start") and os.path.isdir(config.init)
-
-
-def model_config(config: TrainConfig) -> models.ModelConfig:
-    """The run's architecture and dtypes, read without loading a weight (a checkpoint's
-    as `load_hf_checkpoint` reads them: computing in its stored dtype by default)."""
-    overrides = config.compute.overrides()
-    if not _from_checkpoint(config):
-        return models.get_config(config.model, **overrides)
-    return hf_model_config(config.init, **overrides)
-
-
-def _tokenizer(config: TrainConfig):
-    if not _from_checkpoint(config):
-        return models.CharTokenizer()
-    return models.HFTokenizer.from_directory(config.init)
 
 
 def _memory(compiled) -> dict[str, Any]:
@@ -121,11 +98,9 @@ def plan_learner(config: TrainConfig, learner: GRPOLearner) -> dict[str, Any]:
     }
 
 
-def plan_sampler(
-    config: TrainConfig, cfg: models.ModelConfig, learner: GRPOLearner
-) -> dict[str, Any]:
+def plan_sampler(config: TrainConfig, run: Run) -> dict[str, Any]:
     """One rollout call: `groups_per_call` groups of `group_size` rows (async mode), or a
-    step's groups (sync and lagged), on the learner's params."""
+    step's groups (sync and lagged), on the sampler's devices."""
     g = config.generation
     groups = (
         config.rollout.groups_per_call
@@ -133,46 +108,37 @@ def plan_sampler(
         else config.rollout.groups_per_batch
     )
     rows = groups * g.group_size
-    sampler = make_sampler(cfg, _tokenizer(config), g)
-    replicated = learner.replicated
+    params = run.placement.abstract_rollout(run.policy.like())
+    inputs = run.placement.input_sharding(rows) or run.learner.replicated
 
     def spec(shape, dtype):
-        return jax.ShapeDtypeStruct(shape, dtype, sharding=replicated)
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=inputs)
 
-    per_row = (
-        spec((rows,), jnp.float32),
-        spec((rows,), jnp.int32),
-        spec((rows,), jnp.float32),
-        spec((rows,), jnp.int32),
-    )
     key = jax.eval_shape(lambda: jax.random.key(0))
-    lowered = sampler._jitted.lower(
-        learner.graphdef,
-        learner.params,
+    lowered = run.sampler.lower(
+        run.policy.graphdef,
+        params,
         spec((rows, g.prompt_length), jnp.int32),
         spec((rows, g.prompt_length), bool),
         key,
-        per_row,
     )
-    return {"rows": rows, "sampler": g.sampler, **_memory(lowered.compile())}
+    return {"rows": rows, "slots": g.slots, **_memory(lowered.compile())}
 
 
 def plan(config: TrainConfig, device_memory_gib: float = 80.0) -> dict[str, Any]:
     """Compiles the run's learner step and sampler from abstract arrays; returns their
     per-device memory and FLOPs and whether both fit in `device_memory_gib`."""
-    config.validate()
-    mesh = config.mesh.make()
-    cfg = model_config(config)
-    abstract = nnx.eval_shape(lambda: models.create_model(cfg, seed=0))
-    tx = make_optimizer(config.optimizer, config.gac, config.ess, steps=config.optimizer_steps)
-    learner = GRPOLearner(abstract, tx, mesh, loss=config.loss, config=config.learner)
+    run = build_run(config, abstract=True)
+    learner = run.learner
+    mesh = learner.mesh
     report = {
         "devices": int(mesh.devices.size),
+        "rollout_devices": len(run.placement.devices) if not run.placement.shared else 0,
         "mesh": dict(mesh.shape),
         "platform": mesh.devices.flat[0].platform,
         "parameters": int(sum(int(np.prod(x.shape)) for x in jax.tree.leaves(learner.params))),
         "learner": plan_learner(config, learner),
-        "sampler": plan_sampler(config, cfg, learner),
+        "sampler": plan_sampler(config, run),
         "device_memory_gib": device_memory_gib,
     }
     peaks = {name: report[name]["peak_gib"] for name in ("learner", "sampler")}

@@ -35,7 +35,7 @@ def _available(records) -> list[str]:
     return sorted({k for r in records for k in r if k != "step"})
 
 
-#: Held-out evaluations (`gac_jax.train.loop.evaluate_run`, every ``eval_every`` steps)
+#: Held-out evaluations (`gac_jax.train.run.Run.evaluate`, every ``eval_every`` steps)
 #: drawn as markers on the training curve they are comparable with: the sampled reward
 #: and greedy accuracy on test problems against the batch reward, pass@1 against the batch
 #: accuracy.

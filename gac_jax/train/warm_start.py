@@ -1,55 +1,67 @@
-r"""A warm-started tiny policy: supervised training on reference solutions, then pass@k.
+r"""The supervised warm start of a tiny policy: training on reference solutions, pass@k.
 
 Reinforcement learning from a randomly initialised character model gets no reward to
 learn from. `warm_start` first fits the model to the task's reference completions
-(teacher forcing, loss on the completion tokens only), just long enough that it solves
-some problems, then measures it on the test split with the RL loop's own evaluation
-(`gac_jax.train.evaluation.evaluate_policy`), so RL runs compare against the same figures:
+(`train_sft`: teacher forcing, loss on the completion tokens only), just long enough that
+it solves some problems, then measures it on the test split with the RL loop's own
+evaluation (`gac_jax.train.evaluation.evaluate_policy`), so RL runs compare against the
+same figures:
 
 * pass@1: the unbiased estimator from n samples at temperature 1 (the mean reward);
 * pass@k: the unbiased estimator :math:`1 - \binom{n-c}{k} / \binom{n}{k}` (Chen et al.,
   2021, arXiv 2107.03374, eq. 1) with c correct out of n samples, averaged over problems;
 * greedy accuracy: one greedy completion per problem.
 
-Training is `gac_jax.train.supervised.train_sft` (the learner's step machinery, the RL
-loop's progress line and metric writer); this module keeps the warm start's config, its
-evaluation, and the checkpoint cache. The result is an orbax checkpoint
-(`gac_jax.train.checkpoint`) whose metadata holds the
-config, its hash, the model config, the tokenizer and the measured metrics. The default
-config's checkpoint ships with the package (`SHIPPED_WARM_START_DIR`), so a fresh
-machine starts RL from it without training::
+`train_sft` runs on the learner's step machinery (`gac_jax.learner.SupervisedLearner`, the
+GRPO learner's sharded, jitted, donated step) and reports through the RL loop's progress
+line and metric writer; it reads only its `SFTConfig`, which `WarmStartConfig` extends
+with the evaluation's settings. The result is an orbax checkpoint
+(`gac_jax.train.checkpoint`) whose metadata holds the config, its hash, the model config,
+the tokenizer and the measured metrics. The default config's checkpoint ships with the
+package (`SHIPPED_WARM_START_DIR`), so a fresh machine starts RL from it without
+training::
 
     model, tokenizer, metadata = load_warm_start()        # the shipped checkpoint
     metadata["metrics"]["pass@1"]
 
 A sequence is ``<bos> prompt completion <eos>``, the same prompt encoding the rollout
 workers use (`tokenizer.encode(prompt, add_bos=True)`).
+
+Over 450 lines because it is the warm start end to end (its configs, the supervised
+trainer, the evaluation, the checkpoint and its cache), one story read top to bottom, and
+its parts serve nothing else.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import jax
+import numpy as np
 import optax
 from flax import nnx
 
+from gac_jax.learner import SupervisedLearner
 from gac_jax.learner.supervised import masked_nll, sft_loss
 from gac_jax.models import (
     CharTokenizer,
     ModelConfig,
     RopeScaling,
-    Sampler,
     ShardingRules,
     create_model,
+    get_config,
+    make_mesh,
     state_shardings,
 )
-from gac_jax.tasks import get_task
+from gac_jax.rollout.generation import GenerationConfig, make_sampler
+from gac_jax.tasks import Task, get_task
 from gac_jax.train.checkpoint import (
     CheckpointManager,
     abstract_tree,
@@ -59,10 +71,11 @@ from gac_jax.train.checkpoint import (
 )
 from gac_jax.train.config_io import config_hash, config_to_dict
 from gac_jax.train.evaluation import evaluate_policy
-from gac_jax.train.supervised import encode_sft_batch, train_sft
+from gac_jax.train.metrics import MetricWriter, ProgressLine
 
 __all__ = [
     "SHIPPED_WARM_START_DIR",
+    "SFTConfig",
     "WarmStartConfig",
     "config_hash",
     "encode_sft_batch",
@@ -83,9 +96,20 @@ SHIPPED_WARM_START_DIR = (
 _METADATA_KIND = "gac_jax.warm_start"
 
 
+def _check_ints(config, positive: Sequence[str], non_negative: Sequence[str]) -> None:
+    """Raises ValueError unless the fields `positive` of `config` are ints >= 1 and the
+    fields `non_negative` ints >= 0."""
+    for names, low in ((positive, 1), (non_negative, 0)):
+        for name in names:
+            value = getattr(config, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                kind = "a positive int" if low else "an int >= 0"
+                raise ValueError(f"{type(config).__name__}.{name}={value!r} must be {kind}.")
+
+
 @dataclasses.dataclass(frozen=True)
-class WarmStartConfig:
-    """Supervised warm start and its evaluation. The defaults make the shipped checkpoint.
+class SFTConfig:
+    """Supervised training on a task's reference completions (`train_sft`).
 
     Attributes:
       task: a `gac_jax.tasks` name; its train split is the supervised data.
@@ -101,13 +125,7 @@ class WarmStartConfig:
         all.
       max_length: every training sequence is padded to this many tokens (one
         compilation); a longer one is an error.
-      seed: model initialisation, batch order and evaluation samples.
-      eval_problems: test problems evaluated (the first ones of the split); 0 for all.
-      eval_samples: n samples per problem at temperature 1 (pass@1 and pass@n).
-      eval_batch_size: rows per sampler call (a divisor of the sampled rows and at least
-        the problems keeps the sampler to one compilation).
-      prompt_length: evaluation prompts are left-padded to this many tokens.
-      max_new_tokens: longest sampled completion.
+      seed: model initialisation and batch order.
     """
 
     task: str = "countdown/n3_max20"
@@ -121,6 +139,34 @@ class WarmStartConfig:
     train_examples: int = 0
     max_length: int = 40
     seed: int = 0
+
+    def __post_init__(self):
+        non_negative = ("warmup_steps", "train_examples", "seed")
+        _check_ints(self, ("steps", "batch_size", "max_length"), non_negative)
+        if not self.learning_rate > 0:
+            raise ValueError(f"learning_rate={self.learning_rate!r} must be positive.")
+        if not self.weight_decay >= 0:
+            raise ValueError(f"weight_decay={self.weight_decay!r} must be >= 0.")
+        if not self.clip_norm > 0:
+            raise ValueError(f"clip_norm={self.clip_norm!r} must be positive.")
+
+
+@dataclasses.dataclass(frozen=True)
+class WarmStartConfig(SFTConfig):
+    """Supervised warm start (`SFTConfig`'s fields) and its evaluation. The defaults make
+    the shipped checkpoint, named by the hash of these fields: do not rename or reorder
+    them.
+
+    Attributes:
+      seed: as `SFTConfig`'s, and the evaluation samples.
+      eval_problems: test problems evaluated (the first ones of the split); 0 for all.
+      eval_samples: n samples per problem at temperature 1 (pass@1 and pass@n).
+      eval_batch_size: rows per sampler call (a divisor of the sampled rows and at least
+        the problems keeps the sampler to one compilation).
+      prompt_length: evaluation prompts are left-padded to this many tokens.
+      max_new_tokens: longest sampled completion.
+    """
+
     eval_problems: int = 0
     eval_samples: int = 8
     eval_batch_size: int = 500
@@ -128,29 +174,168 @@ class WarmStartConfig:
     max_new_tokens: int = 16
 
     def __post_init__(self):
-        positive = (
-            "steps",
-            "batch_size",
-            "max_length",
-            "eval_samples",
-            "eval_batch_size",
-            "prompt_length",
-            "max_new_tokens",
+        super().__post_init__()
+        positive = ("eval_samples", "eval_batch_size", "prompt_length", "max_new_tokens")
+        _check_ints(self, positive, ("eval_problems",))
+
+
+# ------------------------------------------------------------------- supervised training
+
+
+class _NoWriter:
+    def write(self, step, metrics) -> None:
+        del step, metrics
+
+
+def _writer(metrics_dir):
+    if metrics_dir is None:
+        return contextlib.nullcontext(_NoWriter())
+    return MetricWriter(metrics_dir)
+
+
+def encode_sft_batch(
+    tokenizer, prompts: Sequence[str], completions: Sequence[str], length: int
+) -> dict[str, np.ndarray]:
+    """Right-padded ``<bos> prompt completion <eos>`` rows and their masks.
+
+    Args:
+      tokenizer: a `gac_jax.models.Tokenizer` with a BOS id.
+      prompts: B prompt texts.
+      completions: B completion texts.
+      length: T, the padded length.
+
+    Returns:
+      ``{"tokens": int32 [B, T], "mask": bool [B, T] (real tokens),
+      "loss_mask": bool [B, T] (the completion and its EOS)}``.
+
+    Raises:
+      ValueError: if a row is longer than `length`.
+    """
+    if len(prompts) != len(completions):
+        raise ValueError(f"{len(prompts)} prompts but {len(completions)} completions.")
+    batch = len(prompts)
+    tokens = np.full((batch, length), tokenizer.pad_id, np.int32)
+    mask = np.zeros((batch, length), bool)
+    loss_mask = np.zeros((batch, length), bool)
+    for row, (prompt, completion) in enumerate(zip(prompts, completions, strict=True)):
+        prompt_ids = tokenizer.encode(prompt, add_bos=True)
+        completion_ids = tokenizer.encode(completion, add_eos=True)
+        n = len(prompt_ids) + len(completion_ids)
+        if n > length:
+            raise ValueError(
+                f"Row {row} has {n} tokens, more than length={length}: "
+                f"{prompt!r} + {completion!r}. Raise the config's max_length."
+            )
+        tokens[row, :n] = prompt_ids + completion_ids
+        mask[row, :n] = True
+        loss_mask[row, len(prompt_ids) : n] = True
+    return {"tokens": tokens, "mask": mask, "loss_mask": loss_mask}
+
+
+def _task_texts(task: Task, examples, count: int = 0):
+    count = len(examples) if count == 0 else min(count, len(examples))
+    rows = [examples[i] for i in range(count)]
+    return rows, [task.prompt(ex) for ex in rows], [task.reference_completion(ex) for ex in rows]
+
+
+@functools.lru_cache(maxsize=8)
+def _optimizer(config: SFTConfig) -> optax.GradientTransformation:
+    schedule = optax.warmup_cosine_decay_schedule(
+        init_value=0.0,
+        peak_value=config.learning_rate,
+        warmup_steps=min(config.warmup_steps, config.steps - 1),
+        decay_steps=config.steps,
+        end_value=0.1 * config.learning_rate,
+    )
+    return optax.chain(
+        optax.clip_by_global_norm(config.clip_norm),
+        optax.adamw(schedule, weight_decay=config.weight_decay),
+    )
+
+
+def _model_config(config: SFTConfig, tokenizer: CharTokenizer) -> ModelConfig:
+    model_config = get_config(config.model, dtype="float32")
+    if model_config.vocab_size < tokenizer.vocab_size:
+        raise ValueError(
+            f"Model preset {config.model!r} has vocab_size={model_config.vocab_size}, fewer "
+            f"than the character tokenizer's {tokenizer.vocab_size} ids."
         )
-        for name in positive:
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"WarmStartConfig.{name}={value!r} must be a positive int.")
-        for name in ("warmup_steps", "train_examples", "eval_problems", "seed"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"WarmStartConfig.{name}={value!r} must be an int >= 0.")
-        if not self.learning_rate > 0:
-            raise ValueError(f"learning_rate={self.learning_rate!r} must be positive.")
-        if not self.weight_decay >= 0:
-            raise ValueError(f"weight_decay={self.weight_decay!r} must be >= 0.")
-        if not self.clip_norm > 0:
-            raise ValueError(f"clip_norm={self.clip_norm!r} must be positive.")
+    return model_config.replace(
+        bos_token_id=tokenizer.bos_id,
+        eos_token_ids=(tokenizer.eos_id,),
+        pad_token_id=tokenizer.pad_id,
+    )
+
+
+def train_sft(
+    config: SFTConfig,
+    *,
+    data_dir: str | os.PathLike | None = None,
+    progress: bool = False,
+    metrics_dir: str | os.PathLike | None = None,
+):
+    """Supervised training on the task's reference completions (no evaluation, no save).
+
+    Deterministic for a config on a given machine: the initialisation and the batch
+    order derive from `config.seed`.
+
+    Args:
+      config: what to train.
+      data_dir: tfds data directory of the task (tfds's default if None).
+      progress: show the run's progress line (the RL loop's) with the training loss.
+      metrics_dir: if given, every step's loss and gradient norm are written there with
+        the RL loop's `MetricWriter` (JSON lines and TensorBoard).
+
+    Returns:
+      `(model, tokenizer, metrics)`: the trained `Decoder`, its `CharTokenizer`, and
+      training statistics (losses, parameter count, timings).
+    """
+    started = time.perf_counter()
+    task = get_task(config.task)
+    tokenizer = CharTokenizer()
+    model_config = _model_config(config, tokenizer)
+
+    train = task.data_source("train", data_dir=data_dir)
+    _, prompts, completions = _task_texts(task, train, config.train_examples)
+    data = encode_sft_batch(tokenizer, prompts, completions, config.max_length)
+    num_train = len(prompts)
+    rng = np.random.default_rng(config.seed)
+
+    model = create_model(model_config, seed=config.seed)
+    num_params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    learner = SupervisedLearner(model, _optimizer(config), make_mesh(1, 1, 1))
+    data_seconds = time.perf_counter() - started
+
+    losses = []
+    order = np.empty(0, np.int64)
+    train_started = time.perf_counter()
+    line = ProgressLine(config.steps, quiet=not progress, fields=(("loss", ("loss",)),))
+    with line, _writer(metrics_dir) as writer:
+        for step in range(config.steps):
+            # Epochs of fresh permutations, so every example is seen once per epoch.
+            if len(order) < config.batch_size:
+                order = np.concatenate([order, rng.permutation(num_train)])
+            rows, order = order[: config.batch_size], order[config.batch_size :]
+            metrics = learner.step({name: array[rows] for name, array in data.items()})
+            losses.append(metrics["loss"])
+            writer.write(step, metrics)
+            line.update(step + 1, metrics)
+    losses = np.asarray(losses, np.float64)
+    train_seconds = time.perf_counter() - train_started
+    model = learner.model()
+
+    tokens_trained = float(data["mask"].sum(axis=1).mean()) * config.batch_size * config.steps
+    metrics = {
+        "first_train_loss": float(losses[0]),
+        "final_train_loss": float(losses[-min(50, len(losses)) :].mean()),
+        "num_params": int(num_params),
+        "train_examples": num_train,
+        "epochs": config.steps * config.batch_size / num_train,
+        "data_seconds": data_seconds,
+        "train_seconds": train_seconds,
+        "train_tokens_per_second": tokens_trained / train_seconds,
+    }
+    return model, tokenizer, metrics
 
 
 # ------------------------------------------------------------------------ evaluation
@@ -171,12 +356,11 @@ def evaluate_warm_start(
     examples = task.data_source("test", data_dir=data_dir)
     num_problems = len(examples) if config.eval_problems == 0 else config.eval_problems
     num_problems = min(num_problems, len(examples))
-    sampler = Sampler(
-        model.config,
-        max_new_tokens=config.max_new_tokens,
-        eos_ids=tokenizer.eos_id,
-        pad_id=tokenizer.pad_id,
+    # The sampler a run builds (`make_sampler`), so the figures compare with a run's.
+    generation = GenerationConfig(
+        prompt_length=config.prompt_length, max_new_tokens=config.max_new_tokens
     )
+    sampler = make_sampler(model.config, tokenizer, generation)
     graphdef, state = nnx.split(model)
     metrics = evaluate_policy(
         graphdef,
@@ -245,7 +429,7 @@ def warm_start(
         "kind": _METADATA_KIND,
         "config": config_to_dict(config),
         "config_hash": config_hash(config),
-        "model_config": _model_config_to_dict(model.config),
+        "model_config": dataclasses.asdict(model.config),
         "tokenizer": {"kind": "char", "characters": tokenizer.characters},
         "prompt_format": {"add_bos": True, "sequence": "<bos> prompt completion <eos>"},
         "metrics": metrics,
@@ -261,10 +445,6 @@ def warm_start(
 
 
 # --------------------------------------------------------------------------- loading
-
-
-def _model_config_to_dict(config: ModelConfig) -> dict[str, Any]:
-    return dataclasses.asdict(config)
 
 
 def _model_config_from_dict(fields: Mapping[str, Any]) -> ModelConfig:

@@ -24,7 +24,7 @@ from gac_jax.learner import (
     make_optimizer,
 )
 from gac_jax.rollout import Rollout, collate
-from gac_jax.train.supervised import encode_sft_batch
+from gac_jax.train.warm_start import encode_sft_batch
 from gac_jax.transforms import ESSConfig, GACConfig
 
 CONFIG = models.get_config("tiny")

@@ -1,4 +1,4 @@
-"""RefillSampler.sample_inflight: chunked decode that swaps to newly published params.
+"""Sampler.sample_inflight: chunked decode that swaps to newly published params.
 
 The references here are independent of the sampler: a Python simulation of the slot
 schedule (which global decode step samples each token, hence its chunk and version), and
@@ -16,7 +16,7 @@ from flax import nnx
 
 from gac_jax.models import (
     InflightSampleOutput,
-    RefillSampler,
+    Sampler,
     create_model,
     get_config,
     init_cache,
@@ -59,7 +59,7 @@ def versions(model):
 @pytest.fixture(scope="module")
 def sampler(model):
     # One sampler and one set of shapes for the module: each program compiles once.
-    return RefillSampler(model.config, max_new_tokens=N_NEW, eos_ids=EOS, pad_id=PAD, slots=SLOTS)
+    return Sampler(model.config, max_new_tokens=N_NEW, eos_ids=EOS, pad_id=PAD, slots=SLOTS)
 
 
 def _prompts(rows, seed):

@@ -1,4 +1,9 @@
-"""Sampler: padding invariance, recompilation, recorded log-probabilities, filters, EOS."""
+"""Sampler: greedy decoding equals teacher forcing, padding invariance, recompilation,
+recorded log-probabilities, filters, EOS, slot refill (heavy-tailed lengths, per-row keys,
+few rows) and the sampled distribution.
+
+References are independent of the sampler: full teacher-forced forwards without a KV
+cache, and NumPy float64 distributions. The in-flight driver is in test_inflight.py."""
 
 import jax
 import jax.numpy as jnp
@@ -19,8 +24,10 @@ from gac_jax.models import (
 )
 
 N_NEW = 8
+N_LONG = 12  # The slot-refill tests' length: long enough for slots to be reused.
 EOS = 2
 PAD = 0
+PROMPT_LEN = 8
 
 
 @pytest.fixture(scope="module")
@@ -58,6 +65,66 @@ def _rescore(model, batch, out):
     tokens = jnp.concatenate([jnp.asarray(batch[0]), out.tokens], axis=1)
     mask = jnp.concatenate([jnp.asarray(batch[1]), out.completion_mask], axis=1)
     return np.asarray(_score(*nnx.split(model), tokens, mask))[:, batch[0].shape[1] :]
+
+
+@jax.jit
+def _logits(graphdef, state, tokens, mask):
+    return nnx.merge(graphdef, state)(tokens, None, mask)[0]
+
+
+def _greedy_reference(model, batch, n, limits=None, eos=(EOS,)):
+    """Each row's greedy completion of at most `n` tokens (its limit, or through its first
+    EOS id), by full teacher-forced forwards without a KV cache: `(tokens, mask)`."""
+    tokens, mask = (np.asarray(x) for x in batch)
+    rows, prompt_len = tokens.shape
+    limits = np.full(rows, n) if limits is None else np.asarray(limits)
+    tokens = np.concatenate([tokens, np.full((rows, n), PAD, np.int32)], axis=1)
+    mask = np.concatenate([mask, np.zeros((rows, n), bool)], axis=1)
+    active = np.ones(rows, bool)
+    graphdef, state = nnx.split(model)
+    for j in range(n):
+        column = prompt_len + j
+        logits = np.asarray(_logits(graphdef, state, tokens, mask))[:, column - 1]
+        chosen = logits.argmax(axis=-1)
+        tokens[active, column], mask[active, column] = chosen[active], True
+        active &= ~np.isin(chosen, eos) & (j + 1 < limits)
+    return tokens[:, prompt_len:], mask[:, prompt_len:]
+
+
+def _assert_greedy(model, batch, out, limits=None, eos=(EOS,)):
+    """`out` holds the greedy completions, with the model's log-probabilities."""
+    tokens, mask = _greedy_reference(model, batch, out.tokens.shape[1], limits, eos)
+    np.testing.assert_array_equal(out.tokens, tokens)
+    np.testing.assert_array_equal(out.completion_mask, mask)
+    np.testing.assert_array_equal(out.lengths, mask.sum(axis=1))
+    rescored = np.where(mask, _rescore(model, batch, out), 0.0)
+    np.testing.assert_allclose(out.policy_logps, rescored, atol=1e-5, rtol=0)
+    np.testing.assert_array_equal(out.logps, 0.0)  # Greedy rows sample from no distribution.
+
+
+def _assert_same(a, b):
+    for name in ("tokens", "completion_mask", "lengths"):
+        np.testing.assert_array_equal(getattr(a, name), getattr(b, name), err_msg=name)
+    np.testing.assert_allclose(a.logps, b.logps, atol=1e-5, rtol=0)
+    np.testing.assert_allclose(a.policy_logps, b.policy_logps, atol=1e-5, rtol=0)
+
+
+def _refill(model, slots, eos=EOS):
+    return Sampler(model.config, max_new_tokens=N_LONG, eos_ids=eos, pad_id=PAD, slots=slots)
+
+
+def _prompts(rows, seed=0):
+    """`rows` distinct prompts of 1..PROMPT_LEN tokens, left-padded to PROMPT_LEN."""
+    rng = np.random.RandomState(seed)
+    prompts = [
+        rng.randint(3, 128, size=rng.randint(1, PROMPT_LEN + 1)).tolist() for _ in range(rows)
+    ]
+    return left_pad(prompts, PAD, PROMPT_LEN)
+
+
+def _heavy_tailed_limits(rows, seed=0):
+    rng = np.random.RandomState(seed)
+    return np.clip(np.rint(rng.lognormal(np.log(3.0), 1.0, size=rows)), 1, N_LONG).astype(np.int32)
 
 
 def test_left_padding_gives_the_unpadded_continuation(model, sampler, prompts, batch):
@@ -127,14 +194,18 @@ def test_same_key_same_tokens(model, sampler, batch):
     assert not np.array_equal(a.tokens, c.tokens)
 
 
-def test_eos_stops_and_masks(model, sampler, batch):
+@pytest.mark.parametrize("slots", [None, 2])  # 2: the slot freed by an EOS is refilled.
+def test_eos_stops_and_masks(model, sampler, batch, slots):
     free = sampler.generate(model, *batch, jax.random.key(7), temperature=0.0)
     # Make row 0's third greedy token the end-of-sequence id of a second sampler.
     tokens0 = np.asarray(free.tokens[0]).tolist()
     eos = tokens0[2]
     first = tokens0.index(eos)
-    stopping = Sampler(model.config, max_new_tokens=N_NEW, eos_ids=(eos, 127), pad_id=PAD)
+    stopping = Sampler(
+        model.config, max_new_tokens=N_NEW, eos_ids=(eos, 127), pad_id=PAD, slots=slots
+    )
     out = stopping.generate(model, *batch, jax.random.key(7), temperature=0.0)
+    _assert_greedy(model, batch, out, eos=(eos, 127))
     assert int(out.lengths[0]) == first + 1  # The EOS token is part of the completion.
     np.testing.assert_array_equal(out.tokens[0, : first + 1], tokens0[: first + 1])
     assert (np.asarray(out.tokens[0, first + 1 :]) == PAD).all()
@@ -260,5 +331,111 @@ def test_bad_arguments_raise(model, sampler, batch):
         Sampler(model.config, max_new_tokens=4, eos_ids=500, pad_id=0)
     with pytest.raises(ValueError, match="max_new_tokens=0"):
         Sampler(model.config, max_new_tokens=0, eos_ids=2, pad_id=0)
+    for slots in (0, 2.0, True):
+        with pytest.raises(ValueError, match=f"slots={slots!r}"):
+            _refill(model, slots)
     with pytest.raises(ValueError, match="empty"):
         left_pad([[1, 2], []], 0)
+
+
+@pytest.mark.parametrize("slots", [3, 8, None])  # 8: the tail is compacted to 4 slots.
+def test_greedy_equals_teacher_forcing(model, slots):
+    batch = _prompts(11)
+    out = _refill(model, slots).generate(model, *batch, jax.random.key(0), temperature=0.0)
+    _assert_greedy(model, batch, out)
+    assert np.asarray(out.completion_mask).sum() > 30  # Long enough to reuse slots.
+
+
+def test_heavy_tailed_rows_answered_once_in_order(model):
+    """More rows than slots, with varied limits: every row is its own prompt's greedy
+    answer, at its own limit unless it ends with EOS first."""
+    rows = 23
+    batch, limits = _prompts(rows, seed=1), _heavy_tailed_limits(rows)
+    assert limits.max() == N_LONG and limits.min() == 1
+    key = jax.random.key(1)
+    got = _refill(model, 8).generate(model, *batch, key, temperature=0.0, max_new_tokens=limits)
+    _assert_greedy(model, batch, got, limits)
+    lengths, tokens = np.asarray(got.lengths), np.asarray(got.tokens)
+    ended_by_eos = tokens[np.arange(rows), lengths - 1] == EOS
+    np.testing.assert_array_equal(lengths[~ended_by_eos], limits[~ended_by_eos])
+    # Each row's tokens are those of its prompt alone (so not another row's answer).
+    alone = _refill(model, None).generate(model, batch[0][5:6], batch[1][5:6], key, temperature=0)
+    np.testing.assert_array_equal(got.tokens[5, : lengths[5]], alone.tokens[0, : lengths[5]])
+
+
+def test_samples_do_not_depend_on_the_slots(model):
+    """Keys are per (row, step): any number of slots gives the same samples, and their
+    log-probs are the model's (the refilled slots' caches hold the right keys)."""
+    batch, limits = _prompts(13, seed=2), _heavy_tailed_limits(13, seed=2)
+    sampling = dict(temperature=np.linspace(0.5, 1.5, 13), top_k=5, top_p=0.95)
+    outs = [
+        _refill(model, slots).generate(
+            model, *batch, jax.random.key(3), max_new_tokens=limits, **sampling
+        )
+        for slots in (2, 5, None)
+    ]
+    for other in outs[1:]:
+        _assert_same(other, outs[0])
+    mask = np.asarray(outs[0].completion_mask)
+    rescored = _rescore(model, batch, outs[0])
+    np.testing.assert_allclose(np.where(mask, rescored, 0.0), outs[0].policy_logps, atol=1e-5)
+    different_key = _refill(model, 5).generate(
+        model, *batch, jax.random.key(4), max_new_tokens=limits, **sampling
+    )
+    assert not np.array_equal(different_key.tokens, outs[0].tokens)
+
+
+def _softmax64(logits):
+    z = np.asarray(logits, np.float64)
+    p = np.exp(z - z.max(axis=-1, keepdims=True))
+    return p / p.sum(axis=-1, keepdims=True)
+
+
+@pytest.mark.parametrize("slots", [16, None])  # 16: 4000 rows through reused slots.
+def test_sampled_tokens_follow_the_model(slots):
+    """Many rows of one prompt, two tokens each, from a model with 16 tokens: the first
+    token, and the second after the model's likeliest first one, have the model's
+    softmax distribution (total variation within three times its expected size)."""
+    model = create_model(get_config("tiny_llama", vocab_size=16), seed=0)
+    nnx.update(model, jax.tree.map(lambda x: x * 4.0 if x.ndim > 1 else x, nnx.state(model)))
+    rows, prompt, eos = 4000, [5, 7, 3], 15
+    batch = left_pad([prompt] * rows, PAD, 4)
+    probs_v = _softmax64(model(jnp.asarray([prompt]))[0][0, -1])
+    top = int(np.argmax(probs_v))
+    second_logits = model(jnp.asarray([prompt + [top]]))[0][0, -1]
+    probs_tv = np.stack([probs_v, _softmax64(second_logits)])
+    sampler = Sampler(model.config, max_new_tokens=2, eos_ids=eos, pad_id=PAD, slots=slots)
+    out = sampler.generate(model, *batch, jax.random.key(5), temperature=1.0)
+    tokens, lengths = np.asarray(out.tokens), np.asarray(out.lengths)
+    assert ((lengths == 2) | (tokens[:, 0] == eos)).all()
+    firsts = np.bincount(tokens[:, 0], minlength=16)
+    seconds = np.bincount(tokens[tokens[:, 0] == top, 1], minlength=16)
+    for counts, p in ((firsts, probs_tv[0]), (seconds, probs_tv[1])):
+        n = counts.sum()
+        assert n > 500
+        tv = 0.5 * np.abs(counts / n - p).sum()
+        # E[TV] <= 0.5 * sum sqrt(p (1 - p) / n).
+        assert tv < 1.5 * np.sqrt(p * (1 - p) / n).sum(), (tv, n)
+
+
+def test_fewer_rows_than_slots(model):
+    batch = _prompts(3, seed=5)
+    limits = np.array([N_LONG, 1, 5], np.int32)
+    sampler = _refill(model, 16)
+    got = sampler.generate(model, *batch, jax.random.key(7), temperature=0.0, max_new_tokens=limits)
+    _assert_greedy(model, batch, got, limits)
+    assert got.tokens.shape == (3, N_LONG)
+    # Sampling parameters and limits are arrays: new values reuse the program.
+    traces = sampler.num_traces
+    sampler.generate(model, *batch, jax.random.key(8), temperature=0.7, top_p=0.9, max_new_tokens=2)
+    assert sampler.num_traces == traces
+
+
+def test_lower_compiles_from_abstract_arguments(model, sampler, batch):
+    """`lower` takes `jax.ShapeDtypeStruct`s: the program compiles with no weight."""
+    graphdef, state = nnx.split(model)
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
+    tokens, mask = (jax.ShapeDtypeStruct(x.shape, x.dtype) for x in batch)
+    key = jax.eval_shape(lambda: jax.random.key(0))
+    compiled = sampler.lower(graphdef, abstract, tokens, mask, key, temperature=0.5).compile()
+    assert compiled.memory_analysis().argument_size_in_bytes > 0

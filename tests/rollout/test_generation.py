@@ -1,5 +1,5 @@
-"""GenerationConfig's sampler choice: validation, `make_sampler`, and the generator with
-either sampler; stop strings."""
+"""GenerationConfig: validation and `make_sampler`; the generator's rollouts whatever the
+slots; training and evaluation generating through one function; stop strings."""
 
 import types
 
@@ -9,18 +9,17 @@ import pytest
 from flax import nnx
 
 from gac_jax import models
-from gac_jax.rollout import GenerationConfig, TaskGroupGenerator, make_sampler
+from gac_jax.rollout import GenerationConfig, TaskGroupGenerator, generation, make_sampler
 from gac_jax.rollout.generation import cut_at_stop
 from gac_jax.rollout.worker import GroupRequest
+from gac_jax.train import evaluate_policy
 
 
 @pytest.mark.parametrize(
     ("fields", "message"),
     [
-        (dict(sampler="paged"), r"sampler='paged' must be one of \['fixed', 'refill'\]"),
-        (dict(sampler="refill", slots=0), "slots=0 must be an int >= 1 or None"),
-        (dict(sampler="refill", slots=True), "slots=True must be an int >= 1 or None"),
-        (dict(slots=4), "slots=4 is only used with sampler='refill'"),
+        (dict(slots=0), "slots=0 must be an int >= 1 or None"),
+        (dict(slots=True), "slots=True must be an int >= 1 or None"),
         (dict(stop=("</a>", "")), r"stop=\('</a>', ''\) must be a list of non-empty strings"),
         (dict(stop="</a>"), "stop='</a>' must be a list of non-empty strings"),
     ],
@@ -30,41 +29,70 @@ def test_bad_sampler_settings_raise(fields, message):
         GenerationConfig(**fields).validate()
 
 
-def test_make_sampler_builds_the_chosen_sampler():
+def test_make_sampler_builds_the_configured_sampler():
     cfg, tokenizer = models.get_config("tiny"), models.CharTokenizer()
-    fixed = make_sampler(cfg, tokenizer, GenerationConfig())
-    refill = make_sampler(cfg, tokenizer, GenerationConfig(sampler="refill", slots=3))
-    assert type(fixed) is models.Sampler
-    assert isinstance(refill, models.RefillSampler) and refill.slots == 3
-    assert (refill.max_new_tokens, refill.eos_ids, refill.pad_id) == (
-        fixed.max_new_tokens,
-        fixed.eos_ids,
-        fixed.pad_id,
+    sampler = make_sampler(cfg, tokenizer, GenerationConfig(max_new_tokens=5, slots=3))
+    assert type(sampler) is models.Sampler
+    assert (sampler.slots, sampler.max_new_tokens, sampler.pad_id) == (3, 5, tokenizer.pad_id)
+    assert sampler.eos_ids == (cfg.eos_token_ids or (tokenizer.eos_id,))
+    assert make_sampler(cfg, tokenizer, GenerationConfig()).slots is None
+
+
+EXAMPLES = ["1+2=", "13+4=", "7+70=", "2+2="]
+
+
+def _generator(model, task, **fields):
+    config = GenerationConfig(
+        group_size=2, prompt_length=8, max_new_tokens=6, temperature=0.0, greedy=True, **fields
     )
+    sampler = make_sampler(model.config, models.CharTokenizer(), config)
+    graphdef = nnx.graphdef(model)
+    return TaskGroupGenerator(graphdef, sampler, task, EXAMPLES, models.CharTokenizer(), config)
 
 
-def test_the_generator_gives_the_same_greedy_rollouts_with_either_sampler():
+def test_the_generator_gives_the_same_greedy_rollouts_whatever_the_slots():
     model = models.create_model(models.get_config("tiny"), seed=0)
-    graphdef, params = nnx.split(model)
-    tokenizer = models.CharTokenizer()
-    examples = ["1+2=", "13+4=", "7+70=", "2+2="]
+    params = nnx.state(model)
     task = types.SimpleNamespace(prompt=lambda e: e, reward=lambda c, e: float(len(c)))
     requests = [GroupRequest(prompt_id=i, group_id=10 + i) for i in range(4)]
-    rollouts = {}
-    for name, slots in (("fixed", None), ("refill", 3)):
-        config = GenerationConfig(
-            group_size=2, prompt_length=8, max_new_tokens=6, temperature=0.0, greedy=True,
-            sampler=name, slots=slots,
-        )  # fmt: skip
-        sampler = make_sampler(model.config, tokenizer, config)
-        generator = TaskGroupGenerator(graphdef, sampler, task, examples, tokenizer, config)
-        rollouts[name] = generator(params, 0, requests, jax.random.key(0))
-    for a, b in zip(rollouts["fixed"], rollouts["refill"], strict=True):
+    rollouts = [
+        _generator(model, task, slots=slots)(params, 0, requests, jax.random.key(0))
+        for slots in (None, 3)
+    ]
+    for a, b in zip(*rollouts, strict=True):
         assert (a.prompt_id, a.group_id) == (b.prompt_id, b.group_id)
         np.testing.assert_array_equal(a.completion_tokens, b.completion_tokens)
         np.testing.assert_array_equal(a.completion_mask, b.completion_mask)
         np.testing.assert_array_equal(a.rewards, b.rewards)
         np.testing.assert_allclose(a.behaviour_logp, b.behaviour_logp, atol=1e-5)
+    assert all(r.completion_mask.any() for r in rollouts[0])
+
+
+def test_training_and_evaluation_generate_through_one_function(monkeypatch):
+    """Rollouts and `evaluate_policy` both sample by `generation.generate`: a spy in its
+    place sees both, with the sampler, params and prompts each was given."""
+    model = models.create_model(models.get_config("tiny"), seed=0)
+    graphdef, params = nnx.split(model)
+    tokenizer = models.CharTokenizer()
+    task = types.SimpleNamespace(prompt=lambda e: e, reward=lambda c, e: 1.0)
+    calls, real = [], generation.generate
+
+    def spy(sampler, graphdef, params, prompts, key, **kwargs):
+        calls.append((sampler, len(prompts), kwargs["sampling"]["temperature"]))
+        return real(sampler, graphdef, params, prompts, key, **kwargs)
+
+    monkeypatch.setattr(generation, "generate", spy)
+    generator = _generator(model, task)
+    requests = [GroupRequest(prompt_id=i, group_id=i) for i in range(2)]
+    rollouts = generator(params, 0, requests, jax.random.key(0))
+    assert calls == [(generator.sampler, 4, 0.0)] and len(rollouts) == 2
+    scores = evaluate_policy(
+        graphdef, params, generator.sampler, task, EXAMPLES, tokenizer,
+        prompt_length=8, num_problems=3, num_samples=2, key=jax.random.key(1),
+    )  # fmt: skip
+    # Greedy (one row per problem), then sampled (two per problem).
+    assert calls[1:] == [(generator.sampler, 3, 0.0), (generator.sampler, 6, 1.0)]
+    assert scores["greedy_accuracy"] == scores["pass@2"] == 1.0
 
 
 class PieceTokenizer:

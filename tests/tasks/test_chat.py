@@ -8,9 +8,9 @@ import pytest
 
 from gac_jax.tasks import get_task
 from gac_jax.tasks.chat import ChatTemplate, with_chat_template
+from gac_jax.train.build import build_task
 from gac_jax.train.config import TrainConfig
 from gac_jax.train.config_io import apply_overrides
-from gac_jax.train.loop import build_task
 
 # Llama-3 style: BOS text, a system block (a default one when the messages bring none).
 SYSTEM_TEMPLATE = (

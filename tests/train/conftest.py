@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 
 from gac_jax.tasks import get_task
-from gac_jax.train import loop
+from gac_jax.train import build
 
 
 def digit_share(completion: str, example) -> float:
@@ -18,5 +18,5 @@ def digit_task(monkeypatch):
     """arithmetic/add2 rewarded by `digit_share`, so advantages and gradients are not all
     zero and runs have something to learn (and to compare)."""
     fake = dataclasses.replace(get_task("arithmetic/add2"), reward=digit_share)
-    monkeypatch.setattr(loop, "get_task", lambda name: fake)
+    monkeypatch.setattr(build, "get_task", lambda name: fake)
     return fake

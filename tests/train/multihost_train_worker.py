@@ -18,10 +18,10 @@ import numpy as np
 
 def main() -> int:
     record, rest = sys.argv[1], sys.argv[sys.argv.index("--") + 1 :]
-    from gac_jax.train import cli, loop
+    from gac_jax.train import build, cli, loop, run
 
     consumed, runs = [], []
-    real_collate, real_build_run = loop.collate, loop.build_run
+    real_collate, real_build_run = run.collate, loop.build_run
 
     def recording_collate(rollouts, prompt_length):
         consumed.extend((r.group_id, r.prompt_id, r.policy_version) for r in rollouts)
@@ -33,12 +33,12 @@ def main() -> int:
 
     # A reward a random model earns some of (the share of digits), so training moves the
     # params and the comparison between processes is not between initial values.
-    task = loop.get_task("arithmetic/add2")
+    task = build.get_task("arithmetic/add2")
     digits = dataclasses.replace(
         task, reward=lambda text, example: sum(c.isdigit() for c in text) / max(len(text), 1)
     )
-    loop.get_task = lambda name: digits
-    loop.collate, loop.build_run = recording_collate, recording_build_run
+    build.get_task = lambda name: digits
+    run.collate, loop.build_run = recording_collate, recording_build_run
     status = cli.main(rest)
     if status == 0:
         import jax

@@ -9,6 +9,7 @@ from gac_jax import models
 from gac_jax.rollout import GenerationConfig, RolloutConfig
 from gac_jax.rollout.ray_cluster import LocalRayCluster
 from gac_jax.train import loop
+from gac_jax.train import run as run_lib
 from gac_jax.train.config import TrainConfig
 from gac_jax.train.config_io import apply_overrides
 from gac_jax.train.metrics import read_metrics
@@ -30,13 +31,13 @@ def _config(tmp_path, steps, *overrides):
 
 def _recording(monkeypatch):
     consumed = []
-    real_collate = loop.collate
+    real_collate = run_lib.collate
 
     def recording_collate(rollouts, prompt_length):
         consumed.append(list(rollouts))
         return real_collate(rollouts, prompt_length)
 
-    monkeypatch.setattr(loop, "collate", recording_collate)
+    monkeypatch.setattr(run_lib, "collate", recording_collate)
     return consumed
 
 
@@ -46,7 +47,7 @@ def test_inflight_updates_tag_each_token_with_its_version(tmp_path, digit_task, 
     # A slow sampler (each look at the newest version between decode steps takes 50 ms)
     # and a learner that spends 0.2 s a step: the learner publishes while a worker is
     # still decoding, so some groups mix versions.
-    real_build_run, real_step = loop.build_run, loop._train_step
+    real_build_run, real_step = loop.build_run, run_lib.Run.step
 
     def slow_build_run(config):
         run = real_build_run(config)
@@ -64,11 +65,10 @@ def test_inflight_updates_tag_each_token_with_its_version(tmp_path, digit_task, 
         return real_step(*args, **kwargs)
 
     monkeypatch.setattr(loop, "build_run", slow_build_run)
-    monkeypatch.setattr(loop, "_train_step", slow_step)
+    monkeypatch.setattr(run_lib.Run, "step", slow_step)
     config = _config(
         tmp_path,
         6,
-        "generation.sampler=refill",
         "generation.slots=2",
         "rollout.inflight_updates=true",
         "rollout.inflight_chunk_steps=1",

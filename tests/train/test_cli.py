@@ -11,7 +11,7 @@ import yaml
 from gac_jax.train.cli import main
 from gac_jax.train.config import get_preset, preset_names
 from gac_jax.train.config_io import RESUMABLE_FIELDS, apply_overrides, save_config
-from gac_jax.train.interrupt import RunInterrupted
+from gac_jax.train.loop import RunInterrupted
 from gac_jax.train.metrics import MetricWriter
 
 
@@ -38,8 +38,10 @@ def fake_loop(monkeypatch):
     fake.RunInterrupted = RunInterrupted
     fake.RESUMABLE_FIELDS = RESUMABLE_FIELDS
     fake.train = train
-    fake.evaluate_checkpoint = evaluate_checkpoint
+    fake_run = types.ModuleType("gac_jax.train.run")
+    fake_run.evaluate_checkpoint = evaluate_checkpoint
     monkeypatch.setitem(sys.modules, "gac_jax.train.loop", fake)
+    monkeypatch.setitem(sys.modules, "gac_jax.train.run", fake_run)
     return calls
 
 

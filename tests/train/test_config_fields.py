@@ -232,12 +232,6 @@ FIELDS = {
         0.0,
         "sometimes",
     ),
-    "generation.sampler": (
-        "refill",
-        lambda b, _: type(b["run"].sampler).__name__,
-        "RefillSampler",
-        "paged",
-    ),
     "generation.slots": ("4", lambda b, _: getattr(b["run"].sampler, "slots", None), 4, "0"),
     "generation.stop": ('["</a>"]', lambda b, _: b["run"].generator.stop, ("</a>",), '[""]'),
     "rollout.mode": ("async", lambda b, _: type(b["source"]).__name__, "AsyncRollouts", "never"),
@@ -314,7 +308,6 @@ CONTEXT = {
     "learner.noise_scale": ["learner.micro_batches=2"],
     "loss.correction": ["loss.policy_loss=reinforce"],
     "loss.correction_kwargs": ["loss.policy_loss=reinforce", "loss.correction=mis"],
-    "generation.slots": ["generation.sampler=refill"],
     "rollout.num_workers": ["rollout.mode=async"],
     "rollout.groups_per_call": ["rollout.mode=async"],
     "rollout.version_choice": ["rollout.mode=async"],
@@ -322,7 +315,7 @@ CONTEXT = {
     "rollout.backend": ["rollout.mode=async"],
     "rollout.on_actor_failure": ["rollout.mode=async", "rollout.backend=ray"],
     "rollout.actor_gpus": ["rollout.mode=async", "rollout.backend=ray"],
-    "rollout.inflight_updates": ["rollout.mode=async", "generation.sampler=refill"],
+    "rollout.inflight_updates": ["rollout.mode=async"],
     "buffer": ["rollout.mode=async"],
     "mesh.fsdp": ["mesh.data=-1"],
     "mesh.tensor": ["mesh.data=-1"],
@@ -396,16 +389,18 @@ class FakePool:
 def _build(config, model, monkeypatch):
     import ray
 
-    from gac_jax.train import ray_backend
+    from gac_jax.rollout import ray_rollouts
+    from gac_jax.train import build
 
     calls = {}
     _spied(monkeypatch, calls)
-    monkeypatch.setattr(loop, "build_model", lambda config, mesh: model)
-    monkeypatch.setattr(ray_backend, "RayRolloutPool", FakePool)
+    monkeypatch.setattr(build, "build_model", lambda config, mesh, abstract=False: model)
+    monkeypatch.setattr(ray_rollouts, "RayRolloutPool", FakePool)
     monkeypatch.setattr(ray, "is_initialized", lambda: True)
     run = loop.build_run(config)
     # No version is published, so the async source's workers wait and generate nothing.
-    source = loop.make_source(run)
+    run.start()
+    source = run.source
     try:
         return {"run": run, "source": source, "calls": calls}
     finally:

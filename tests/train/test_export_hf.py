@@ -6,7 +6,8 @@ import pytest
 from flax import nnx
 
 from gac_jax.rollout import GenerationConfig, RolloutConfig
-from gac_jax.train import loop
+from gac_jax.train import config_io, loop
+from gac_jax.train import run as run_lib
 from gac_jax.train.cli import main
 from gac_jax.train.config import TrainConfig
 
@@ -26,11 +27,11 @@ def test_an_exported_run_has_the_runs_logits_in_transformers(tmp_path, digit_tas
         rollout=RolloutConfig(mode="lagged", lag=1, groups_per_batch=2),
         generation=GenerationConfig(group_size=2, prompt_length=12, max_new_tokens=5),
     )
-    config = loop.config_io.apply_overrides(config, ["mesh.data=1"])
+    config = config_io.apply_overrides(config, ["mesh.data=1"])
     run_dir = loop.train(config, tmp_path / "run")
     assert main(["export-hf", str(run_dir), "--step", "2", "--out", str(tmp_path / "hf")]) == 0
 
-    run, step = loop.load_checkpoint(config, run_dir)
+    run, step = run_lib.load_checkpoint(config, run_dir)
     assert step == 2
     model = nnx.merge(run.learner.graphdef, run.learner.params)
     tokens = np.random.default_rng(0).integers(3, model.config.vocab_size, (2, 9))
@@ -43,7 +44,7 @@ def test_an_exported_run_has_the_runs_logits_in_transformers(tmp_path, digit_tas
     scale = np.abs(ours).max()
     assert np.abs(ours - theirs).max() <= 1e-5 * scale
     # Trained weights, not the initial ones: the export is of the checkpoint.
-    fresh = loop.build_run(config)
+    fresh = run_lib.build_run(config)
     initial = np.asarray(nnx.merge(fresh.learner.graphdef, fresh.learner.params)(tokens)[0])
     assert np.abs(initial - ours).max() > 1e-6 * scale
 

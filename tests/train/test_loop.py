@@ -12,7 +12,8 @@ from gac_jax import models
 from gac_jax.learner import LossConfig
 from gac_jax.models import MeshConfig
 from gac_jax.rollout import GenerationConfig, PromptOrder, RolloutConfig
-from gac_jax.train import loop
+from gac_jax.train import build, loop
+from gac_jax.train import run as run_lib
 from gac_jax.train.checkpoint import restore_checkpoint
 from gac_jax.train.config import TrainConfig
 from gac_jax.train.config_io import apply_overrides
@@ -154,8 +155,8 @@ def test_eval_at_start_logs_the_initial_policys_evaluation(tmp_path, digit_task)
     loop.train(config, tmp_path / "run")
     records = read_metrics(tmp_path / "run" / "metrics.jsonl")
     initial = {k.removeprefix("eval_start/"): v for k, v in records[0].items() if "start/" in k}
-    run = loop.build_run(config)  # The same init (seeded), before any update.
-    expected = loop.evaluate_run(run, jax.random.key(config.seed + 3))
+    fresh = run_lib.build_run(config)  # The same init (seeded), before any update.
+    expected = fresh.evaluate(jax.random.key(config.seed + 3))
     assert initial == {k.removeprefix("eval/"): v for k, v in expected.items()}
     assert "pass@1" in initial and not any("eval_start/" in k for r in records[1:] for k in r)
 
@@ -183,10 +184,10 @@ def test_warm_start_init_asks_for_the_warm_start_of_the_task_and_model(monkeypat
 
     monkeypatch.setattr(warm_start, "ensure_warm_start", fake_ensure)
     config = TrainConfig(task="arithmetic/add3", model="tiny", data_dir="/data")
-    model, tokenizer = loop.build_model(config, models.make_mesh(1, 1, 1))
+    model, tokenizer = build.build_model(config, models.make_mesh(1, 1, 1))
     assert asked == [("arithmetic/add3", "tiny", "/data")] and steps == [800]
     # A shorter warm start is its own (cached) checkpoint.
-    loop.build_model(dataclasses.replace(config, warm_start_steps=300), models.make_mesh(1, 1, 1))
+    build.build_model(dataclasses.replace(config, warm_start_steps=300), models.make_mesh(1, 1, 1))
     assert steps == [800, 300]
     assert model.config == models.get_config("tiny") and tokenizer.pad_id is not None
     # The default task and model are served by the shipped checkpoint, untrained.
@@ -205,14 +206,14 @@ def _async_config(tmp_path, steps, workers):
 @pytest.mark.parametrize("stop", [2, 3])
 def test_async_resume_reuses_no_group_and_keeps_the_bound(tmp_path, digit_task, monkeypatch, stop):
     consumed = []
-    real_collate = loop.collate
+    real_collate = run_lib.collate
 
     def recording_collate(rollouts, prompt_length):
         consumed.extend((r.group_id, r.prompt_id) for r in rollouts)
         time.sleep(0.5)  # A slow learner: the workers run ahead to the staleness bound.
         return real_collate(rollouts, prompt_length)
 
-    monkeypatch.setattr(loop, "collate", recording_collate)
+    monkeypatch.setattr(run_lib, "collate", recording_collate)
     first = dataclasses.replace(_async_config(tmp_path, stop, workers=2), checkpoint_every=stop)
     loop.train(first, tmp_path / "run")
     loop.train(_async_config(tmp_path, 6, workers=2), tmp_path / "run", resume=True)
@@ -230,3 +231,20 @@ def test_async_resume_reuses_no_group_and_keeps_the_bound(tmp_path, digit_task, 
     # resume that forgot the buffer's reservation count let the workers run ahead with old
     # versions: 4 drops in the 3 steps after the resume.
     assert records[-1]["buffer_dropped"] <= 2
+
+
+def test_hooks_run_at_their_cadence_in_order_and_at_the_end():
+    calls = []
+    hooks = loop.Hooks()
+    hooks.add(lambda info: calls.append(("every2", info.step)), every=2)
+    hooks.add(lambda info: calls.append(("end", info.step)), every=0, at_end=True)
+    hooks.add(lambda info: calls.append(("ckpt", info.step)), every=3, at_end=True)
+    for step in range(5):
+        hooks(loop.StepInfo(None, step, {}, [], last=step == 4))
+    assert calls == [
+        ("every2", 1),
+        ("ckpt", 2),
+        ("every2", 3),
+        ("end", 4),
+        ("ckpt", 4),
+    ]

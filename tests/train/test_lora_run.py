@@ -7,7 +7,8 @@ import pytest
 from flax import nnx
 
 from gac_jax.rollout import GenerationConfig, RolloutConfig
-from gac_jax.train import loop
+from gac_jax.train import config_io, loop
+from gac_jax.train import run as run_lib
 from gac_jax.train.cli import main
 from gac_jax.train.config import TrainConfig
 
@@ -27,15 +28,15 @@ def test_a_lora_run_resumes_and_exports_its_merged_policy(tmp_path, digit_task):
         rollout=RolloutConfig(mode="lagged", lag=1, groups_per_batch=2),
         generation=GenerationConfig(group_size=2, prompt_length=12, max_new_tokens=5),
     )
-    config = loop.config_io.apply_overrides(config, ["mesh.data=1", "lora.rank=4"])
+    config = config_io.apply_overrides(config, ["mesh.data=1", "lora.rank=4"])
     run_dir = loop.train(config, tmp_path / "run")
-    resumed = loop.config_io.apply_overrides(config, ["steps=3"])
+    resumed = config_io.apply_overrides(config, ["steps=3"])
     loop.train(resumed, run_dir, resume=True)
     assert main(["export-hf", str(run_dir), "--step", "3", "--out", str(tmp_path / "hf")]) == 0
 
-    run, step = loop.load_checkpoint(resumed, run_dir)
+    run, step = run_lib.load_checkpoint(resumed, run_dir)
     assert step == 3
-    fresh = loop.build_run(resumed)
+    fresh = run_lib.build_run(resumed)
     # Only adapters were saved and trained; the frozen base is the one `init` rebuilds.
     assert {type(v) for v in jax.tree.leaves(run.learner.params, is_leaf=_is_var)} == {
         nnx.LoRAParam

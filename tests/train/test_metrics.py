@@ -11,6 +11,7 @@ import pytest
 from gac_jax.train.metrics import (
     MetricWriter,
     ProgressLine,
+    markdown_table,
     metric_series,
     read_metrics,
     to_json_scalar,
@@ -185,3 +186,15 @@ def test_several_updates_per_step_chart_optimizer_steps_and_purge_in_them(tmp_pa
     events = _read_events(tmp_path / "tensorboard")
     restarts = [event.step for event in events if event.HasField("session_log")]
     assert 4 in restarts and 2 not in restarts
+
+
+def test_a_markdown_table_escapes_free_text_unless_its_cells_are_markdown():
+    table = markdown_table(["a|b", "n"], [["x_y\nz", 3], ["**", 0.5]])
+    assert table.splitlines() == [
+        "| a\\|b | n |",
+        "|---|---|",
+        "| x\\_y<br>z | 3 |",
+        "| \\*\\* | 0.5 |",
+    ]
+    raw = markdown_table(("label", "k"), [("gac_vcpo", 32), ("**0.1**", "-")], escape=False)
+    assert raw == "| label | k |\n|---|---|\n| gac_vcpo | 32 |\n| **0.1** | - |"

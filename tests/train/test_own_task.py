@@ -16,7 +16,7 @@ import pytest
 from gac_jax import models
 from gac_jax.rollout.generation import decode_completion
 from gac_jax.tasks import get_task
-from gac_jax.train import loop
+from gac_jax.train import run as run_lib
 from gac_jax.train.cli import main
 from gac_jax.train.metrics import read_metrics
 
@@ -80,8 +80,8 @@ def test_own_task_and_reward_module_train_through_the_cli(any_own_task, tmp_path
         captured.append(list(rollouts))
         return collate(rollouts, prompt_length)
 
-    collate = loop.collate
-    monkeypatch.setattr(loop, "collate", recording_collate)
+    collate = run_lib.collate
+    monkeypatch.setattr(run_lib, "collate", recording_collate)
     out = tmp_path / "run"
     argv = ["train", "--config", "countdown_sync", "--set", f"task={any_own_task}"]
     argv += ["reward=own_rewards:by_length", *SMALL, "--out", str(out)]

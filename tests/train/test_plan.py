@@ -6,10 +6,11 @@ import json
 import pytest
 
 from gac_jax import models
+from gac_jax.train.build import model_config
 from gac_jax.train.cli import main
 from gac_jax.train.config import TrainConfig, get_preset
 from gac_jax.train.config_io import apply_overrides
-from gac_jax.train.plan import model_config, plan
+from gac_jax.train.plan import plan
 
 SMALL = [
     "mesh.data=1",
@@ -86,3 +87,17 @@ def test_a_checkpoint_is_planned_in_its_own_dtype(tmp_path, stored):
     assert (model_config(config).dtype, model_config(config).param_dtype) == (stored, "float32")
     bf16 = apply_overrides(config, ["compute.dtype=bfloat16"])
     assert model_config(bf16).dtype == "bfloat16"
+
+
+def test_lora_and_split_devices_change_the_plan():
+    # `plan` builds the run `train` would: LoRA's frozen base and the learner's smaller mesh
+    # once the rollout devices are taken are in its figures.
+    base = apply_overrides(get_preset("demo"), SMALL)
+    plain = plan(base)
+    lora = plan(apply_overrides(base, ["lora.rank=8"]))
+    split = plan(apply_overrides(base, ["rollout.devices=4"]))
+    assert lora["learner"]["optimizer_gib"] < plain["learner"]["optimizer_gib"]
+    assert lora["learner"]["peak_gib"] != plain["learner"]["peak_gib"]
+    assert split["devices"] == 4 and split["rollout_devices"] == 4 == plain["rollout_devices"] + 4
+    assert split["learner"]["params_gib"] > plain["learner"]["params_gib"]  # fsdp 4, not 8.
+    assert split["sampler"]["peak_gib"] != plain["sampler"]["peak_gib"]

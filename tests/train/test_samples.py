@@ -66,7 +66,7 @@ def _tensorboard_texts(tb_dir):
 def _table_rows(markdown):
     """The cells of a markdown table, unescaped (``\\x`` -> ``x``, ``<br>`` -> newline)."""
     lines = markdown.split("\n")
-    assert re.fullmatch(r"\|( --- \|)+", lines[1]), lines[1]
+    assert re.fullmatch(r"\|(---\|)+", lines[1]), lines[1]
 
     def unescape(cell):
         return "" if cell == " " else re.sub(r"\\(.)|<br>", lambda m: m.group(1) or "\n", cell)

@@ -9,6 +9,7 @@ from gac_jax.learner import TrainBatch
 from gac_jax.rollout import GenerationConfig, RolloutConfig
 from gac_jax.rollout.placement import RolloutPlacement, rollout_mesh, split_devices
 from gac_jax.train import loop
+from gac_jax.train import run as run_lib
 from gac_jax.train.checkpoint import restore_checkpoint
 from gac_jax.train.config import TrainConfig
 from gac_jax.train.config_io import apply_overrides
@@ -78,7 +79,7 @@ def test_async_training_on_split_devices(tmp_path, digit_task, monkeypatch):
     learner_devices, rollout_devices = split_devices(2)
     seen = {"sampler": set(), "store": set(), "learner": set()}
     consumed = []
-    real_build_run, real_collate = loop.build_run, loop.collate
+    real_build_run, real_collate = loop.build_run, run_lib.collate
 
     def spying_build_run(c):
         run = real_build_run(c)
@@ -103,7 +104,7 @@ def test_async_training_on_split_devices(tmp_path, digit_task, monkeypatch):
         return real_collate(rollouts, prompt_length)
 
     monkeypatch.setattr(loop, "build_run", spying_build_run)
-    monkeypatch.setattr(loop, "collate", recording_collate)
+    monkeypatch.setattr(run_lib, "collate", recording_collate)
     out = loop.train(config, tmp_path / "run")
 
     assert seen["sampler"] == set(rollout_devices) == seen["store"]

@@ -23,6 +23,7 @@ from gac_jax.train.config_io import config_to_dict
 from gac_jax.train.metrics import read_metrics
 from gac_jax.train.warm_start import (
     SHIPPED_WARM_START_DIR,
+    SFTConfig,
     WarmStartConfig,
     config_hash,
     encode_sft_batch,
@@ -113,8 +114,12 @@ def test_config_validation_and_hash():
     assert draccus.decode(WarmStartConfig, config_to_dict(config)) == config
     assert config_hash(config) == config_hash(WarmStartConfig())
     assert config_hash(dataclasses.replace(config, steps=config.steps + 1)) != config_hash(config)
-    with pytest.raises(ValueError, match="steps"):
+    with pytest.raises(ValueError, match="WarmStartConfig.steps=0"):
         WarmStartConfig(steps=0)
+    with pytest.raises(ValueError, match="WarmStartConfig.eval_samples=0"):
+        WarmStartConfig(eval_samples=0)
+    with pytest.raises(ValueError, match="SFTConfig.batch_size=0"):
+        SFTConfig(batch_size=0)
     # One hash for runs, sweeps and warm starts; the shipped checkpoint's still matches.
     assert config_hash is config_io.config_hash
     assert read_metadata(SHIPPED_WARM_START_DIR)["config_hash"] == config_hash(config)
@@ -162,8 +167,10 @@ def test_short_run_writes_a_checkpoint_with_its_metrics(short_run):
 
 def test_reload_gives_the_trained_params_and_logits(short_run, data_dir):
     out, _ = short_run
-    # Training is deterministic, so a second run gives the params the checkpoint holds.
-    trained, _, _ = train_sft(_SHORT, data_dir=data_dir)
+    # Training is deterministic and reads only the training's fields, so a second run
+    # from them alone gives the params the checkpoint holds.
+    fields = {f.name: getattr(_SHORT, f.name) for f in dataclasses.fields(SFTConfig)}
+    trained, _, _ = train_sft(SFTConfig(**fields), data_dir=data_dir)
     loaded, tokenizer, _ = load_warm_start(out)
     assert loaded.config == trained.config
     assert tokenizer.characters == CharTokenizer().characters

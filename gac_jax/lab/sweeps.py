@@ -4,8 +4,8 @@ A sweep is a list of `RunSpec`s (a label, config overrides, a seed). `run_spec` 
 into ``root/<label>/seed<seed>`` and writes ``summary.json`` there; a run whose summary
 exists for the same config is skipped and an interrupted one resumes from its newest
 checkpoint, so a sweep is restarted by running it again. `summarize_run`
-(`gac_jax.train.run_summary`) turns a run's metrics into the numbers the experiments
-report, `aggregate` gives their mean and std over seeds, and `markdown_table` prints them.
+(`gac_jax.lab.summary`) turns a run's metrics into the numbers the experiments
+report, `aggregate` gives their mean and std over seeds, and `summary_table` prints them.
 
 A summary records the code that made it (`provenance.code_version`). A sweep refuses a
 summary of other code unless told to retrain it (``--rerun-stale``) or reuse it
@@ -31,22 +31,23 @@ from typing import Any
 
 import numpy as np
 
-from gac_jax.train.config import TrainConfig
-from gac_jax.train.config_io import apply_overrides, load_config, run_hash
-from gac_jax.train.metrics import read_metrics
-from gac_jax.train.provenance import (  # noqa: F401  (StaleRunError: what a sweep raises)
+from gac_jax.lab.provenance import (  # noqa: F401  (StaleRunError: what a sweep raises)
     StaleRunError,
     check_one_version,
     code_version,
     runs_by_version,
     settle_stale,
 )
-from gac_jax.train.run_summary import (  # noqa: F401  (re-exported: a sweep's vocabulary)
+from gac_jax.lab.summary import (  # noqa: F401  (re-exported: a sweep's vocabulary)
     CollapseRule,
     collapse_step,
     cosine_samples,
     summarize_run,
 )
+from gac_jax.train import train
+from gac_jax.train.config import TrainConfig
+from gac_jax.train.config_io import apply_overrides, load_config, run_hash
+from gac_jax.train.metrics import markdown_table, read_metrics
 
 SUMMARY_FILE = "summary.json"
 DEFAULT_RULE = CollapseRule()
@@ -101,7 +102,7 @@ def run_spec(
     root: str | os.PathLike,
     *,
     rule: CollapseRule = DEFAULT_RULE,
-    train_fn: Callable[..., Any] | None = None,
+    train_fn: Callable[..., Any] = train,
     rerun_stale: bool = False,
     allow_stale: bool = False,
 ) -> dict[str, Any]:
@@ -113,8 +114,6 @@ def run_spec(
     again from scratch) or `allow_stale` (the summary is returned as it is). `train_fn`
     defaults to `gac_jax.train.train`.
     """
-    from gac_jax.train.loop import train
-
     config = spec.config(base)
     out = spec.directory(root)
     path = out / SUMMARY_FILE
@@ -132,7 +131,7 @@ def run_spec(
         return json.loads(path.read_text())
     resumed = (out / "metrics.jsonl").exists()
     started = time.monotonic()
-    (train_fn or train)(config, out, resume=True)
+    train_fn(config, out, resume=True)
     wall = time.monotonic() - started
     summary = {
         "label": spec.label,
@@ -208,42 +207,39 @@ def aggregate(
     return rows
 
 
-def markdown_table(
+def summary_table(
     rows: Sequence[Mapping[str, Any]],
     columns: Mapping[str, str],
     *,
     digits: int = 3,
     allow_mixed: bool = False,
 ) -> str:
-    """A Markdown table of `rows`; `columns` maps a row key to its header. A key with a
-    ``_std`` partner in the row is printed as ``mean ± std``.
+    """A Markdown table (`gac_jax.train.metrics.markdown_table`) of `aggregate`'s `rows`;
+    `columns` maps a row key to its header. A float with a ``_std`` partner in the row is
+    written as ``mean ± std``.
 
-    Rows of `aggregate` made by more than one code version (their ``code``) are an error
-    unless `allow_mixed`; the table then ends with a note naming the versions and runs.
+    Rows made by more than one code version (their ``code``) are an error unless
+    `allow_mixed`; the table then ends with a note naming the versions and runs.
     """
     versions: dict[str, str] = {}
     for row in rows:
         for version, runs in row.get("code", {}).items():
             versions[version] = "; ".join(filter(None, [versions.get(version), runs]))
     check_one_version(versions, allow_mixed)
-    header = "| " + " | ".join(columns.values()) + " |"
-    lines = [header, "|" + "---|" * len(columns)]
-    for row in rows:
-        cells = []
-        for key in columns:
-            value = row[key]
-            if isinstance(value, float):
-                cell = f"{value:.{digits}f}"
-                if f"{key}_std" in row:
-                    cell += f" ± {row[f'{key}_std']:.{digits}f}"
-            else:
-                cell = str(value)
-            cells.append(cell)
-        lines.append("| " + " | ".join(cells) + " |")
+
+    def cell(row: Mapping[str, Any], key: str) -> str:
+        value = row[key]
+        if not isinstance(value, float):
+            return str(value)
+        std = f" ± {row[f'{key}_std']:.{digits}f}" if f"{key}_std" in row else ""
+        return f"{value:.{digits}f}{std}"
+
+    cells = [[cell(row, key) for key in columns] for row in rows]
+    table = markdown_table(list(columns.values()), cells, escape=False)
     if len(versions) > 1:
         made_by = "; ".join(f"[{v}]: {runs}" for v, runs in versions.items())
-        lines += ["", f"Mixed code versions (allowed by allow_mixed): {made_by}."]
-    return "\n".join(lines)
+        table += f"\n\nMixed code versions (allowed by allow_mixed): {made_by}."
+    return table
 
 
 def run_sweep(

@@ -1,9 +1,8 @@
-"""Sweeps: the collapse rule, run summaries against NumPy, resumable runs, aggregation,
-the code version of each run and the refusal of stale runs and mixed tables."""
+"""Sweeps: resumable runs, shards, aggregation and its table, the code version of each run
+and the refusal of stale runs and mixed tables."""
 
 import argparse
 import json
-import math
 import shutil
 import subprocess
 from pathlib import Path
@@ -15,133 +14,22 @@ import optax
 import pytest
 
 import gac_jax
-from gac_jax.train import get_preset, provenance
-from gac_jax.train.metrics import MetricWriter
-from gac_jax.train.provenance import code_version, describe, same_code
-from gac_jax.train.sweeps import (
+from gac_jax.lab.provenance import code_version
+from gac_jax.lab.sweeps import (
     METHODS,
-    CollapseRule,
     RunSpec,
     StaleRunError,
     add_sweep_arguments,
     aggregate,
-    collapse_step,
     load_summaries,
-    markdown_table,
     run_spec,
     run_sweep,
     shard,
-    summarize_run,
+    summary_table,
 )
+from gac_jax.train import get_preset
+from gac_jax.train.metrics import MetricWriter
 from gac_jax.transforms import ESSConfig
-
-
-def _records(rewards, **series):
-    out = []
-    for t, reward in enumerate(rewards):
-        r = {"step": t, "reward": float(reward), "loss": 0.1, "grad_norm": 1.0}
-        for key, values in series.items():
-            if values[t] is not None:
-                r[key] = values[t]
-        out.append(r)
-    return out
-
-
-def test_collapse_is_the_first_step_whose_trailing_mean_falls_below_the_fraction():
-    rule = CollapseRule(window=4, fraction=0.5)
-    rewards = [0.4] * 10 + [0.0] * 10  # Trailing mean of 4 first < 0.2 at step 12.
-    assert collapse_step(_records(rewards), rule) == 12
-    assert collapse_step(_records([0.4] * 20), rule) is None
-    # Falls early but the rule only looks from step 2 * window - 1 on.
-    early = [0.4] * 4 + [0.0] * 4 + [0.4] * 12
-    assert collapse_step(_records(early), rule) == 7
-    assert collapse_step(_records([0.4] * 5), rule) is None  # Too short to judge.
-
-
-def test_a_non_finite_loss_or_gradient_is_a_collapse_at_that_step():
-    records = _records([0.4] * 20)
-    records[6]["grad_norm"] = math.inf
-    records[9]["loss"] = math.nan
-    assert collapse_step(records, CollapseRule(window=4)) == 6
-
-
-def test_summary_statistics_match_numpy():
-    rng = np.random.default_rng(0)
-    n = 60
-    cos = rng.uniform(-1, 1, n)
-    grad = rng.uniform(0.5, 2.0, n)
-    grad[[5, 17]] = 0.0  # No gradient: left out of the cosine statistics.
-    ess = rng.uniform(0.1, 1.0, n)
-    evals = [None] * n
-    evals[29] = 0.2
-    evals[59] = 0.15
-    records = _records(
-        rng.uniform(0, 1, n),
-        gac_cosine=list(cos),
-        gac_cosine_after=list(np.minimum(cos, 0.2)),
-        ess_ratio=list(ess),
-        version_gap_mean=[4.0] * n,
-        version_gap_max=[8.0] * n,
-        gac_regime=[0] * 50 + [1] * 8 + [2] * 2,
-    )
-    for r, g in zip(records, grad, strict=True):
-        r["grad_norm"] = float(g)
-    for t in (29, 59):
-        records[t].update(
-            {"eval/pass@1": evals[t], "eval/greedy_accuracy": 0.3, "eval/pass@8": 0.6}
-        )
-    s = summarize_run(records, CollapseRule(window=10))
-    used = np.array([t for t in range(1, n) if grad[t] > 0])
-    np.testing.assert_allclose(
-        [s["c_t_q25"], s["c_t_median"], s["c_t_q75"]], np.percentile(cos[used], [25, 50, 75])
-    )
-    np.testing.assert_allclose(s["c_after_median"], np.median(np.minimum(cos, 0.2)[used]))
-    np.testing.assert_allclose(s["zero_grad_fraction"], 2 / (n - 1))
-    np.testing.assert_allclose(s["ess_ratio_median"], np.median(ess))
-    assert s["final_accuracy"] == 0.15 and s["best_accuracy"] == 0.2
-    assert s["staleness_mean"] == 4.0 and s["staleness_max"] == 8.0
-    np.testing.assert_allclose([s["project_fraction"], s["skip_fraction"]], [8 / n, 2 / n])
-    with pytest.raises(ValueError, match="at least one metric record"):
-        summarize_run([])
-
-
-def test_lab_statistics_match_numpy():
-    rng = np.random.default_rng(1)
-    n = 30
-    trace, grad_sq = rng.uniform(100, 900, n), rng.uniform(0.5, 2.0, n)
-    kl, clip = rng.uniform(0, 1e-3, n), rng.uniform(0, 0.1, n)
-    ess = np.linspace(1.0, 0.3, n)  # Below 0.5 from step 22 on.
-    grad = np.ones(n)
-    grad[17] = 3.5  # Above 3x the median of the first 10 steps (1.0).
-    records = _records(
-        rng.uniform(0, 1, n),
-        ess_ratio=list(ess),
-        **{"noise/trace": list(trace), "noise/grad_sq": list(grad_sq)},
-        **{"policy_change/kl": list(kl), "loss/clip_fraction": list(clip)},
-        **{"noise/batch_size": [700.0] * n},
-    )
-    for r, g in zip(records, grad, strict=True):
-        r["grad_norm"] = float(g)
-    # As with several optimizer steps a batch: the evaluation before training sits in a
-    # later record of step 0, not the first one.
-    records[1]["eval_start/pass@1"] = 0.05
-    records[-1].update({"eval/pass@1": 0.2, "eval/greedy_accuracy": 0.3})
-    s = summarize_run(records, CollapseRule(window=10))
-    assert s["start_accuracy"] == 0.05 and s["gain"] == pytest.approx(0.15)
-    np.testing.assert_allclose(s["b_simple"], trace.mean() / grad_sq.mean())
-    np.testing.assert_allclose(
-        s["b_simple_thirds"],
-        [trace[i : i + 10].mean() / grad_sq[i : i + 10].mean() for i in (0, 10, 20)],
-    )
-    np.testing.assert_allclose(
-        [s["policy_kl_median"], s["clip_fraction_median"], s["noise_batch_size"]],
-        [np.median(kl), np.median(clip), 700.0],
-    )
-    assert s["ess_drop_step"] == int(np.argmax(ess < 0.5)) and s["grad_spike_step"] == 17
-    bare = summarize_run(_records([0.5] * 5))  # No evaluations, no noise scale.
-    assert (
-        math.isnan(bare["gain"]) and math.isnan(bare["b_simple"]) and bare["ess_drop_step"] is None
-    )
 
 
 def _fake_train(calls):
@@ -201,7 +89,7 @@ def test_aggregate_and_table():
     np.testing.assert_allclose(rows[0]["final_accuracy"], 0.3)
     np.testing.assert_allclose(rows[0]["final_accuracy_std"], np.std([0.2, 0.4], ddof=1))
     assert rows[0]["collapsed"] == 1 and rows[1]["final_accuracy_std"] == 0.0
-    table = markdown_table(rows, {"label": "method", "final_accuracy": "accuracy"}, digits=2)
+    table = summary_table(rows, {"label": "method", "final_accuracy": "accuracy"}, digits=2)
     assert table.splitlines()[2] == "| a | 0.30 ± 0.14 |"
 
 
@@ -242,70 +130,6 @@ def test_a_summary_records_the_code_that_made_it(tmp_path):
         assert isinstance(code["tree"], str) and len(code["tree"]) == 16
     written = json.loads((tmp_path / "naive/k0/seed0/summary.json").read_text())
     assert written["code"] == code
-
-
-def _commit(repo: Path, files: dict[str, str]) -> None:
-    for name, text in files.items():
-        (repo / name).parent.mkdir(parents=True, exist_ok=True)
-        (repo / name).write_text(text)
-    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-C", str(repo)]
-    subprocess.run([*git, "add", "-A"], check=True, capture_output=True)
-    subprocess.run([*git, "commit", "-qm", "c"], check=True, capture_output=True)
-
-
-def test_the_code_tree_follows_the_code_files_not_the_commit(tmp_path, monkeypatch):
-    repo = tmp_path / "repo"
-    repo.mkdir()
-    subprocess.run(["git", "init", "-q", str(repo)], check=True)
-    monkeypatch.setattr(provenance, "REPO_ROOT", repo.resolve())
-
-    def version():
-        provenance.code_version.cache_clear()
-        return provenance.code_version()
-
-    _commit(repo, {"gac_jax/a.py": "x = 1\n", "pyproject.toml": "", "README.md": "one"})
-    first = version()
-    _commit(repo, {"README.md": "two", "tests/test_a.py": "", "experiments/lab.py": ""})
-    notes = version()
-    assert notes["commit"] != first["commit"] and notes["tree"] == first["tree"]
-    assert same_code(first, notes) and not notes["dirty"]
-    (repo / "gac_jax/a.py").write_text("x = 2\n")  # Uncommitted: dirty, with its digest.
-    dirty = version()
-    assert dirty["dirty"] and dirty["diff"] and not same_code(first, dirty)
-    _commit(repo, {})
-    changed = version()
-    assert changed["tree"] != first["tree"] and not same_code(first, changed)
-    _commit(repo, {"pyproject.toml": "[project]"})
-    assert version()["tree"] != changed["tree"]
-    provenance.code_version.cache_clear()
-
-
-def test_code_versions_compare_by_code_files_changes_and_libraries():
-    clean = {
-        "commit": "a" * 40,
-        "tree": "t1",
-        "dirty": False,
-        "diff": None,
-        "jax": "1",
-        "flax": "2",
-        "optax": "3",
-    }
-    dirty = {**clean, "dirty": True, "diff": "d1"}
-    assert same_code(clean, dict(clean))
-    assert same_code(dirty, dict(dirty))  # The same uncommitted changes on the same commit.
-    assert not same_code(dirty, {**dirty, "diff": "d2"})
-    assert not same_code(clean, dirty) and not same_code(dirty, clean)
-    # Another commit with the same code files (only tests or notes changed) is the same code.
-    assert same_code(clean, {**clean, "commit": "b" * 40})
-    assert describe(clean) == describe({**clean, "commit": "b" * 40})
-    assert not same_code(clean, {**clean, "tree": "t2"})
-    assert not same_code(clean, {**clean, "jax": "9"})
-    older = {**clean, "tree": None}  # Recorded before trees: compared by commit.
-    assert same_code(older, clean) and not same_code(older, {**clean, "commit": "b" * 40})
-    assert not same_code({**dirty, "diff": None}, {**dirty, "diff": None})  # Unreadable.
-    assert not same_code(None, clean)  # Written before versions were recorded.
-    no_git = {**clean, "commit": None, "dirty": None}
-    assert not same_code(no_git, no_git)  # Nothing shows that the code is the same.
 
 
 def _make_stale(root, spec, code):
@@ -393,8 +217,8 @@ def test_a_table_refuses_two_code_versions_unless_allowed():
     np.testing.assert_allclose(rows[0]["final_accuracy"], 0.3)
     columns = {"label": "method", "final_accuracy": "accuracy"}
     with pytest.raises(ValueError, match="2 code versions"):
-        markdown_table(rows, columns)
-    lines = markdown_table(rows, columns, digits=2, allow_mixed=True).splitlines()
+        summary_table(rows, columns)
+    lines = summary_table(rows, columns, digits=2, allow_mixed=True).splitlines()
     assert lines[2:4] == ["| a | 0.30 ± 0.14 |", "| b | 0.10 ± 0.00 |"]
     assert lines[-1].startswith("Mixed code versions (allowed by allow_mixed): ")
     assert "a seed 1" in lines[-1] and "a seed 0; b seed 0" in lines[-1]
@@ -403,6 +227,6 @@ def test_a_table_refuses_two_code_versions_unless_allowed():
         summaries[1:2], ["final_accuracy"]
     )
     with pytest.raises(ValueError, match="2 code versions"):
-        markdown_table(one, columns)
+        summary_table(one, columns)
     same = aggregate([summaries[0], summaries[2]], ["final_accuracy"])
-    assert "Mixed" not in markdown_table(same, columns)
+    assert "Mixed" not in summary_table(same, columns)

@@ -1,7 +1,7 @@
 """The code version that makes a run: the code's git tree, uncommitted changes, libraries.
 
 `code_version()` is written into every sweep run's summary, so a sweep can tell a result of
-today's code from one of older code (`gac_jax.train.sweeps`). Only the files that decide
+today's code from one of older code (`gac_jax.lab.sweeps`). Only the files that decide
 what a run computes count: the package (``gac_jax/``, its assets included) and
 ``pyproject.toml``. Two runs are of the same code when those files are the same (``tree``,
 a digest of their committed blobs, plus the uncommitted changes below), whatever else the

@@ -2,7 +2,7 @@
 accuracy and its gain, how far a step moves the policy, the gradient noise scale.
 
 `summarize_run` is what a sweep writes into each run's ``summary.json``
-(`gac_jax.train.sweeps.run_spec`); the experiments' tables are made from those summaries.
+(`gac_jax.lab.sweeps.run_spec`); the experiments' tables are made from those summaries.
 """
 
 from __future__ import annotations

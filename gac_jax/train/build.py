@@ -1,0 +1,234 @@
+"""The parts of a run, each built from the run's `TrainConfig`.
+
+`gac_jax.train.run.build_run` assembles them into a `Run` for the loop, `plan` and the
+exporter; the Ray rollout actors build their own side of the same run here too
+(`ActorGenerator`: task, model layout, sampler and generator on the actor's devices), so
+every role reads the config the same way. With `abstract=True` no weight is created or
+loaded: the model is `nnx.eval_shape`'d, which is how `plan` compiles a run's programs
+without its memory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+from typing import Any
+
+import jax
+from flax import nnx
+
+from gac_jax import models
+from gac_jax.learner import GRPOLearner, make_optimizer
+from gac_jax.models.hf_checkpoint import hf_model_config
+from gac_jax.rollout import TaskGroupGenerator, make_sampler
+from gac_jax.rollout.placement import RolloutPlacement, rollout_mesh, split_devices
+from gac_jax.tasks import get_task
+from gac_jax.tasks.chat import with_chat_template, with_system_prompt
+from gac_jax.tasks.custom import GuardedReward, resolve_reward
+from gac_jax.train import processes
+from gac_jax.train.config import TrainConfig, require_init, run_chat_template
+
+# The driver's JAX settings the Ray actors inherit (so a CPU run's actors stay on the CPU,
+# with the same fake device count).
+INHERITED_ENV = ("JAX_PLATFORMS", "XLA_FLAGS")
+
+
+def build_meshes(config: TrainConfig) -> tuple[jax.sharding.Mesh, RolloutPlacement]:
+    """The learner's mesh (every device but the rollout devices) and where this process
+    samples: its own `rollout.devices` (split layout) or the learner's mesh (shared)."""
+    learner_devices, rollout_devices = split_devices(config.rollout.devices)
+    mesh = config.mesh.make(learner_devices)
+    sampler_mesh = (
+        rollout_mesh(rollout_devices, config.rollout.tensor_parallel) if rollout_devices else None
+    )
+    return mesh, RolloutPlacement(mesh, sampler_mesh)
+
+
+def _checkpoint_dir(config: TrainConfig) -> Path | None:
+    """The Hugging Face directory the model is read from (None for `warm_start`/`random`)."""
+    if config.init in ("random", "warm_start"):
+        return None
+    return Path(config.init)
+
+
+def model_config(config: TrainConfig) -> models.ModelConfig:
+    """The run's architecture and dtypes, read without loading a weight (a checkpoint's as
+    `load_hf_checkpoint` reads them: in its stored dtype unless `compute` says otherwise).
+    A preset's checkpoint not downloaded yet gives its `model` preset (the same layout)."""
+    overrides = config.compute.overrides()
+    path = _checkpoint_dir(config)
+    if path is None or not path.is_dir():
+        return models.get_config(config.model, **overrides)
+    return hf_model_config(path, **overrides)
+
+
+def build_tokenizer(config: TrainConfig):
+    path = _checkpoint_dir(config)
+    if path is None or not path.is_dir():
+        return models.CharTokenizer()
+    return models.HFTokenizer.from_directory(path)
+
+
+def build_model(config: TrainConfig, mesh, *, abstract: bool = False):
+    """(model, tokenizer) for `config.init`: a warm start of the task and model (the shipped
+    one for countdown on `tiny`), random weights, or an HF checkpoint dir (these two built
+    with `config.compute`'s settings at once, so no copy is cast; `build_run` applies them
+    to a warm start). `abstract`: shapes, dtypes and shardings only, with `compute`'s."""
+    if abstract:
+        cfg = model_config(config)
+        model = nnx.eval_shape(lambda: add_lora(config, models.create_model(cfg, seed=0)))
+        return model, build_tokenizer(config)
+    if config.init == "warm_start":
+        from gac_jax.train.warm_start import WarmStartConfig, ensure_warm_start, load_warm_start
+
+        # The shipped checkpoint serves countdown/n3_max20 on `tiny`; any other task or model
+        # gets its own supervised warm start, trained once and cached.
+        directory = ensure_warm_start(
+            WarmStartConfig(task=config.task, model=config.model, steps=config.warm_start_steps),
+            data_dir=config.data_dir,
+        )
+        model, tokenizer, _ = load_warm_start(directory, mesh=mesh)
+        return model, tokenizer
+    overrides = config.compute.overrides()
+    if config.init == "random":
+        cfg = models.get_config(config.model, **overrides)
+        model = models.create_sharded(lambda: models.create_model(cfg, seed=config.seed), mesh)
+        return model, models.CharTokenizer()
+    require_init(config)  # A preset's checkpoint not downloaded yet.
+    path = Path(config.init)
+    if not (path / "config.json").is_file():
+        raise ValueError(
+            f"init={config.init!r} is neither 'warm_start', 'random' nor a Hugging Face "
+            "checkpoint directory (with config.json)."
+        )
+    model = models.load_hf_checkpoint(path, mesh=mesh, **overrides)
+    return model, models.HFTokenizer.from_directory(path)
+
+
+def add_lora(config: TrainConfig, model):
+    """`model` with LoRA adapters of `config.lora` (itself when `lora.rank` is 0)."""
+    if not config.lora.rank:
+        return model
+    return models.apply_lora(model, config.lora, rngs=nnx.Rngs(params=config.seed))
+
+
+def build_learner(config: TrainConfig, model, mesh) -> GRPOLearner:
+    """The sharded learner of `config`: its optax chain, objective and settings (with
+    `config.lora.rank`, the model's LoRA adapters train and the rest is frozen)."""
+    tx = make_optimizer(config.optimizer, config.gac, config.ess, steps=config.optimizer_steps)
+    trainable = models.lora_filter if config.lora.rank else None
+    return GRPOLearner(
+        model, tx, mesh, loss=config.loss, config=config.learner, trainable=trainable
+    )
+
+
+def build_task(config: TrainConfig):
+    """The run's task: `config.task` with `config.reward` (if set) as its reward, guarded
+    (a call that raises counts as 0 and is logged once per run), and its prompts in the
+    chat template of the `init` model directory (`config.chat_template`)."""
+    task = get_task(config.task)
+    if config.reward is not None:
+        reward = GuardedReward(resolve_reward(config.reward), config.reward)
+        task = dataclasses.replace(task, reward=reward)
+    template = run_chat_template(config)
+    if template is not None:
+        thinking = (
+            {} if config.enable_thinking is None else {"enable_thinking": config.enable_thinking}
+        )
+        # The generator adds the tokenizer's BOS id itself, so the template's text goes.
+        task = with_chat_template(
+            task, template, system=config.system_prompt, strip_bos=True, **thinking
+        )
+    elif config.system_prompt is not None:
+        task = with_system_prompt(task, config.system_prompt)
+    return task
+
+
+def data_sources(task, data_dir) -> tuple[Any, Any]:
+    """The task's train and test splits. With several processes, process 0 prepares them
+    first (tfds builds a dataset once per directory) and the others then read them."""
+
+    def load():
+        return (
+            task.data_source("train", data_dir=data_dir),
+            task.data_source("test", data_dir=data_dir),
+        )
+
+    if processes.is_primary():
+        sources = load()
+        processes.barrier("gac_jax.train: data prepared")
+        return sources
+    processes.barrier("gac_jax.train: data prepared")
+    return load()
+
+
+def build_generator(
+    config: TrainConfig, graphdef, sampler, task, examples, tokenizer, placement, latest_params
+) -> TaskGroupGenerator:
+    """The run's rollout generator: groups of `config.generation` on `placement`'s devices,
+    taking newer params between decode chunks when `rollout.inflight_updates`."""
+    return TaskGroupGenerator(
+        graphdef,
+        sampler,
+        task,
+        examples,
+        tokenizer,
+        config.generation,
+        placement=placement,
+        latest_params=latest_params if config.rollout.inflight_updates else None,
+        chunk_steps=config.rollout.inflight_chunk_steps,
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class ActorGenerator:
+    """Picklable factory run inside each Ray rollout actor: the run's `TaskGroupGenerator`
+    on the actor's local devices (tensor-parallel by `rollout.tensor_parallel`), and the
+    function that places a host copy of the params there. The model is built abstract:
+    the learner sends every version's params, so only its layout is needed here."""
+
+    config: TrainConfig
+
+    def __call__(self) -> tuple[TaskGroupGenerator, Any]:
+        c = self.config
+        task = build_task(c)
+        examples = task.data_source("train", data_dir=c.data_dir)
+        mesh = rollout_mesh(jax.local_devices(), c.rollout.tensor_parallel)
+        model, tokenizer = build_model(c, mesh, abstract=True)
+        sampler = make_sampler(model.config, tokenizer, c.generation)
+        placement = RolloutPlacement(mesh, mesh)
+        graphdef = nnx.graphdef(model)
+        generator = build_generator(
+            c, graphdef, sampler, task, examples, tokenizer, placement, None
+        )
+        return generator, placement.to_rollout
+
+
+def build_ray_pool(config: TrainConfig):
+    """`rollout.backend=ray`: `rollout.num_workers` actor processes on the Ray cluster
+    `RAY_ADDRESS` names, or on a new local one (`LocalRayCluster`, started from a clean
+    interpreter so no Python runs in a fork of this JAX process, stopped at exit)."""
+    import atexit
+
+    import ray
+
+    from gac_jax.rollout.ray_cluster import LocalRayCluster
+    from gac_jax.rollout.ray_rollouts import RayRolloutPool
+
+    if not ray.is_initialized():
+        if "RAY_ADDRESS" in os.environ:
+            ray.init(address=os.environ["RAY_ADDRESS"])
+        else:
+            cluster = LocalRayCluster().start()
+            atexit.register(cluster.stop)  # Runs after Ray's own shutdown (atexit is LIFO).
+            cluster.connect()
+    env = {name: os.environ[name] for name in INHERITED_ENV if name in os.environ}
+    gpus = config.rollout.actor_gpus
+    return RayRolloutPool(
+        ActorGenerator(config),
+        config.rollout.num_workers,
+        on_actor_failure=config.rollout.on_actor_failure,
+        actor_options={"num_gpus": gpus} if gpus else None,
+        env=env,
+    )

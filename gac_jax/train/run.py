@@ -1,0 +1,329 @@
+"""A run: everything a `TrainConfig` builds, and what it does between the loop's hooks.
+
+`build_run(config)` is the one builder: the training loop, `plan` (`abstract=True`: no
+weight is made, only shapes, dtypes and shardings), `eval` and `export-hf` all build
+through it, so what `plan` reports is the run that will happen (LoRA, split devices).
+
+A `Run` publishes its params as a version, takes the step's batch from its rollout source,
+updates, evaluates, and saves or restores its state. Saved at a step: the learner's params
+and optimizer state (a LoRA run's adapters only: its frozen base is rebuilt from `init` as
+the run first built it), the ParamStore's history (the policies the sampler ran, merged in
+a LoRA run, on the learner's shardings, whatever devices the sampler uses), and JSON
+metadata: the next step, the config hash, and each learner process's rollout source state
+(group numbering, buffer accounting). Never saved from non-finite state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from gac_jax import models
+from gac_jax.learner import GRPOLearner, TrainBatch
+from gac_jax.models.lora import Policy
+from gac_jax.rollout import (
+    ParamStore,
+    PromptOrder,
+    TaskGroupGenerator,
+    collate,
+    make_sampler,
+    make_source,
+    store_history,
+)
+from gac_jax.rollout.placement import RolloutPlacement
+from gac_jax.train import build, config_io, processes
+from gac_jax.train.checkpoint import CheckpointManager
+from gac_jax.train.config import TrainConfig, require_init
+from gac_jax.train.evaluation import evaluate_policy
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class Run:
+    """Everything `build_run` makes of a config, and the run's behaviour between hooks.
+
+    `start` makes the rollout source (and the Ray actors of `rollout.backend=ray`); `step`
+    trains one step; `evaluate`, `save`, `restore` and `load` do what they say; `close`
+    stops the rollout side. With `abstract`, `train_examples` and `test_examples` are None.
+    """
+
+    config: TrainConfig
+    task: Any
+    train_examples: Any
+    test_examples: Any
+    tokenizer: Any
+    learner: GRPOLearner
+    policy: Policy  # What the sampler runs (a LoRA run's merged decoder).
+    sampler: models.Sampler
+    generator: TaskGroupGenerator
+    store: ParamStore
+    placement: RolloutPlacement
+    source: Any = None  # The rollout source (`start`).
+    rollout_pool: Any = None  # The Ray actors of `rollout.backend=ray` (`start`).
+
+    def start(self, resume_from: dict | None = None) -> None:
+        """Makes the rollout source (sync, lagged or async, by `rollout.mode`);
+        `resume_from` is the source state a checkpoint recorded."""
+        c = self.config
+        generator = self.generator
+        if c.rollout.mode == "async" and c.rollout.backend == "ray":
+            self.rollout_pool = generator = build.build_ray_pool(c)
+        self.source = make_source(
+            c.rollout,
+            c.buffer,
+            generator,
+            self.store,
+            PromptOrder(len(self.train_examples), seed=c.seed),
+            seed=c.seed,
+            resume_from=resume_from,
+            process_index=jax.process_index(),
+            num_processes=jax.process_count(),
+        )
+
+    def publish(self, version: int) -> None:
+        """Publishes the current policy as `version` (once), a copy on the sampler's
+        devices (the learner donates its own to the next step)."""
+        latest = self.store.latest_version
+        if latest is None or latest < version:
+            self.store.publish(self.placement.to_rollout(self.policy.params()), version)
+
+    def step(self, step: int) -> tuple[dict[str, Any], list]:
+        """Publishes version `step`, takes its batch and updates; returns the metrics (with
+        the per-update records under "updates") and the batch's rollouts."""
+        self.publish(step)
+        started = time.monotonic()
+        rollouts = self.source.next_batch(step)
+        waited = time.monotonic() - started
+        batch = TrainBatch(**collate(rollouts, self.config.generation.prompt_length))
+        started = time.monotonic()
+        metrics = self.learner.step(batch, step)
+        train_seconds = time.monotonic() - started
+        tokens = sum(int(r.completion_mask.sum()) for r in rollouts)
+        generate = sum(r.generate_seconds for r in rollouts)
+        stats = self.source.stats()
+        metrics.update(
+            generated_tokens=float(tokens),
+            generate_tokens_per_s=tokens / generate if generate > 0 else float("nan"),
+            wait_seconds=waited,
+            train_tokens_per_s=float(np.sum(batch.loss_mask)) / max(train_seconds, 1e-9),
+            buffer_depth=stats.depth,
+            buffer_dropped=stats.dropped,
+        )
+        if self.rollout_pool is not None:
+            metrics["rollout_actor_replacements"] = self.rollout_pool.replacements
+        return metrics, rollouts
+
+    def evaluate(self, key, prefix: str = "eval/") -> dict[str, float]:
+        """Held-out evaluation of the current policy as configured (`eval_size` problems,
+        `eval_samples` samples each), with keys prefixed `prefix`."""
+        c = self.config
+        params = self.policy.params()
+        if not self.placement.shared:  # Sample on the rollout devices (process-local).
+            params = self.placement.to_rollout(params)
+        scores = evaluate_policy(
+            self.policy.graphdef,
+            params,
+            self.sampler,
+            self.task,
+            self.test_examples,
+            self.tokenizer,
+            prompt_length=c.generation.prompt_length,
+            num_problems=c.eval_size,
+            num_samples=c.eval_samples,
+            key=key,
+            stop=c.generation.stop,
+        )
+        return {f"{prefix}{k}": v for k, v in scores.items()}
+
+    def _state(self) -> dict[str, Any]:
+        like = self.policy.like()
+        history = {
+            str(v): self.placement.to_learner(self.store.get(v), like)
+            for v in self.store.versions()
+        }
+        return {
+            "params": self.learner.params,
+            "opt_state": self.learner.opt_state,
+            "history": history,
+        }
+
+    def _target(self, versions) -> dict[str, Any]:
+        """The restore target of a checkpoint holding the store's `versions`."""
+        return {
+            "params": self.learner.params,
+            "opt_state": self.learner.opt_state,
+            "history": {str(v): self.policy.like() for v in versions},
+        }
+
+    def save(self, checkpoints: CheckpointManager, next_step: int) -> None:
+        """Saves what resuming at `next_step` needs: params, optimizer, the store's history,
+        the rollout source's state. Never from non-finite state: that would poison every
+        resume."""
+        state = self._state()
+        if not _all_finite(state):
+            raise FloatingPointError(
+                f"step {next_step}: params or optimizer state are not finite; no checkpoint "
+                "written (the last one is kept)."
+            )
+        metadata = {
+            "next_step": next_step,
+            "seed": self.config.seed,
+            "config_hash": config_io.resume_hash(self.config),
+            "store_versions": self.store.versions(),
+            "data_position": next_step * self.config.rollout.groups_per_batch,
+            # One state per learner process (each has its own group numbering).
+            "rollout_states": processes.allgather_json(self.source.state()),
+        }
+        checkpoints.save(next_step, state, metadata)
+
+    def restore(self, checkpoints: CheckpointManager, out_dir: Path) -> tuple[int, dict | None]:
+        """Restores params, optimizer and the store's history from the newest checkpoint;
+        returns the next step and the rollout source's recorded state (for `start`)."""
+        metadata = checkpoints.read_metadata()
+        _check_resumable(self.config, metadata, out_dir)
+        versions = metadata["store_versions"]
+        restored = checkpoints.restore(target=self._target(versions)).state
+        self.learner.params = restored["params"]
+        self.learner.opt_state = restored["opt_state"]
+        for v in versions:
+            self.store.publish(self.placement.to_rollout(restored["history"][str(v)]), v)
+        return int(metadata["next_step"]), _own_rollout_state(metadata)
+
+    def load(self, checkpoint_dir: str | os.PathLike, step: int | None = None) -> int:
+        """Loads a checkpoint's params (for evaluation and export); returns its step.
+
+        `checkpoint_dir` is a run directory, its `checkpoints/` folder or one step's folder;
+        `step` picks a step (the newest if None)."""
+        path, step = _step_directory(Path(checkpoint_dir), step)
+        with CheckpointManager(path, read_only=True) as checkpoints:
+            if step is not None and step not in checkpoints.steps():
+                raise ValueError(
+                    f"no checkpoint of step {step} in {str(path)!r}; steps: {checkpoints.steps()}."
+                )
+            versions = checkpoints.read_metadata(step)["store_versions"]
+            restored = checkpoints.restore(step, target=self._target(versions))
+        self.learner.params = restored.state["params"]
+        return restored.step
+
+    def close(self) -> None:
+        """Stops the rollout source and the Ray actors (if any)."""
+        if self.source is not None:
+            self.source.close()
+        if self.rollout_pool is not None:
+            self.rollout_pool.close()
+
+
+def build_run(config: TrainConfig, *, abstract: bool = False) -> Run:
+    """Builds the task, model, learner, sampler and generator of a run.
+
+    `abstract`: the same run without weights or data (params and optimizer state are
+    `jax.ShapeDtypeStruct`s with their shardings; the splits are None), for `plan`."""
+    config.validate()
+    if not abstract:
+        require_init(config)  # Before the data and the model are built.
+    task = build.build_task(config)
+    train_examples, test_examples = (
+        (None, None) if abstract else build.data_sources(task, config.data_dir)
+    )
+    mesh, placement = build.build_meshes(config)
+    model, tokenizer = build.build_model(config, mesh, abstract=abstract)
+    if not abstract:  # The abstract model has both already.
+        model = build.add_lora(config, models.with_compute(model, config.compute))
+    learner = build.build_learner(config, model, mesh)
+    sampler = make_sampler(model.config, tokenizer, config.generation)
+    store = ParamStore(history=store_history(config.rollout, config.buffer))
+    policy = Policy(learner)
+    generator = build.build_generator(
+        config, policy.graphdef, sampler, task, train_examples, tokenizer, placement, store.latest
+    )
+    return Run(
+        config,
+        task,
+        train_examples,
+        test_examples,
+        tokenizer,
+        learner,
+        policy,
+        sampler,
+        generator,
+        store,
+        placement,
+    )
+
+
+def load_checkpoint(
+    config: TrainConfig, checkpoint_dir: str | os.PathLike, *, step: int | None = None
+) -> tuple[Run, int]:
+    """The run of `config` holding a checkpoint's params, and the checkpoint's step (see
+    `Run.load` for the arguments)."""
+    run = build_run(config)
+    return run, run.load(checkpoint_dir, step)
+
+
+def evaluate_checkpoint(
+    config: TrainConfig, checkpoint_dir: str | os.PathLike, *, step: int | None = None
+) -> dict:
+    """Held-out evaluation of a checkpoint (see `Run.load` for the arguments)."""
+    run, step = load_checkpoint(config, checkpoint_dir, step=step)
+    scores = run.evaluate(jax.random.key(config.seed + 2))
+    scores["step"] = step
+    return scores
+
+
+def _all_finite(tree) -> bool:
+    leaves = [x for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
+    # One program (one set of collectives on every process, not one per leaf).
+    finite = jax.jit(lambda xs: jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in xs])))(leaves)
+    # Replicated on every device; read this process's copy (multi-process safe).
+    return bool(np.asarray(finite.addressable_shards[0].data))
+
+
+def _check_resumable(config: TrainConfig, metadata: dict, out_dir: Path) -> None:
+    if metadata.get("config_hash") == config_io.resume_hash(config):
+        return
+    saved = out_dir / "config.json"
+    changed = []
+    if saved.is_file():
+        old = json.loads(saved.read_text())
+        changed = [k for k, _, _ in config_io.config_diff(old, config)]
+        changed = [k for k in changed if k.split(".")[0] not in config_io.RESUMABLE_FIELDS]
+    fields = f" ({', '.join(changed)} changed)" if changed else ""
+    raise ValueError(
+        f"the checkpoint in {str(out_dir)!r} was written by a different config{fields}; "
+        f"only {', '.join(config_io.RESUMABLE_FIELDS)} may change on resume."
+    )
+
+
+def _own_rollout_state(metadata: dict) -> dict | None:
+    """This process's rollout source state in a checkpoint's metadata (None in
+    checkpoints that predate it)."""
+    states = metadata.get("rollout_states")
+    if states is None:
+        return metadata.get("rollout_state")  # Written before multi-process runs.
+    if len(states) != jax.process_count():
+        raise ValueError(
+            f"the checkpoint was written by {len(states)} learner processes; resume it with "
+            f"as many, not {jax.process_count()}."
+        )
+    return states[jax.process_index()]
+
+
+def _step_directory(path: Path, step: int | None) -> tuple[Path, int | None]:
+    """(checkpoints directory, step) for a run dir, a checkpoints dir or a step dir."""
+    if (path / "checkpoints").is_dir():
+        return path / "checkpoints", step
+    if path.name.isdigit() and path.is_dir() and not (path / "checkpoints").exists():
+        if step is not None and step != int(path.name):
+            raise ValueError(f"--step {step} contradicts the step directory {str(path)!r}.")
+        return path.parent, int(path.name)
+    return path, step

@@ -1,6 +1,6 @@
-"""`GRPOLearner`: the GRPO step (`make_train_step`) on a `ShardedLearner`, and its config:
-token-budget micro-batches, PPO mini-batches and epochs, the frozen reference policy, and
-the guard against runs of non-finite updates."""
+"""`GRPOLearner`: the GRPO step (`make_train_step`, set by a `LearnerConfig`) on a
+`ShardedLearner`: token-budget micro-batches, PPO mini-batches and epochs, the frozen
+reference policy, and the guard against runs of non-finite updates."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from jax.sharding import PartitionSpec as P
 from gac_jax.learner.batch import TrainBatch
 from gac_jax.learner.learner import BATCH_AXES, ShardedLearner, _is_abstract, _with_shardings
 from gac_jax.learner.objective import LossConfig, Objective
-from gac_jax.learner.step import make_train_step
+from gac_jax.learner.step import LearnerConfig, make_train_step
 from gac_jax.learner.token_budget import budget_micro_batches, trim_padding, used_columns
 from gac_jax.models.sharding import ShardingRules
 
@@ -34,90 +34,6 @@ class NonFiniteStepError(RuntimeError):
     Each was skipped (params and optimizer state untouched), so the learner's state is that
     of the last finite step and safe to checkpoint; the run cannot make progress, though.
     """
-
-
-@dataclasses.dataclass(frozen=True)
-class LearnerConfig:
-    """How the learner runs the step (the objective itself is a `LossConfig`).
-
-    Attributes:
-      micro_batches: gradient accumulation: the batch is split into this many chunks, whose
-        gradients are summed exactly (`make_train_step`); it must divide the batch.
-      max_consecutive_nonfinite: a step with a non-finite loss, gradient or update is
-        skipped (`make_train_step`); this many skipped in a row raise `NonFiniteStepError`.
-      logits_chunk_size: the step never materialises the logits [B, T, V]: log-probs and
-        entropies are computed this many positions at a time, in the forward and the
-        backward pass (`gac_jax.models.chunked_logprobs`), so the logits take
-        B x logits_chunk_size x V float32s at a time. Any value gives the same result;
-        smaller saves memory, larger means fewer, bigger matmuls.
-      max_tokens_per_micro_batch: None, or a token budget per device: each batch is first
-        trimmed to the columns its rows use (rounded up to a multiple of 64), then split
-        into the fewest micro-batches (at least `micro_batches`) whose rows on one device
-        hold at most this many padded tokens (`gac_jax.learner.token_budget`). A batch of
-        short completions then runs in few micro-batches and one long completion does not
-        set the memory of every batch; the step compiles once per width and count met.
-      mini_batches: optimizer steps per pass over a rollout batch (PPO's mini-batches,
-        verl's ``ppo_mini_batch_size`` as a count); each is split into `micro_batches`.
-      epochs: passes over each rollout batch (PPO's ``ppo_epochs``). With
-        ``mini_batches x epochs`` > 1, decoupled PPO's proximal policy is the params before
-        the batch's first update, and the metrics hold one record per optimizer step.
-      shuffle: shuffle the rows before each pass (a key from `shuffle_seed`, the learner
-        version and the epoch), as verl and AReaL do; False keeps the batch's order.
-      shuffle_seed: the shuffling key's seed.
-      reference_offload: keep the frozen reference policy (a KL penalty, `tb`) in host
-        memory between uses; it is copied to the devices for the batch's one reference
-        pass. Saves a params-sized buffer per device, costs one transfer per batch.
-      noise_scale: log each update's gradient noise scale estimate (`noise/grad_sq`,
-        `noise/trace`, `noise/b_simple`, `noise/batch_size`: McCandlish et al.'s two
-        batch sizes, from the micro-batches and the whole mini-batch); needs
-        micro_batches >= 2.
-      policy_change: log how far each batch's updates moved the policy on its tokens
-        (`policy_change/kl`, `policy_change/log_ratio_sq`; one or two more forward passes).
-    """
-
-    micro_batches: int = 1
-    max_consecutive_nonfinite: int = 3
-    logits_chunk_size: int = 512
-    max_tokens_per_micro_batch: int | None = None
-    mini_batches: int = 1
-    epochs: int = 1
-    shuffle: bool = True
-    shuffle_seed: int = 0
-    reference_offload: bool = False
-    noise_scale: bool = False
-    policy_change: bool = False
-
-    @property
-    def updates_per_batch(self) -> int:
-        """Optimizer steps per rollout batch."""
-        return self.mini_batches * self.epochs
-
-    def validate(self) -> None:
-        """Raises ValueError naming a bad field."""
-        for name in ("micro_batches", "mini_batches", "epochs"):
-            m = getattr(self, name)
-            if isinstance(m, bool) or not isinstance(m, int) or m < 1:
-                raise ValueError(f"{name}={m!r} must be an int >= 1.")
-        for name in ("shuffle", "reference_offload", "noise_scale", "policy_change"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name}={getattr(self, name)!r} must be true or false.")
-        seed = self.shuffle_seed
-        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-            raise ValueError(f"shuffle_seed={seed!r} must be an int >= 0.")
-        if self.noise_scale and self.micro_batches < 2:
-            raise ValueError(
-                "noise_scale=true compares micro-batch gradients with the whole one: it needs "
-                f"micro_batches >= 2, got {self.micro_batches}."
-            )
-        k = self.max_consecutive_nonfinite
-        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-            raise ValueError(f"max_consecutive_nonfinite={k!r} must be an int >= 1.")
-        c = self.logits_chunk_size
-        if isinstance(c, bool) or not isinstance(c, int) or c < 1:
-            raise ValueError(f"logits_chunk_size={c!r} must be an int >= 1.")
-        b = self.max_tokens_per_micro_batch
-        if b is not None and (isinstance(b, bool) or not isinstance(b, int) or b < 1):
-            raise ValueError(f"max_tokens_per_micro_batch={b!r} must be an int >= 1 or null.")
 
 
 class GRPOLearner(ShardedLearner):
@@ -152,12 +68,7 @@ class GRPOLearner(ShardedLearner):
         reference: nnx.Module | None = None,
     ):
         self.config = LearnerConfig() if config is None else config
-        self.config.validate()
         self.objective = Objective(LossConfig() if loss is None else loss)
-        self.micro_batches = self.config.micro_batches
-        self.max_consecutive_nonfinite = self.config.max_consecutive_nonfinite
-        self.logits_chunk_size = self.config.logits_chunk_size
-        self.max_tokens_per_micro_batch = self.config.max_tokens_per_micro_batch
         self.consecutive_nonfinite = 0
         # Learner versions of the last finite step and of the first of the skipped run.
         self._last_finite_step: int | None = None
@@ -166,20 +77,13 @@ class GRPOLearner(ShardedLearner):
             make_train_step,
             nnx.graphdef(model),
             tx,
-            loss,
-            logits_chunk_size=self.logits_chunk_size,
-            mini_batches=self.config.mini_batches,
-            epochs=self.config.epochs,
-            shuffle=self.config.shuffle,
-            seed=self.config.shuffle_seed,
-            place_reference=self._reference_to_devices,
-            shard_rows=self._shard_rows,
-            noise_scale=self.config.noise_scale,
-            policy_change=self.config.policy_change,
+            self.objective.config,
+            config=self.config,
+            row_sharding=NamedSharding(mesh, P(BATCH_AXES)),
         )
-        step = self._make_step(micro_batches=self.micro_batches)
+        step = self._make_step()  # Validates the config, with the loss.
         super().__init__(model, tx, mesh, step, num_extra=2, rules=rules, trainable=trainable)
-        self._steps = {self.micro_batches: self._step}  # By micro-batch count.
+        self._steps = {self.config.micro_batches: self._step}  # By micro-batch count.
         self.reference = self._place_reference(reference, trainable)
 
     def _place_reference(self, reference, trainable):
@@ -200,16 +104,6 @@ class GRPOLearner(ShardedLearner):
             return _with_shardings(state, shardings)
         return jax.device_put(state, shardings)
 
-    def _reference_to_devices(self, reference):
-        if not self.config.reference_offload:
-            return reference
-        return jax.device_put(reference, self.param_shardings)
-
-    def _shard_rows(self, x):
-        """Keeps a per-row array split over the batch axes (after a shuffle's gather)."""
-        spec = P(BATCH_AXES, *([None] * (x.ndim - 1)))
-        return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
-
     def step_for(self, micro_batches: int):
         """The jitted step that splits a batch into `micro_batches` (compiled once)."""
         if micro_batches not in self._steps:
@@ -220,13 +114,14 @@ class GRPOLearner(ShardedLearner):
     def budget_micro_batches(self, rows: int, width: int) -> int:
         """Micro-batches for a batch of `rows` x `width` (the token budget's, or the
         configured count without a budget)."""
-        if not self.max_tokens_per_micro_batch:
-            return self.micro_batches
+        budget = self.config.max_tokens_per_micro_batch
+        if not budget:
+            return self.config.micro_batches
         return budget_micro_batches(
             rows // self.config.mini_batches,  # The rows of one optimizer step.
             width,
-            self.max_tokens_per_micro_batch,
-            minimum=self.micro_batches,
+            budget,
+            minimum=self.config.micro_batches,
             devices=self.batch_divisor,
         )
 
@@ -287,16 +182,24 @@ class GRPOLearner(ShardedLearner):
         untouched); `config.max_consecutive_nonfinite` of them in a row raise
         `NonFiniteStepError`.
         """
-        micro_batches = self.micro_batches
+        micro_batches = self.config.micro_batches
         placed = (
             isinstance(batch.tokens, jax.Array) and batch.tokens.sharding == self.batch_sharding
         )
-        if self.max_tokens_per_micro_batch and not placed:
+        if self.config.max_tokens_per_micro_batch and not placed:
             batch, micro_batches = self._fit_budget(batch)
         if not placed:
             batch = self.place_batch(batch)
-        step = self.step_for(micro_batches)
-        metrics = self.run_step(batch, np.int32(learner_version), self.reference, step=step)
+        self.params, donated, kept, metrics = self.step_for(micro_batches)(
+            self.params,
+            *self._split(self.opt_state),
+            self.frozen,
+            batch,
+            np.int32(learner_version),
+            self.reference,
+        )
+        self.opt_state = self._merge(donated, kept)
+        metrics = {k: np.asarray(v).tolist() for k, v in jax.device_get(metrics).items()}
         metrics["micro_batches"] = float(micro_batches)
         updates = self._per_update(metrics, learner_version)
         for update in updates:
@@ -330,7 +233,7 @@ class GRPOLearner(ShardedLearner):
         if self.consecutive_nonfinite == 0:
             self._first_nonfinite_step = learner_version
         self.consecutive_nonfinite += 1
-        if self.consecutive_nonfinite >= self.max_consecutive_nonfinite:
+        if self.consecutive_nonfinite >= self.config.max_consecutive_nonfinite:
             kept = (
                 f"those of step {self._last_finite_step}"
                 if self._last_finite_step is not None

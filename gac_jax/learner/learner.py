@@ -159,11 +159,9 @@ class ShardedLearner:
             donate_argnums=(0, 1),
         )
 
-    def run_step(self, batch, *extra, step=None) -> dict[str, float]:
-        """One update on a placed batch (with `step`, a `compile_step` result, instead of
-        the learner's own); returns the metrics as Python floats (lists of them for
-        metrics stacked over several optimizer steps)."""
-        self.params, donated, kept, metrics = (step or self._step)(
+    def run_step(self, batch, *extra) -> dict[str, float]:
+        """One update on a placed batch; returns the metrics as Python floats."""
+        self.params, donated, kept, metrics = self._step(
             self.params, *self._split(self.opt_state), self.frozen, batch, *extra
         )
         self.opt_state = self._merge(donated, kept)

@@ -2,16 +2,18 @@
 optimizer steps (`gac_jax.learner.update`).
 
 `make_train_step` returns a pure function `(params, opt_state, batch, learner_version,
-reference=None, *, frozen=None) -> (params, opt_state, metrics)` over `nnx.State` params;
-the learner jits it with shardings and donation. Everything method-specific comes from the
-`Objective` of a `LossConfig`, which reads the registry entries of `gac_jax.objectives`.
+reference=None, *, frozen=None) -> (params, opt_state, metrics)` over `nnx.State` params,
+set by a `LearnerConfig` (which holds the rules on splitting a batch, checked once, in its
+`validate`); the learner jits it with shardings and donation. Everything method-specific
+comes from the `Objective` of a `LossConfig`, which reads the registry entries of
+`gac_jax.objectives`.
 
 Design of the PPO-style updates (verl's ``ppo_epochs`` and mini-batches, AReaL's decoupled
 PPO): before the first update, under the batch's starting params, the step computes the
 log-probs of every row (the proximal policy of decoupled PPO, and the current policy of
 VCPO's weights), the reference policy's log-probs (a KL penalty, `tb`), the rewards less an
 in-reward KL penalty, and the advantages. Then, for each of `epochs` passes, the rows are
-shuffled (a key folded from `seed`, the learner version and the epoch), split into
+shuffled (a key folded from `shuffle_seed`, the learner version and the epoch), split into
 `mini_batches` strided mini-batches, and each mini-batch is one optimizer step, its
 gradient accumulated over `micro_batches`. Per-update metrics come back stacked [U] (U =
 epochs x mini_batches); with U = 1 every metric is a scalar, as before.
@@ -26,19 +28,112 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
+from jax.sharding import NamedSharding
 
 from gac_jax import objectives
 from gac_jax.learner.batch import TrainBatch
 from gac_jax.learner.objective import LossConfig, Objective
-from gac_jax.learner.update import (  # noqa: F401 - guarded_update is part of the API
-    forward,
-    guarded_update,
-    make_update,
-    split_rows,
-    whole_batch_logp,
-)
+from gac_jax.learner.update import forward, make_update, split_rows, whole_batch_logp
 from gac_jax.models.scoring import DEFAULT_CHUNK_SIZE
 from gac_jax.numerics import masked_mean
+
+
+@dataclasses.dataclass(frozen=True)
+class LearnerConfig:
+    """How the learner runs the step (the objective itself is a `LossConfig`).
+
+    Attributes:
+      micro_batches: gradient accumulation: each mini-batch is split into this many chunks,
+        whose gradients are summed exactly, each weighted by its share of the loss's
+        normaliser; it must divide the batch. VCPO's exact gradient norms are computed one
+        micro-batch of sequences at a time (`per_example_grad_sq_norms`).
+      max_consecutive_nonfinite: a step with a non-finite loss, gradient or update is
+        skipped (`make_train_step`); this many skipped in a row raise `NonFiniteStepError`.
+      logits_chunk_size: the step never materialises the logits [B, T, V]: log-probs and
+        entropies are computed this many positions at a time, in the forward and the
+        backward pass (`gac_jax.models.chunked_logprobs`), so the logits take
+        B x logits_chunk_size x V float32s at a time. Any value gives the same result;
+        smaller saves memory, larger means fewer, bigger matmuls.
+      max_tokens_per_micro_batch: None, or a token budget per device: each batch is first
+        trimmed to the columns its rows use (rounded up to a multiple of 64), then split
+        into the fewest micro-batches (at least `micro_batches`) whose rows on one device
+        hold at most this many padded tokens (`gac_jax.learner.token_budget`). A batch of
+        short completions then runs in few micro-batches and one long completion does not
+        set the memory of every batch; the step compiles once per width and count met.
+      mini_batches: optimizer steps per pass over a rollout batch (PPO's mini-batches,
+        verl's ``ppo_mini_batch_size`` as a count); each is split into `micro_batches`.
+      epochs: passes over each rollout batch (PPO's ``ppo_epochs``). With
+        ``mini_batches x epochs`` > 1, decoupled PPO's proximal policy is the params before
+        the batch's first update, and the metrics hold one record per optimizer step.
+      shuffle: shuffle the rows before each pass (a key from `shuffle_seed`, the learner
+        version and the epoch), as verl and AReaL do; False keeps the batch's order.
+      shuffle_seed: the shuffling key's seed.
+      reference_offload: keep the frozen reference policy (a KL penalty, `tb`) in host
+        memory between uses; the step copies it to the devices for the batch's one
+        reference pass. Saves a params-sized buffer per device, costs one transfer a batch.
+      noise_scale: log each update's gradient noise scale estimate (`noise/grad_sq`,
+        `noise/trace`, `noise/b_simple`, `noise/batch_size`: McCandlish et al.'s two
+        batch sizes, from the micro-batches and the whole mini-batch); needs
+        micro_batches >= 2.
+      policy_change: log how far each batch's updates moved the policy on its tokens (a
+        forward pass after the updates, and one before them unless the objective takes it
+        anyway): ``policy_change/kl``, the mean k3 estimate of KL(pi_before || pi_after),
+        and ``policy_change/log_ratio_sq``, the mean of ``(log pi_after - log
+        pi_before)^2 / 2``. The tokens are the behaviour policy's samples, so these are the
+        change where the data lies (exact sampling estimates only for on-policy data).
+    """
+
+    micro_batches: int = 1
+    max_consecutive_nonfinite: int = 3
+    logits_chunk_size: int = 512
+    max_tokens_per_micro_batch: int | None = None
+    mini_batches: int = 1
+    epochs: int = 1
+    shuffle: bool = True
+    shuffle_seed: int = 0
+    reference_offload: bool = False
+    noise_scale: bool = False
+    policy_change: bool = False
+
+    @property
+    def updates_per_batch(self) -> int:
+        """Optimizer steps per rollout batch."""
+        return self.mini_batches * self.epochs
+
+    def validate(self, loss: LossConfig | None = None, rows: int | None = None) -> None:
+        """Raises ValueError naming a bad field; with `loss` (validated), also a loss that
+        cannot be split; with `rows`, a batch of that many sequences that cannot."""
+        for name in ("micro_batches", "mini_batches", "epochs", "max_consecutive_nonfinite"):
+            _check_int(name, getattr(self, name), 1)
+        _check_int("logits_chunk_size", self.logits_chunk_size, 1)
+        if self.max_tokens_per_micro_batch is not None:
+            _check_int("max_tokens_per_micro_batch", self.max_tokens_per_micro_batch, 1)
+        _check_int("shuffle_seed", self.shuffle_seed, 0)
+        for name in ("shuffle", "reference_offload", "noise_scale", "policy_change"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}={getattr(self, name)!r} must be true or false.")
+        if self.noise_scale and self.micro_batches < 2:
+            raise ValueError(
+                "noise_scale=true compares micro-batch gradients with the whole one: it needs "
+                f"micro_batches >= 2, got {self.micro_batches}."
+            )
+        m, k, e = self.micro_batches, self.mini_batches, self.epochs
+        spec = None if loss is None else objectives.get_policy_loss_spec(loss.policy_loss)
+        if spec is not None and spec.needs_reference and m * k * e > 1:
+            raise ValueError(
+                f"micro_batches={m}, mini_batches={k}, epochs={e}: policy_loss="
+                f"{loss.policy_loss!r} estimates each group's partition function from the "
+                "rows it is given; set all three to 1."
+            )
+        if rows is not None and rows % (m * k):
+            raise ValueError(
+                f"micro_batches={m} x mini_batches={k} must divide the batch of {rows} sequences."
+            )
+
+
+def _check_int(name: str, value, low: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{name}={value!r} must be an int >= {low}.")
 
 
 def per_example_grad_sq_norms(
@@ -111,10 +206,10 @@ def _batch_metrics(batch: TrainBatch, learner_version, adv_n) -> dict[str, jax.A
     }
 
 
-def _policy_change(forward_fn, params, batch: TrainBatch, before, parts: int, frozen):
+def _policy_change(forward_fn, params, batch: TrainBatch, before, parts: int):
     """How far the updates moved the policy on the batch's tokens (`make_train_step`)."""
     chunks = jax.tree.map(lambda x: split_rows(x, parts), batch)
-    after = whole_batch_logp(functools.partial(forward_fn, frozen=frozen), params, chunks)
+    after = whole_batch_logp(forward_fn, params, chunks)
     delta = jnp.where(batch.loss_mask, after - before, 0.0)
     return {
         "policy_change/kl": masked_mean(
@@ -125,28 +220,136 @@ def _policy_change(forward_fn, params, batch: TrainBatch, before, parts: int, fr
     }
 
 
-def _check_count(name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name}={value!r} must be an int >= 1.")
+def _needs_current(objective: Objective, config: LearnerConfig) -> bool:
+    """Whether the step computes the batch's log-probs under its starting params."""
+    if config.updates_per_batch > 1:
+        needed = objective.spec.needs_proximal
+    else:  # One update: whole-batch statistics over micro-batches read it.
+        needed = config.micro_batches > 1 and objective.spec.batch_statistics is not None
+    return needed or objective.needs_log_weights or config.policy_change
+
+
+def _prepare(
+    graphdef, objective: Objective, config: LearnerConfig, params, batch, reference, frozen
+):
+    """What the batch needs before any update: (batch, per-row inputs, current logp or None,
+    advantages [N], batch metrics)."""
+    parts, c = config.micro_batches * config.mini_batches, config.logits_chunk_size
+    forward_fn = functools.partial(forward, graphdef, logits_chunk_size=c, frozen=frozen)
+    chunks = jax.tree.map(lambda x: split_rows(x, parts), batch)
+    current = None
+    if _needs_current(objective, config):
+        current = whole_batch_logp(forward_fn, params, chunks)
+    inputs, metrics = {}, {}
+    if objective.needs_reference:
+        if config.reference_offload:  # From host memory, for this one pass.
+            reference = jax.device_put(reference, jax.memory.Space.Device)
+        inputs["reference_logp"] = whole_batch_logp(forward_fn, reference, chunks)
+        rewards, penalty = objective.penalised_rewards(
+            batch.rewards, batch.behaviour_logp, inputs["reference_logp"], batch.loss_mask
+        )
+        if objective.config.kl_penalty == "reward":
+            metrics["kl_reward_penalty"] = jnp.mean(penalty)
+        batch = dataclasses.replace(batch, rewards=rewards)
+    norms = functools.partial(  # One micro-batch of sequences at a time.
+        per_example_grad_sq_norms,
+        graphdef,
+        sequences_per_chunk=batch.tokens.shape[0] // parts,
+        logits_chunk_size=c,
+        frozen=frozen,
+    )
+    adv_n, adv_aux = _advantages(objective, params, batch, current, norms)
+    inputs["advantages"] = batch.rewards if objective.spec.takes_rewards else adv_n
+    if config.updates_per_batch > 1 and objective.spec.needs_proximal:
+        inputs["proximal_logp"] = current
+    metrics.update({f"advantage/{k}": v for k, v in adv_aux.items() if jnp.ndim(v) == 0})
+    return batch, inputs, current, adv_n, metrics
+
+
+def _passes(update, config: LearnerConfig, row_sharding, state, batch, inputs, version, frozen):
+    """`epochs` shuffled passes of `mini_batches` updates from `state` (params, optimizer
+    state); returns the new state and the metrics stacked [U]."""
+    n = batch.tokens.shape[0]
+    key = jax.random.fold_in(jax.random.key(config.shuffle_seed), version)
+
+    def shuffled(x, order):
+        if not jnp.ndim(x):
+            return x
+        x = x[order]  # Kept split over the batch's devices.
+        return x if row_sharding is None else jax.lax.with_sharding_constraint(x, row_sharding)
+
+    def one_update(state, mini):
+        params, opt_state, metrics = update(*state, *mini, frozen)
+        return (params, opt_state), metrics
+
+    def one_pass(state, epoch):
+        rows = (batch, inputs)
+        if config.shuffle:
+            order = jax.random.permutation(jax.random.fold_in(key, epoch), n)
+            rows = jax.tree.map(lambda x: shuffled(x, order), rows)
+        minis = jax.tree.map(lambda x: split_rows(x, config.mini_batches), rows)
+        return jax.lax.scan(one_update, state, minis)
+
+    state, metrics = jax.lax.scan(one_pass, state, jnp.arange(config.epochs))
+    return *state, jax.tree.map(lambda x: x.reshape((config.updates_per_batch,)), metrics)
+
+
+def _train_step(
+    graphdef,
+    tx,
+    objective: Objective,
+    config: LearnerConfig,
+    row_sharding,
+    params,
+    opt_state,
+    batch: TrainBatch,
+    learner_version,
+    reference=None,
+    *,
+    frozen=None,
+):
+    """`make_train_step`'s step, its settings bound first."""
+    config.validate(rows=batch.tokens.shape[0])
+    m, c = config.micro_batches, config.logits_chunk_size
+    update = make_update(graphdef, tx, objective, m, c, config.noise_scale)
+    batch, inputs, current, adv_n, metrics = _prepare(
+        graphdef, objective, config, params, batch, reference, frozen
+    )
+    if config.updates_per_batch == 1:
+        params, opt_state, update_metrics = update(
+            params, opt_state, batch, inputs, frozen, current
+        )
+    else:
+        params, opt_state, update_metrics = _passes(
+            update,
+            config,
+            row_sharding,
+            (params, opt_state),
+            batch,
+            inputs,
+            learner_version,
+            frozen,
+        )
+    if config.policy_change:
+        forward_fn = functools.partial(forward, graphdef, logits_chunk_size=c, frozen=frozen)
+        parts = m * config.mini_batches
+        metrics.update(_policy_change(forward_fn, params, batch, current, parts))
+    metrics = {**_batch_metrics(batch, learner_version, adv_n), **metrics, **update_metrics}
+    return params, opt_state, metrics
 
 
 def make_train_step(
     graphdef: nnx.GraphDef,
     tx: optax.GradientTransformationExtraArgs,
     loss: LossConfig | None = None,
+    config: LearnerConfig | None = None,
     *,
-    micro_batches: int = 1,
-    mini_batches: int = 1,
-    epochs: int = 1,
-    shuffle: bool = True,
-    seed: int = 0,
-    logits_chunk_size: int = DEFAULT_CHUNK_SIZE,
-    place_reference=None,
-    shard_rows=None,
-    noise_scale: bool = False,
-    policy_change: bool = False,
+    row_sharding: NamedSharding | None = None,
+    **settings,
 ):
-    """The step function (not jitted: the learner adds shardings and donation).
+    """The step function (not jitted: the learner adds shardings and donation):
+    ``step(params, opt_state, batch, learner_version, reference=None, *, frozen=None) ->
+    (params, opt_state, metrics)``.
 
     Args:
       graphdef: the model's graph definition.
@@ -154,32 +357,9 @@ def make_train_step(
         args `log_importance_weights` (per-sequence log ratio of current to behaviour) and
         `sequence_mask`.
       loss: the objective (`LossConfig()`, PPO with GRPO advantages, by default).
-      micro_batches: each mini-batch is split into this many chunks whose gradients are
-        accumulated, each weighted by its share of the loss's normaliser, so the update
-        does not depend on it. VCPO's exact gradient norms are computed one micro-batch of
-        sequences at a time (`per_example_grad_sq_norms`).
-      mini_batches: optimizer steps per pass over the batch (PPO's mini-batches).
-      epochs: passes over the batch (PPO's epochs).
-      shuffle: shuffle the rows before each pass (only matters with several mini-batches
-        or epochs).
-      seed: the shuffling key's seed.
-      logits_chunk_size: the logits [B, T, V] are never materialised: log-probs and
-        entropies are computed this many positions at a time, forward and backward
-        (`gac_jax.models.chunked_logprobs`); any value gives the same result.
-      place_reference: applied to the `reference` params inside the step (moves them from
-        host memory to the devices when the learner offloads them); None: as given.
-      shard_rows: applied to every per-row array after shuffling (the learner's sharding
-        constraint, so a shuffled batch stays split over devices); None: none.
-      noise_scale: log each update's gradient noise scale estimate (`noise/*`,
-        `noise_scale_metrics`) from its micro-batches' and its whole gradient (needs
-        micro_batches >= 2).
-      policy_change: log how far the batch's updates moved the policy, on the batch's
-        tokens (a forward pass after the updates, and one before them unless the objective
-        takes it anyway): ``policy_change/kl``, the mean k3 estimate of
-        KL(pi_before || pi_after), and ``policy_change/log_ratio_sq``, the mean of
-        ``(log pi_after - log pi_before)^2 / 2``. The tokens are the behaviour policy's
-        samples, so these are the change where the data lies (exact sampling estimates
-        only for on-policy data).
+      config: the step's settings (`LearnerConfig()` by default), validated with `loss`.
+      row_sharding: None, or the batch's sharding: per-row arrays keep it after a shuffle.
+      **settings: `LearnerConfig` fields replacing those of `config`.
 
     The step takes `reference` (the frozen reference policy's params, needed when the
     objective `needs_reference`) and `frozen` (the untrained rest of the model, merged
@@ -189,112 +369,6 @@ def make_train_step(
     bad batch and may be NaN.
     """
     objective = Objective(LossConfig() if loss is None else loss)
-    for name, value in (
-        ("micro_batches", micro_batches),
-        ("mini_batches", mini_batches),
-        ("epochs", epochs),
-        ("logits_chunk_size", logits_chunk_size),
-    ):
-        _check_count(name, value)
-    m, k = micro_batches, mini_batches
-    updates = epochs * k
-    if objective.spec.needs_reference and m * updates > 1:
-        raise ValueError(
-            f"policy_loss={objective.config.policy_loss!r} estimates each group's partition "
-            "function from the rows it is given: use micro_batches=1, mini_batches=1, epochs=1."
-        )
-    if noise_scale and m < 2:
-        raise ValueError(
-            "noise_scale compares micro-batch gradients with the whole one: it needs "
-            f"micro_batches >= 2, got {m}."
-        )
-    c = logits_chunk_size
-    forward_fn = functools.partial(forward, graphdef, logits_chunk_size=c)
-    update = make_update(graphdef, tx, objective, m, c, noise_scale)
-    place_reference = place_reference or (lambda r: r)
-    shard_rows = shard_rows or (lambda x: x)
-
-    def exact_sq_norms(params, batch: TrainBatch, frozen):
-        rows = batch.tokens.shape[0] // (m * k)  # One micro-batch of sequences at a time.
-        return per_example_grad_sq_norms(
-            graphdef, params, batch, sequences_per_chunk=rows, logits_chunk_size=c, frozen=frozen
-        )
-
-    def prepare(params, batch, reference, frozen):
-        """What the batch needs before any update: (batch, per-row inputs, current logp,
-        batch metrics)."""
-        chunks = jax.tree.map(lambda x: split_rows(x, m * k), batch)
-        current = None
-        if updates > 1:
-            needs_current = objective.spec.needs_proximal
-        else:  # One update: whole-batch statistics over micro-batches read it.
-            needs_current = m > 1 and objective.spec.batch_statistics is not None
-        needs_current = needs_current or objective.needs_log_weights or policy_change
-        if needs_current:
-            current = whole_batch_logp(functools.partial(forward_fn, frozen=frozen), params, chunks)
-        inputs, extra_metrics = {}, {}
-        if objective.needs_reference:
-            ref = functools.partial(forward_fn, frozen=frozen)
-            inputs["reference_logp"] = whole_batch_logp(ref, place_reference(reference), chunks)
-            rewards, penalty = objective.penalised_rewards(
-                batch.rewards, batch.behaviour_logp, inputs["reference_logp"], batch.loss_mask
-            )
-            if objective.config.kl_penalty == "reward":
-                extra_metrics["kl_reward_penalty"] = jnp.mean(penalty)
-            batch = dataclasses.replace(batch, rewards=rewards)
-        norms = functools.partial(exact_sq_norms, frozen=frozen)
-        adv_n, adv_aux = _advantages(objective, params, batch, current, norms)
-        inputs["advantages"] = batch.rewards if objective.spec.takes_rewards else adv_n
-        if updates > 1 and objective.spec.needs_proximal:
-            inputs["proximal_logp"] = current
-        metrics = {
-            **extra_metrics,
-            **{f"advantage/{k}": v for k, v in adv_aux.items() if jnp.ndim(v) == 0},
-        }
-        return batch, inputs, current, adv_n, metrics
-
-    def passes(params, opt_state, batch, inputs, learner_version, frozen):
-        n = batch.tokens.shape[0]
-        """`epochs` shuffled passes of `mini_batches` updates; metrics stacked [U]."""
-        key = jax.random.fold_in(jax.random.key(seed), learner_version)
-
-        def one_pass(carry, epoch):
-            rows = (batch, inputs)
-            if shuffle:
-                order = jax.random.permutation(jax.random.fold_in(key, epoch), n)
-                rows = jax.tree.map(lambda x: shard_rows(x[order]) if jnp.ndim(x) else x, rows)
-
-            def one_update(carry, mini):
-                params, opt_state = carry
-                params, opt_state, metrics = update(params, opt_state, *mini, frozen)
-                return (params, opt_state), metrics
-
-            minis = jax.tree.map(lambda x: split_rows(x, k), rows)
-            return jax.lax.scan(one_update, carry, minis)
-
-        (params, opt_state), metrics = jax.lax.scan(
-            one_pass, (params, opt_state), jnp.arange(epochs)
-        )
-        return params, opt_state, jax.tree.map(lambda x: x.reshape((updates,)), metrics)
-
-    def step(params, opt_state, batch: TrainBatch, learner_version, reference=None, *, frozen=None):
-        n = batch.tokens.shape[0]
-        if n % (m * k):
-            raise ValueError(
-                f"mini_batches x micro_batches = {k} x {m} must divide the batch of {n}."
-            )
-        batch, inputs, current, adv_n, metrics = prepare(params, batch, reference, frozen)
-        if updates == 1:
-            params, opt_state, update_metrics = update(
-                params, opt_state, batch, inputs, frozen, current
-            )
-        else:
-            params, opt_state, update_metrics = passes(
-                params, opt_state, batch, inputs, learner_version, frozen
-            )
-        if policy_change:
-            metrics.update(_policy_change(forward_fn, params, batch, current, m * k, frozen))
-        metrics = {**_batch_metrics(batch, learner_version, adv_n), **metrics, **update_metrics}
-        return params, opt_state, metrics
-
-    return step
+    config = dataclasses.replace(LearnerConfig() if config is None else config, **settings)
+    config.validate(objective.config)
+    return functools.partial(_train_step, graphdef, tx, objective, config, row_sharding)

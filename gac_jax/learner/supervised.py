@@ -15,7 +15,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from gac_jax.learner.learner import ShardedLearner
-from gac_jax.learner.step import guarded_update
+from gac_jax.learner.update import guarded_update
 from gac_jax.models import ShardingRules, per_token_logps
 from gac_jax.numerics import masked_mean
 

@@ -305,18 +305,10 @@ def _validate_across_sections(config: TrainConfig) -> None:
             "steps (steps x learner.mini_batches x learner.epochs; optimizer.decay_steps=null: "
             "the schedule lasts the run)."
         )
-    micro, mini = config.learner.micro_batches, config.learner.mini_batches
-    if config.batch_size % (micro * mini):
-        raise ValueError(
-            f"learner.mini_batches x learner.micro_batches = {mini} x {micro} must divide the "
-            f"batch of {config.batch_size} sequences (rollout.groups_per_batch x "
-            "generation.group_size)."
-        )
-    if config.loss.policy_loss == "tb" and micro * config.learner.updates_per_batch > 1:
-        raise ValueError(
-            "loss.policy_loss='tb' estimates each group's partition function from the rows "
-            "it is given: set learner.micro_batches, learner.mini_batches and learner.epochs to 1."
-        )
+    try:  # The batch is rollout.groups_per_batch x generation.group_size sequences.
+        config.learner.validate(config.loss, config.batch_size)
+    except ValueError as error:
+        raise ValueError(_in_section("learner", config.learner, error)) from None
     rollout, buffer = config.rollout, config.buffer
     if rollout.version_choice == "oldest_allowed" and buffer.stale_policy != "block":
         raise ValueError(

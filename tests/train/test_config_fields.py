@@ -47,8 +47,8 @@ def _model(built):
 
 
 def _step_arguments(built):
-    """What the learner's train step factory receives."""
-    return built["run"].learner._make_step.keywords
+    """The settings the learner's train step factory receives (its `LearnerConfig`)."""
+    return dataclasses.asdict(built["run"].learner._make_step.keywords["config"])
 
 
 def _objective(built):
@@ -170,29 +170,29 @@ FIELDS = {
         {"cap": 3.0},
         "{cup: 3.0}",
     ),
-    "learner.micro_batches": ("4", lambda b, _: b["run"].learner.micro_batches, 4, "3"),
+    "learner.micro_batches": ("4", lambda b, _: _step_arguments(b)["micro_batches"], 4, "3"),
     "learner.max_consecutive_nonfinite": (
         "5",
-        lambda b, _: b["run"].learner.max_consecutive_nonfinite,
+        lambda b, _: _step_arguments(b)["max_consecutive_nonfinite"],
         5,
         "0",
     ),
     "learner.logits_chunk_size": (
         "64",
-        lambda b, _: b["run"].learner.logits_chunk_size,
+        lambda b, _: _step_arguments(b)["logits_chunk_size"],
         64,
         "0",
     ),
     "learner.max_tokens_per_micro_batch": (
         "4096",
-        lambda b, _: b["run"].learner.max_tokens_per_micro_batch,
+        lambda b, _: _step_arguments(b)["max_tokens_per_micro_batch"],
         4096,
         "0",
     ),
     "learner.mini_batches": ("2", lambda b, _: _step_arguments(b)["mini_batches"], 2, "0"),
     "learner.epochs": ("2", lambda b, _: _step_arguments(b)["epochs"], 2, "0"),
     "learner.shuffle": ("false", lambda b, _: _step_arguments(b)["shuffle"], False, "maybe"),
-    "learner.shuffle_seed": ("7", lambda b, _: _step_arguments(b)["seed"], 7, "-1"),
+    "learner.shuffle_seed": ("7", lambda b, _: _step_arguments(b)["shuffle_seed"], 7, "-1"),
     "learner.noise_scale": (
         "true",
         lambda b, _: _step_arguments(b)["noise_scale"],

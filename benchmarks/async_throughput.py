@@ -7,9 +7,9 @@ groups of 8 completions per step so that the split learner's 6 devices divide th
 buffer staleness bound 2), four rollout settings on 8 fake CPU devices:
 
   sync             rollout.mode=sync: generate the step's batch, then train on it.
-  async shared     rollout.mode=async, rollout.devices=0: a worker thread samples on the
+  async shared     rollout.mode=async, placement.devices=0: a worker thread samples on the
                    learner's devices.
-  async split      rollout.mode=async, rollout.devices=2: the worker samples on its own 2
+  async split      rollout.mode=async, placement.devices=2: the worker samples on its own 2
                    devices, the learner trains on the other 6.
   async in-flight  async split plus rollout.inflight_updates=true,
                    rollout.inflight_chunk_steps=8: the worker swaps to a newly published
@@ -81,11 +81,11 @@ BASE = [
     f"rollout.groups_per_batch={GROUPS_PER_BATCH}",
     f"buffer.max_staleness={STALENESS}",
 ]
-SPLIT = ["rollout.mode=async", "rollout.devices=2"]
+SPLIT = ["rollout.mode=async", "placement.devices=2"]
 INFLIGHT = ["rollout.inflight_updates=true", "rollout.inflight_chunk_steps=8"]
 VARIANTS = {
     "sync": ["rollout.mode=sync"],
-    "async shared": ["rollout.mode=async", "rollout.devices=0"],
+    "async shared": ["rollout.mode=async", "placement.devices=0"],
     "async split": SPLIT,
     "async in-flight": SPLIT + INFLIGHT,
 }

@@ -11,7 +11,7 @@ import dataclasses
 
 import optax
 
-from gac_jax._validation import check_choice, check_range
+from gac_jax._validation import check_choice, check_int, check_range
 from gac_jax.transforms import ESSConfig, GACConfig, gradient_alignment_monitor
 
 # The optimizers, by their names in optax (looked up there when the chain is built).
@@ -85,12 +85,9 @@ class OptimizerConfig:
         if self.clip_norm is not None:
             check_range("clip_norm", self.clip_norm, 0.0, float("inf"), low_open=True)
         check_choice("schedule", self.schedule, SCHEDULES)
-        w = self.warmup_steps
-        if not _is_int(w) or w < 0:
-            raise ValueError(f"warmup_steps={w!r} must be an int >= 0.")
-        d = self.decay_steps
-        if d is not None and (not _is_int(d) or d < 1):
-            raise ValueError(f"decay_steps={d!r} must be an int >= 1 or null (the run's steps).")
+        w, d = self.warmup_steps, self.decay_steps
+        check_int("warmup_steps", w, 0)
+        check_int("decay_steps", d, 1, allow_none=True, note=" (None: the run's steps)")
         if d is not None and w >= d:
             raise ValueError(
                 f"warmup_steps={w} must be < decay_steps={d} (the schedule's whole length)."

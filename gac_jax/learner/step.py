@@ -31,6 +31,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from gac_jax import objectives
+from gac_jax._validation import check_bool, check_int
 from gac_jax.learner.batch import TrainBatch
 from gac_jax.learner.objective import LossConfig, Objective
 from gac_jax.learner.update import forward, make_update, split_rows, whole_batch_logp
@@ -104,14 +105,12 @@ class LearnerConfig:
         """Raises ValueError naming a bad field; with `loss` (validated), also a loss that
         cannot be split; with `rows`, a batch of that many sequences that cannot."""
         for name in ("micro_batches", "mini_batches", "epochs", "max_consecutive_nonfinite"):
-            _check_int(name, getattr(self, name), 1)
-        _check_int("logits_chunk_size", self.logits_chunk_size, 1)
-        if self.max_tokens_per_micro_batch is not None:
-            _check_int("max_tokens_per_micro_batch", self.max_tokens_per_micro_batch, 1)
-        _check_int("shuffle_seed", self.shuffle_seed, 0)
+            check_int(name, getattr(self, name), 1)
+        check_int("logits_chunk_size", self.logits_chunk_size, 1)
+        check_int("max_tokens_per_micro_batch", self.max_tokens_per_micro_batch, 1, allow_none=True)
+        check_int("shuffle_seed", self.shuffle_seed, 0)
         for name in ("shuffle", "reference_offload", "noise_scale", "policy_change"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name}={getattr(self, name)!r} must be true or false.")
+            check_bool(name, getattr(self, name))
         if self.noise_scale and self.micro_batches < 2:
             raise ValueError(
                 "noise_scale=true compares micro-batch gradients with the whole one: it needs "
@@ -129,11 +128,6 @@ class LearnerConfig:
             raise ValueError(
                 f"micro_batches={m} x mini_batches={k} must divide the batch of {rows} sequences."
             )
-
-
-def _check_int(name: str, value, low: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(f"{name}={value!r} must be an int >= {low}.")
 
 
 def per_example_grad_sq_norms(
@@ -161,8 +155,7 @@ def per_example_grad_sq_norms(
     """
     n = batch.tokens.shape[0]
     k = n if sequences_per_chunk is None else sequences_per_chunk
-    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-        raise ValueError(f"sequences_per_chunk={k!r} must be an int >= 1.")
+    check_int("sequences_per_chunk", k, 1)
 
     def sequence_logp(p, tokens, attention, loss_mask):
         one = TrainBatch(tokens[None], attention[None], loss_mask[None], *([None] * 4))

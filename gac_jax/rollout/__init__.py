@@ -25,6 +25,8 @@ from gac_jax.rollout.generation import (
     make_sampler,
 )
 from gac_jax.rollout.param_store import ParamStore
+from gac_jax.rollout.placement import PlacementConfig, RolloutPlacement
+from gac_jax.rollout.ray_cluster import LocalRayCluster, RayConfig
 from gac_jax.rollout.record import Rollout
 from gac_jax.rollout.sources import (
     ROLLOUT_MODES,
@@ -44,6 +46,10 @@ from gac_jax.rollout.worker import (
 )
 
 __all__ = [
+    "LocalRayCluster",
+    "PlacementConfig",
+    "RayConfig",
+    "RolloutPlacement",
     "evaluate_policy",
     "pass_at_k",
     "BATCH_KEYS",

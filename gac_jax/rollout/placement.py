@@ -2,9 +2,9 @@
 
 Three layouts (DESIGN.md, "Scale"):
 
-- **Shared** (`rollout_devices=0`, one process): the sampler runs on the learner's mesh.
+- **Shared** (`placement.devices=0`, one process): the sampler runs on the learner's mesh.
   Publishing copies the params (the learner donates its own to the next step).
-- **Split** (`rollout_devices=N`): every process gives the last N of its local devices to
+- **Split** (`placement.devices=N`): every process gives the last N of its local devices to
   sampling; the learner's mesh is built on the rest (`split_devices`). The sampler has its
   own mesh, ``("data", "fsdp", "tensor")`` with fsdp 1 (params sharded over `tensor`,
   replicated over `data`; prompts sharded over `data`). Publishing is one
@@ -20,6 +20,7 @@ Three layouts (DESIGN.md, "Scale"):
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -29,7 +30,31 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from gac_jax._validation import check_int
-from gac_jax.models.sharding import ShardingRules, make_mesh, state_shardings
+from gac_jax.models.sharding import MeshConfig, ShardingRules, make_mesh, state_shardings
+
+
+@dataclasses.dataclass(frozen=True)
+class PlacementConfig:
+    """Which devices sample (`RolloutPlacement.from_config`).
+
+    Attributes:
+      devices: local devices each process gives to sampling, the learner keeping the rest
+        (`split_devices`); 0 shares the learner's devices (CPU laptops).
+      tensor_parallel: devices per model replica on the sampler's mesh (split layout, and
+        each Ray actor's own devices).
+    """
+
+    devices: int = 0
+    tensor_parallel: int = 1
+
+    def validate(self) -> None:
+        """Raises ValueError naming a bad field."""
+        check_int("devices", self.devices, 0)
+        check_int("tensor_parallel", self.tensor_parallel, 1)
+        if self.devices and self.devices % self.tensor_parallel:
+            raise ValueError(
+                f"tensor_parallel={self.tensor_parallel} must divide devices={self.devices}."
+            )
 
 
 def split_devices(
@@ -42,7 +67,7 @@ def split_devices(
     learner's mesh. 0 gives the learner everything and returns no rollout devices.
     """
     devices = list(jax.devices() if devices is None else devices)
-    check_int("rollout.devices", rollout_devices, 0)
+    check_int("placement.devices", rollout_devices, 0)
     if rollout_devices == 0:
         return devices, []
     by_process: dict[int, list[jax.Device]] = {}
@@ -52,7 +77,7 @@ def split_devices(
     for process, local in by_process.items():
         if not 0 < rollout_devices < len(local):
             raise ValueError(
-                f"rollout.devices={rollout_devices} must leave the learner at least one of "
+                f"placement.devices={rollout_devices} must leave the learner at least one of "
                 f"the {len(local)} devices of process {process} (0 shares them)."
             )
         taken[process] = sorted(local, key=lambda d: d.id)[-rollout_devices:]
@@ -66,7 +91,7 @@ def rollout_mesh(devices: Sequence[jax.Device], tensor_parallel: int = 1) -> Mes
     model replica and `len(devices) // tensor_parallel` replicas."""
     if len(devices) % tensor_parallel:
         raise ValueError(
-            f"rollout.tensor_parallel={tensor_parallel} must divide the "
+            f"placement.tensor_parallel={tensor_parallel} must divide the "
             f"{len(devices)} rollout devices."
         )
     return make_mesh(len(devices) // tensor_parallel, 1, tensor_parallel, devices=devices)
@@ -85,6 +110,20 @@ class RolloutPlacement:
         (shared layout, one process only; with several processes the local devices are used).
       rules: the logical-to-mesh rules that place params on `mesh`.
     """
+
+    @classmethod
+    def from_config(cls, config: PlacementConfig, mesh: MeshConfig) -> RolloutPlacement:
+        """The placement of `config`: the learner's mesh of `mesh` on every device but this
+        process's rollout devices, and the sampler's own mesh on those (shared if none)."""
+        learner_devices, devices = split_devices(config.devices)
+        sampler_mesh = rollout_mesh(devices, config.tensor_parallel) if devices else None
+        return cls(mesh.make(learner_devices), sampler_mesh)
+
+    @classmethod
+    def local(cls, config: PlacementConfig) -> RolloutPlacement:
+        """A placement on this process's local devices alone (a Ray rollout actor's)."""
+        mesh = rollout_mesh(jax.local_devices(), config.tensor_parallel)
+        return cls(mesh, mesh)
 
     def __init__(
         self,

@@ -1,4 +1,5 @@
-"""A local Ray cluster started from a clean interpreter.
+"""The Ray side of a run: its settings (`RayConfig`), and a local cluster started from a
+clean interpreter (`LocalRayCluster`).
 
 `ray.init()` with no cluster to join starts the GCS, the raylet and Ray's agents from the
 calling process with a Python `preexec_fn`, which runs Python code in a forked child of
@@ -16,6 +17,7 @@ joining process too (a process joining by address does not turn it on by itself)
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import signal
 import socket
@@ -24,7 +26,31 @@ import sys
 import tempfile
 import time
 
+from gac_jax._validation import check_choice
+
 AUTH_MODE_VARIABLE = "RAY_AUTH_MODE"
+ON_ACTOR_FAILURE = ("replace", "stop")
+
+
+@dataclasses.dataclass(frozen=True)
+class RayConfig:
+    """The rollout actors of `rollout.backend=ray` (`RayRolloutPool`).
+
+    Attributes:
+      on_actor_failure: "replace" a dead actor and retry its groups, or "stop" the run with
+        an error naming it.
+      actor_gpus: GPUs each actor asks Ray for (0: the actors' JAX runs on whatever Ray
+        leaves them, the CPU on a GPU node).
+    """
+
+    on_actor_failure: str = "replace"
+    actor_gpus: float = 0.0
+
+    def validate(self) -> None:
+        """Raises ValueError naming a bad field."""
+        check_choice("on_actor_failure", self.on_actor_failure, ON_ACTOR_FAILURE)
+        if isinstance(self.actor_gpus, bool) or not self.actor_gpus >= 0:
+            raise ValueError(f"actor_gpus={self.actor_gpus!r} must be a number >= 0.")
 
 
 def _free_port() -> int:

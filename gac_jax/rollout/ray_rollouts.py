@@ -47,12 +47,12 @@ import ray
 
 from gac_jax._validation import check_int
 from gac_jax.rollout.buffer import RolloutBufferClosed
+from gac_jax.rollout.ray_cluster import ON_ACTOR_FAILURE
 from gac_jax.rollout.record import Rollout
 from gac_jax.rollout.worker import GenerateGroups, GroupRequest
 
 logger = logging.getLogger(__name__)
 
-ON_ACTOR_FAILURE = ("replace", "stop")
 
 #: Runs inside an actor process and returns `(generate_groups, place)`: a `GenerateGroups`
 #: for the actor's own devices, and `place(host_params) -> params`, which puts a host

@@ -26,6 +26,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
+from gac_jax._validation import check_int
 from gac_jax.rollout.buffer import BufferConfig, BufferStats, RolloutBuffer
 from gac_jax.rollout.param_store import ParamStore
 from gac_jax.rollout.record import Rollout
@@ -56,16 +57,9 @@ class RolloutConfig:
         "oldest_allowed" (with the oldest version the staleness bound allows: reproducible
         with one worker, and resumable exactly when groups_per_call divides
         groups_per_batch; needs the buffer's block policy). See `RolloutWorker`.
-      devices: local devices each process gives to sampling, the learner keeping the rest
-        (`placement.split_devices`); 0 shares the learner's devices (CPU laptops).
-      tensor_parallel: devices per model replica on the sampler's mesh (split layout).
       backend: async mode: "threads" samples in this process (on its rollout devices, or
-        the learner's); "ray" in `num_workers` Ray actor processes, each with its own
-        devices and JAX runtime (`RayRolloutPool`).
-      on_actor_failure: Ray backend: "replace" a dead actor and retry its groups, or
-        "stop" the run with an error naming it.
-      actor_gpus: Ray backend: GPUs each actor asks Ray for (0: the actors' JAX runs on
-        whatever Ray leaves them, the CPU on a GPU node).
+        the learner's: `PlacementConfig`); "ray" in `num_workers` Ray actor processes, each
+        with its own devices and JAX runtime (`RayRolloutPool`, set by `RayConfig`).
       inflight_updates: async mode: a worker swaps to a newly published version between
         decode chunks instead of finishing its call on the old one (PipelineRL); every
         token records its version, and the staleness bound applies to a group's oldest
@@ -79,11 +73,7 @@ class RolloutConfig:
     num_workers: int = 1
     groups_per_call: int = 1
     version_choice: str = "latest"
-    devices: int = 0
-    tensor_parallel: int = 1
     backend: str = "threads"
-    on_actor_failure: str = "replace"
-    actor_gpus: float = 0.0
     inflight_updates: bool = False
     inflight_chunk_steps: int = 16
 
@@ -98,28 +88,18 @@ class RolloutConfig:
             ("groups_per_batch", 1),
             ("num_workers", 1),
             ("groups_per_call", 1),
-            ("devices", 0),
-            ("tensor_parallel", 1),
             ("inflight_chunk_steps", 1),
         ):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"{name}={value!r} must be an int >= {low}.")
+            check_int(name, getattr(self, name), low)
         if self.version_choice not in VERSION_CHOICES:
             raise ValueError(
                 f"version_choice={self.version_choice!r} is unknown; expected one of "
                 f"{list(VERSION_CHOICES)}."
             )
-        if isinstance(self.actor_gpus, bool) or not self.actor_gpus >= 0:
-            raise ValueError(f"actor_gpus={self.actor_gpus!r} must be a number >= 0.")
-        for name, allowed in (
-            ("backend", ROLLOUT_BACKENDS),
-            ("on_actor_failure", ("replace", "stop")),
-        ):
-            if getattr(self, name) not in allowed:
-                raise ValueError(
-                    f"{name}={getattr(self, name)!r} is unknown; expected one of {list(allowed)}."
-                )
+        if self.backend not in ROLLOUT_BACKENDS:
+            raise ValueError(
+                f"backend={self.backend!r} is unknown; expected one of {list(ROLLOUT_BACKENDS)}."
+            )
         for name in ("backend", "inflight_updates"):
             if getattr(self, name) != getattr(RolloutConfig, name) and self.mode != "async":
                 raise ValueError(
@@ -129,10 +109,6 @@ class RolloutConfig:
             raise ValueError(
                 "inflight_updates=true samples from this process's ParamStore; it does not "
                 "work with backend='ray' yet."
-            )
-        if self.devices and self.devices % self.tensor_parallel:
-            raise ValueError(
-                f"tensor_parallel={self.tensor_parallel} must divide devices={self.devices}."
             )
 
 

@@ -15,14 +15,13 @@ import os
 from pathlib import Path
 from typing import Any
 
-import jax
 from flax import nnx
 
 from gac_jax import models
 from gac_jax.learner import GRPOLearner, make_optimizer
 from gac_jax.models.hf_checkpoint import hf_model_config
 from gac_jax.rollout import TaskGroupGenerator, make_sampler
-from gac_jax.rollout.placement import RolloutPlacement, rollout_mesh, split_devices
+from gac_jax.rollout.placement import RolloutPlacement
 from gac_jax.tasks import get_task
 from gac_jax.tasks.chat import with_chat_template, with_system_prompt
 from gac_jax.tasks.custom import GuardedReward, resolve_reward
@@ -32,17 +31,6 @@ from gac_jax.train.config import TrainConfig, require_init, run_chat_template
 # The driver's JAX settings the Ray actors inherit (so a CPU run's actors stay on the CPU,
 # with the same fake device count).
 INHERITED_ENV = ("JAX_PLATFORMS", "XLA_FLAGS")
-
-
-def build_meshes(config: TrainConfig) -> tuple[jax.sharding.Mesh, RolloutPlacement]:
-    """The learner's mesh (every device but the rollout devices) and where this process
-    samples: its own `rollout.devices` (split layout) or the learner's mesh (shared)."""
-    learner_devices, rollout_devices = split_devices(config.rollout.devices)
-    mesh = config.mesh.make(learner_devices)
-    sampler_mesh = (
-        rollout_mesh(rollout_devices, config.rollout.tensor_parallel) if rollout_devices else None
-    )
-    return mesh, RolloutPlacement(mesh, sampler_mesh)
 
 
 def _checkpoint_dir(config: TrainConfig) -> Path | None:
@@ -184,7 +172,7 @@ def build_generator(
 @dataclasses.dataclass(frozen=True)
 class ActorGenerator:
     """Picklable factory run inside each Ray rollout actor: the run's `TaskGroupGenerator`
-    on the actor's local devices (tensor-parallel by `rollout.tensor_parallel`), and the
+    on the actor's local devices (tensor-parallel by `placement.tensor_parallel`), and the
     function that places a host copy of the params there. The model is built abstract:
     the learner sends every version's params, so only its layout is needed here."""
 
@@ -194,10 +182,9 @@ class ActorGenerator:
         c = self.config
         task = build_task(c)
         examples = task.data_source("train", data_dir=c.data_dir)
-        mesh = rollout_mesh(jax.local_devices(), c.rollout.tensor_parallel)
-        model, tokenizer = build_model(c, mesh, abstract=True)
+        placement = RolloutPlacement.local(c.placement)
+        model, tokenizer = build_model(c, placement.mesh, abstract=True)
         sampler = make_sampler(model.config, tokenizer, c.generation)
-        placement = RolloutPlacement(mesh, mesh)
         graphdef = nnx.graphdef(model)
         generator = build_generator(
             c, graphdef, sampler, task, examples, tokenizer, placement, None
@@ -224,11 +211,11 @@ def build_ray_pool(config: TrainConfig):
             atexit.register(cluster.stop)  # Runs after Ray's own shutdown (atexit is LIFO).
             cluster.connect()
     env = {name: os.environ[name] for name in INHERITED_ENV if name in os.environ}
-    gpus = config.rollout.actor_gpus
+    gpus = config.ray.actor_gpus
     return RayRolloutPool(
         ActorGenerator(config),
         config.rollout.num_workers,
-        on_actor_failure=config.rollout.on_actor_failure,
+        on_actor_failure=config.ray.on_actor_failure,
         actor_options={"num_gpus": gpus} if gpus else None,
         env=env,
     )

@@ -5,7 +5,8 @@ whole: `OptimizerConfig` (the optax chain), `GACConfig` and `ESSConfig` (the
 transformations, one field per argument), `LossConfig` (the objective), `LearnerConfig`,
 `LoraConfig` (adapters that train instead of the whole model),
 `GenerationConfig` (the sampler and rollout generator), `RolloutConfig` (the source of
-batches), `BufferConfig` (the asynchronous buffer), `MeshConfig` and `ComputeConfig` (the
+batches), `PlacementConfig` (which devices sample), `RayConfig` (the Ray rollout actors),
+`BufferConfig` (the asynchronous buffer), `MeshConfig` and `ComputeConfig` (the
 model's dtypes and remat). `TrainConfig` adds
 what the loop itself uses (task, model, steps, evaluation, checkpoints) and the checks that
 span sections. `gac_jax.train.config_io` reads and writes configs (YAML, JSON, ``--set``).
@@ -21,6 +22,8 @@ from gac_jax._validation import check_int
 from gac_jax.learner import LearnerConfig, LossConfig, OptimizerConfig
 from gac_jax.models import ComputeConfig, LoraConfig, MeshConfig
 from gac_jax.rollout import BufferConfig, GenerationConfig, RolloutConfig
+from gac_jax.rollout.placement import PlacementConfig
+from gac_jax.rollout.ray_cluster import RayConfig
 from gac_jax.transforms import ESSConfig, GACConfig
 
 INIT_MODES = ("random", "warm_start")
@@ -105,6 +108,8 @@ class TrainConfig:
     lora: LoraConfig = dataclasses.field(default_factory=LoraConfig)
     generation: GenerationConfig = dataclasses.field(default_factory=GenerationConfig)
     rollout: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)
+    placement: PlacementConfig = dataclasses.field(default_factory=PlacementConfig)
+    ray: RayConfig = dataclasses.field(default_factory=RayConfig)
     buffer: BufferConfig = dataclasses.field(default_factory=BufferConfig)
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
     compute: ComputeConfig = dataclasses.field(default_factory=ComputeConfig)

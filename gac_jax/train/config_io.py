@@ -32,6 +32,14 @@ import yaml
 from gac_jax.train.config import PRESETS, TrainConfig, get_preset, preset_names
 
 _NONE = ("none", "null", "~")
+# Keys that moved or went, and what replaces them (so an old command or file gets one line).
+MOVED_KEYS = {
+    "rollout.devices": "placement.devices",
+    "rollout.tensor_parallel": "placement.tensor_parallel",
+    "rollout.on_actor_failure": "ray.on_actor_failure",
+    "rollout.actor_gpus": "ray.actor_gpus",
+    "generation.sampler": "generation.slots (there is one sampler; slots=N refills N slots)",
+}
 _BOOLEANS = ("true", "false", "yes", "no")
 
 
@@ -56,6 +64,8 @@ def _leaf_types(tp: Any) -> tuple[Any, ...]:
 
 
 def _unknown_key(cls: type, prefix: str, name: str) -> ValueError:
+    if f"{prefix}{name}" in MOVED_KEYS:
+        return ValueError(f"'{prefix}{name}' is now {MOVED_KEYS[prefix + name]}.")
     fields = _field_types(cls)
     section = f"section '{prefix[:-1]}'" if prefix else "the top level"
     close = difflib.get_close_matches(name, list(fields), n=1)

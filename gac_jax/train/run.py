@@ -235,7 +235,8 @@ def build_run(config: TrainConfig, *, abstract: bool = False) -> Run:
     train_examples, test_examples = (
         (None, None) if abstract else build.data_sources(task, config.data_dir)
     )
-    mesh, placement = build.build_meshes(config)
+    placement = RolloutPlacement.from_config(config.placement, config.mesh)
+    mesh = placement.learner_mesh
     model, tokenizer = build.build_model(config, mesh, abstract=abstract)
     if not abstract:  # The abstract model has both already.
         model = build.add_lora(config, models.with_compute(model, config.compute))

@@ -35,6 +35,8 @@ SECTIONS = (
     "learner",
     "generation",
     "rollout",
+    "placement",
+    "ray",
     "buffer",
     "mesh",
     "compute",
@@ -245,8 +247,8 @@ FIELDS = {
         "oldest_allowed",
         "newest",
     ),
-    "rollout.devices": ("2", lambda b, _: len(b["run"].placement.devices), 2, "-1"),
-    "rollout.tensor_parallel": (
+    "placement.devices": ("2", lambda b, _: len(b["run"].placement.devices), 2, "-1"),
+    "placement.tensor_parallel": (
         "2",
         lambda b, _: b["run"].placement.mesh.shape["tensor"],
         2,
@@ -258,13 +260,13 @@ FIELDS = {
         "FakePool",
         "mpi",
     ),
-    "rollout.on_actor_failure": (
+    "ray.on_actor_failure": (
         "stop",
         lambda b, _: b["run"].rollout_pool.kwargs["on_actor_failure"],
         "stop",
         "retry",
     ),
-    "rollout.actor_gpus": (
+    "ray.actor_gpus": (
         "1",
         lambda b, _: (b["run"].rollout_pool.kwargs["actor_options"] or {}).get("num_gpus"),
         1,
@@ -311,10 +313,10 @@ CONTEXT = {
     "rollout.num_workers": ["rollout.mode=async"],
     "rollout.groups_per_call": ["rollout.mode=async"],
     "rollout.version_choice": ["rollout.mode=async"],
-    "rollout.tensor_parallel": ["rollout.devices=2"],
+    "placement.tensor_parallel": ["placement.devices=2"],
     "rollout.backend": ["rollout.mode=async"],
-    "rollout.on_actor_failure": ["rollout.mode=async", "rollout.backend=ray"],
-    "rollout.actor_gpus": ["rollout.mode=async", "rollout.backend=ray"],
+    "ray.on_actor_failure": ["rollout.mode=async", "rollout.backend=ray"],
+    "ray.actor_gpus": ["rollout.mode=async", "rollout.backend=ray"],
     "rollout.inflight_updates": ["rollout.mode=async"],
     "buffer": ["rollout.mode=async"],
     "mesh.fsdp": ["mesh.data=-1"],

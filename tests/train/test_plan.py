@@ -95,7 +95,7 @@ def test_lora_and_split_devices_change_the_plan():
     base = apply_overrides(get_preset("demo"), SMALL)
     plain = plan(base)
     lora = plan(apply_overrides(base, ["lora.rank=8"]))
-    split = plan(apply_overrides(base, ["rollout.devices=4"]))
+    split = plan(apply_overrides(base, ["placement.devices=4"]))
     assert lora["learner"]["optimizer_gib"] < plain["learner"]["optimizer_gib"]
     assert lora["learner"]["peak_gib"] != plain["learner"]["peak_gib"]
     assert split["devices"] == 4 and split["rollout_devices"] == 4 == plain["rollout_devices"] + 4

@@ -15,7 +15,7 @@ def _layout(tree):
     return jax.tree.map(lambda x: (x.shape, x.dtype, x.sharding), tree)
 
 
-@pytest.mark.parametrize("extra", [[], ["lora.rank=8"], ["rollout.devices=2"]])
+@pytest.mark.parametrize("extra", [[], ["lora.rank=8"], ["placement.devices=2"]])
 def test_the_abstract_build_has_the_real_builds_layout(extra, tmp_path):
     config = apply_overrides(get_preset("demo"), [*BASE, f"data_dir={tmp_path}", *extra])
     abstract = build_run(config, abstract=True)

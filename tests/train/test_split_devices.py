@@ -1,4 +1,4 @@
-"""Split devices on one host (`rollout.devices=N`): the sampler on its own N devices, the
+"""Split devices on one host (`placement.devices=N`): the sampler on its own N devices, the
 learner on the rest, asynchronous training between them."""
 
 import jax
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from gac_jax.learner import TrainBatch
-from gac_jax.rollout import GenerationConfig, RolloutConfig
+from gac_jax.rollout import GenerationConfig, PlacementConfig, RolloutConfig
 from gac_jax.rollout.placement import RolloutPlacement, rollout_mesh, split_devices
 from gac_jax.train import loop
 from gac_jax.train import run as run_lib
@@ -25,7 +25,7 @@ def test_split_devices_takes_the_last_local_devices():
     learner, rollout = split_devices(2)
     assert rollout == devices[-2:] and learner == devices[:-2]
     assert split_devices(0) == (devices, [])
-    with pytest.raises(ValueError, match="rollout.devices=8 must leave the learner"):
+    with pytest.raises(ValueError, match="placement.devices=8 must leave the learner"):
         split_devices(8)
     with pytest.raises(ValueError, match="tensor_parallel=3 must divide the 2 rollout devices"):
         rollout_mesh(devices[-2:], tensor_parallel=3)
@@ -72,7 +72,8 @@ def test_async_training_on_split_devices(tmp_path, digit_task, monkeypatch):
         eval_size=2,
         eval_samples=2,
         checkpoint_every=4,
-        rollout=RolloutConfig(mode="async", groups_per_batch=3, devices=2),
+        rollout=RolloutConfig(mode="async", groups_per_batch=3),
+        placement=PlacementConfig(devices=2),
         generation=GenerationConfig(group_size=2, prompt_length=12, max_new_tokens=5),
     )
     config = apply_overrides(config, ["buffer.max_staleness=1"])

@@ -237,3 +237,23 @@ def test_a_bare_string_for_a_sequence_field_is_one_item():
     assert config.lora.targets == ("q_proj",)
     config = apply_overrides(TrainConfig(), ['generation.stop=["a", "</b>"]'])
     assert config.generation.stop == ("a", "</b>")
+
+
+@pytest.mark.parametrize(
+    ("old", "new"),
+    [
+        ("rollout.devices=2", "placement.devices"),
+        ("rollout.tensor_parallel=2", "placement.tensor_parallel"),
+        ("rollout.on_actor_failure=stop", "ray.on_actor_failure"),
+        ("rollout.actor_gpus=1", "ray.actor_gpus"),
+        ("generation.sampler=refill", "generation.slots"),
+    ],
+)
+def test_a_moved_key_names_its_replacement(old, new):
+    with pytest.raises(ValueError, match=rf"^'{old.split('=')[0]}' is now {new}") as error:
+        apply_overrides(TrainConfig(), [old])
+    assert "\n" not in str(error.value)
+    # A file with the old key says the same.
+    section, key = old.split("=")[0].split(".")
+    with pytest.raises(ValueError, match=f"is now {new}"):
+        config_from_dict({section: {key: 2}})

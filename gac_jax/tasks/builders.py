@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import fcntl
 import logging
 import random
 from collections.abc import Callable, Hashable, Iterator, Sequence
@@ -35,6 +34,7 @@ import numpy as np
 import tensorflow_datasets as tfds
 from tensorflow_datasets.text.gsm8k import gsm8k as _tfds_gsm8k
 
+from gac_jax._locks import exclusive_lock
 from gac_jax._quiet import absl_records_dropped
 from gac_jax.tasks import arithmetic, countdown
 from gac_jax.tasks.gsm8k import GSM8K_FILES
@@ -386,14 +386,8 @@ def _preparation_lock(builder: tfds.core.DatasetBuilder) -> Iterator[None]:
     if "://" in root:
         yield
         return
-    lock = Path(builder.data_dir).parent / ".prepare.lock"
-    lock.parent.mkdir(parents=True, exist_ok=True)
-    with open(lock, "a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+    with exclusive_lock(Path(builder.data_dir).parent / ".prepare.lock"):
+        yield
 
 
 def prepare_source(

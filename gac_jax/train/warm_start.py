@@ -48,6 +48,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+from gac_jax._locks import exclusive_lock
 from gac_jax._validation import check_int
 from gac_jax.learner import SupervisedLearner
 from gac_jax.learner.supervised import masked_nll, sft_loss
@@ -518,7 +519,9 @@ def ensure_warm_start(
     """The checkpoint directory of `config`'s warm start, training it if needed.
 
     The shipped checkpoint serves its own config; any other config is trained once and
-    cached under `cache_dir / config_hash(config)`.
+    cached under `cache_dir / config_hash(config)`. Processes asking for the same warm start
+    at once (a sweep's first runs) train it once: the first holds a lock on it while it
+    trains, the others wait and then load it.
 
     Args:
       config: the warm start; `WarmStartConfig()` (the shipped one) by default.
@@ -533,8 +536,11 @@ def ensure_warm_start(
     if _holds(SHIPPED_WARM_START_DIR, digest):
         return SHIPPED_WARM_START_DIR
     cached = Path(cache_dir or default_cache_dir()) / digest
-    if not _holds(cached, digest):
-        warm_start(config, cached, data_dir=data_dir)
+    if _holds(cached, digest):
+        return cached
+    with exclusive_lock(cached.parent / f".{digest}.lock"):
+        if not _holds(cached, digest):  # Not trained by another process meanwhile.
+            warm_start(config, cached, data_dir=data_dir)
     return cached
 
 

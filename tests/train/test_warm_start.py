@@ -2,6 +2,10 @@
 
 import dataclasses
 import functools
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import draccus
 import jax
@@ -218,3 +222,39 @@ def test_the_shipped_checkpoint_is_the_default_configs_and_solves_some_problems(
     assert loaded_metadata == metadata
     assert model.config.vocab_size >= tokenizer.vocab_size
     assert ensure_warm_start() == SHIPPED_WARM_START_DIR  # Served without training.
+
+
+_ENSURE = """
+import sys
+from gac_jax.train.warm_start import WarmStartConfig, ensure_warm_start
+config = WarmStartConfig(steps=3, batch_size=8, warmup_steps=1, train_examples=64,
+    eval_problems=4, eval_samples=2, eval_batch_size=8, seed=7)
+print(ensure_warm_start(config, cache_dir=sys.argv[1], data_dir=sys.argv[2]))
+"""
+
+
+@pytest.mark.slow
+def test_processes_asking_for_one_warm_start_at_once_train_it_once(tmp_path, data_dir):
+    # A sweep's first runs start together: without the lock, each trains the same warm
+    # start and all but the first fail on saving a step that is already saved.
+    repo = str(Path(__file__).resolve().parents[2])
+    env = dict(os.environ, PYTHONPATH=repo, XLA_FLAGS="--xla_force_host_platform_device_count=1")
+    children = [
+        subprocess.Popen(
+            [sys.executable, "-c", _ENSURE, str(tmp_path / "cache"), str(data_dir)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for _ in range(3)
+    ]
+    outputs = [child.communicate(timeout=300) for child in children]
+    for child, (_, err) in zip(children, outputs, strict=True):
+        assert child.returncode == 0, err[-2000:]
+    places = {out.strip().splitlines()[-1] for out, _ in outputs}
+    assert len(places) == 1
+    trained = Path(places.pop())
+    assert read_metadata(trained)["config"]["seed"] == 7
+    # Trained once: one metrics log of 3 steps, not three runs appended.
+    assert [r["step"] for r in read_metrics(trained / "sft_metrics")] == [0, 1, 2]

@@ -15,7 +15,7 @@ def _layout(tree):
     return jax.tree.map(lambda x: (x.shape, x.dtype, x.sharding), tree)
 
 
-@pytest.mark.parametrize("extra", [[], ["lora.rank=8"], ["placement.devices=2"]])
+@pytest.mark.parametrize("extra", [[], ["lora.rank=8"], ["placement.devices=4"]])
 def test_the_abstract_build_has_the_real_builds_layout(extra, tmp_path):
     config = apply_overrides(get_preset("demo"), [*BASE, f"data_dir={tmp_path}", *extra])
     abstract = build_run(config, abstract=True)
@@ -34,3 +34,12 @@ def test_the_abstract_build_has_the_real_builds_layout(extra, tmp_path):
     if "lora.rank=8" in extra:
         assert real.learner.frozen is not None and abstract.learner.frozen is not None
         assert abstract.learner.graphdef == real.learner.graphdef
+
+
+def test_a_batch_the_learners_devices_cannot_split_is_refused_before_any_rollout():
+    # 128 sequences on the 6 devices left once 2 sample: one line, at build time.
+    config = apply_overrides(get_preset("demo"), [*BASE, "placement.devices=2"])
+    with pytest.raises(
+        ValueError, match="batch of 32 sequences .* not divisible by the learner's 6"
+    ):
+        build_run(config, abstract=True)

@@ -247,7 +247,7 @@ FIELDS = {
         "oldest_allowed",
         "newest",
     ),
-    "placement.devices": ("2", lambda b, _: len(b["run"].placement.devices), 2, "-1"),
+    "placement.devices": ("4", lambda b, _: len(b["run"].placement.devices), 4, "-1"),
     "placement.tensor_parallel": (
         "2",
         lambda b, _: b["run"].placement.mesh.shape["tensor"],
@@ -313,7 +313,7 @@ CONTEXT = {
     "rollout.num_workers": ["rollout.mode=async"],
     "rollout.groups_per_call": ["rollout.mode=async"],
     "rollout.version_choice": ["rollout.mode=async"],
-    "placement.tensor_parallel": ["placement.devices=2"],
+    "placement.tensor_parallel": ["placement.devices=4"],
     "rollout.backend": ["rollout.mode=async"],
     "ray.on_actor_failure": ["rollout.mode=async", "rollout.backend=ray"],
     "ray.actor_gpus": ["rollout.mode=async", "rollout.backend=ray"],

@@ -69,10 +69,6 @@ class ShardingRules:
         """A PartitionSpec for dimensions with the given logical names."""
         return PartitionSpec(*(self.mesh_axes(name) for name in logical))
 
-    def as_flax_rules(self) -> tuple[tuple[str, MeshAxes], ...]:
-        """The rules as `(logical, mesh_axes)` pairs for `flax.nnx.logical_axis_rules`."""
-        return tuple((f.name, getattr(self, f.name)) for f in dataclasses.fields(self))
-
     # Activations. Their model dimension is not sharded: FSDP gathers weights, not inputs.
     @property
     def act_btd(self) -> PartitionSpec:

@@ -190,16 +190,8 @@ class GRPOLearner(ShardedLearner):
             batch, micro_batches = self._fit_budget(batch)
         if not placed:
             batch = self.place_batch(batch)
-        self.params, donated, kept, metrics = self.step_for(micro_batches)(
-            self.params,
-            *self._split(self.opt_state),
-            self.frozen,
-            batch,
-            np.int32(learner_version),
-            self.reference,
-        )
-        self.opt_state = self._merge(donated, kept)
-        metrics = {k: np.asarray(v).tolist() for k, v in jax.device_get(metrics).items()}
+        step = self.step_for(micro_batches)
+        metrics = self.run_step(batch, np.int32(learner_version), self.reference, step=step)
         metrics["micro_batches"] = float(micro_batches)
         updates = self._per_update(metrics, learner_version)
         for update in updates:

@@ -159,9 +159,10 @@ class ShardedLearner:
             donate_argnums=(0, 1),
         )
 
-    def run_step(self, batch, *extra) -> dict[str, float]:
-        """One update on a placed batch; returns the metrics as Python floats."""
-        self.params, donated, kept, metrics = self._step(
+    def run_step(self, batch, *extra, step=None) -> dict[str, float]:
+        """One update on a placed batch with the step (or `step`, a `compile_step`
+        result); returns the metrics as Python floats (lists for stacked ones)."""
+        self.params, donated, kept, metrics = (step or self._step)(
             self.params, *self._split(self.opt_state), self.frozen, batch, *extra
         )
         self.opt_state = self._merge(donated, kept)
@@ -189,9 +190,5 @@ class ShardedLearner:
         return self._split_leaves(self._opt_treedef.flatten_up_to(opt_state))
 
     def _merge(self, donated, kept):
-        leaves = [None] * (len(donated) + len(kept))
-        for i, leaf in zip(self._donated, donated, strict=True):
-            leaves[i] = leaf
-        for i, leaf in zip(self._kept, kept, strict=True):
-            leaves[i] = leaf
-        return self._opt_treedef.unflatten(leaves)
+        by_index = dict(zip(self._donated + self._kept, [*donated, *kept], strict=True))
+        return self._opt_treedef.unflatten([by_index[i] for i in range(len(by_index))])

@@ -106,13 +106,9 @@ class _SlotState:
     mask_rn: jax.Array  # bool [R, N]
     logps_rn: jax.Array  # f32 [R, N]
     policy_logps_rn: jax.Array  # f32 [R, N]
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class _InflightState:
-    slots: _SlotState
-    versions_rn: jax.Array  # int32 [R, N]: the params version that sampled each token; -1.
+    # int32 [R, N]: the params version that sampled each token, -1 past a row's end;
+    # in-flight sampling only (None: not recorded).
+    versions_rn: jax.Array | None = None
 
 
 @jax.tree_util.register_dataclass
@@ -145,8 +141,7 @@ def filter_logits(
       float32 [B, V].
     """
     vocab = logits_bv.shape[-1]
-    safe_temperature = jnp.where(temperature_b > 0, temperature_b, 1.0)
-    scaled = logits_bv.astype(jnp.float32) / safe_temperature[:, None]
+    scaled = _scale_logits(logits_bv, temperature_b)
     sorted_desc = jnp.flip(jnp.sort(scaled, axis=-1), axis=-1)
     k_eff = jnp.where((top_k_b > 0) & (top_k_b < vocab), top_k_b, vocab)
     rank_v = jnp.arange(vocab, dtype=jnp.int32)[None, :]
@@ -159,9 +154,8 @@ def filter_logits(
     return jnp.where(scaled >= cutoff, scaled, -jnp.inf)
 
 
-def _scale_logits(logits_bv, temperature_b, top_k_b, top_p_b):
+def _scale_logits(logits_bv, temperature_b, *unused_filters):
     """`filter_logits` when no row filters: only the temperature scaling."""
-    del top_k_b, top_p_b
     safe_temperature = jnp.where(temperature_b > 0, temperature_b, 1.0)
     return logits_bv.astype(jnp.float32) / safe_temperature[:, None]
 
@@ -317,8 +311,8 @@ class Sampler:
         self.num_traces = 0  # How often `__call__`'s program was traced (recompilations).
         self._jitted = jax.jit(self._sample)
         self._inflight_start = jax.jit(self._start_program)
-        self._inflight_chunk = jax.jit(self._chunk_program, donate_argnames="st")
-        self._inflight_compact = jax.jit(_compacted_inflight, static_argnames="width")
+        self._inflight_chunk = jax.jit(self._chunk_program, donate_argnames="s")
+        self._inflight_compact = jax.jit(_compacted, static_argnames="width")
 
     def __call__(
         self,
@@ -368,16 +362,7 @@ class Sampler:
           A `jax.stages.Lowered`: `.compile().memory_analysis()` says whether sampling
           fits without creating a weight.
         """
-        rows = prompt_tokens.shape[0]
-        per_row = tuple(
-            _per_row(name, sampling.get(name, default), rows, dtype)
-            for name, default, dtype in (
-                ("temperature", 1.0, jnp.float32),
-                ("top_k", 0, jnp.int32),
-                ("top_p", 1.0, jnp.float32),
-                ("max_new_tokens", self.max_new_tokens, jnp.int32),
-            )
-        )
+        per_row = self._per_row_arrays(prompt_tokens.shape[0], **sampling)
         return self._jitted.lower(graphdef, state, prompt_tokens, prompt_mask, key, per_row)
 
     def generate(self, model: nnx.Module, prompt_tokens, prompt_mask, key, **sampling):
@@ -457,17 +442,19 @@ class Sampler:
         rows = prompt_tokens.shape[0]
         state, version = _published(params_fn)
         st, progress = self._inflight_start(graphdef, state, prompt_tokens, prompt_mask)
-        steps, busy, next_row = (int(x) for x in jax.device_get(progress))
         remaining, refresh = chunk_steps, False
-        while busy:
+        while True:
+            steps, busy, next_row = (int(x) for x in jax.device_get(progress))
+            if not busy:
+                return _output(st, InflightSampleOutput, token_versions=st.versions_rn)
             remaining -= steps
             if remaining == 0:
                 new_state, new_version = _published(params_fn)
                 refresh = new_version != version
                 state, version, remaining = new_state, new_version, chunk_steps
-            narrower = _narrower(st.slots.row_b.shape[0])
+            narrower = _narrower(st.row_b.shape[0])
             if next_row >= rows and busy <= narrower:
-                st, steps = self._inflight_compact(st, width=narrower), 0
+                st, progress = self._inflight_compact(st, width=narrower), (0, busy, next_row)
                 continue
             st, progress = self._inflight_chunk(
                 graphdef,
@@ -482,8 +469,6 @@ class Sampler:
                 jnp.asarray(refresh),
             )
             refresh = False
-            steps, busy, next_row = (int(x) for x in jax.device_get(progress))
-        return _output(st.slots, InflightSampleOutput, token_versions=st.versions_rn)
 
     def _prepared(self, prompt_tokens, prompt_mask, temperature, top_k, top_p, max_new_tokens):
         """The call's checks and conversions: `(tokens, mask, per_row)`, with `per_row` the
@@ -491,15 +476,21 @@ class Sampler:
         prompt_tokens = jnp.asarray(prompt_tokens)
         prompt_mask = jnp.asarray(prompt_mask)
         self._check_prompts(prompt_tokens, prompt_mask)
-        rows = prompt_tokens.shape[0]
-        temperature = _per_row("temperature", temperature, rows, jnp.float32)
-        top_k = _per_row("top_k", top_k, rows, jnp.int32)
-        top_p = _per_row("top_p", top_p, rows, jnp.float32)
-        limit = self.max_new_tokens if max_new_tokens is None else max_new_tokens
-        limit = _per_row("max_new_tokens", limit, rows, jnp.int32)
-        self._check_sampling(temperature, top_k, top_p, limit, self.max_new_tokens)
-        per_row = (temperature, top_k, top_p, limit)
+        per_row = self._per_row_arrays(
+            prompt_tokens.shape[0], temperature, top_k, top_p, max_new_tokens
+        )
+        self._check_sampling(*per_row, self.max_new_tokens)
         return prompt_tokens.astype(jnp.int32), prompt_mask.astype(bool), per_row
+
+    def _per_row_arrays(self, rows, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=None):
+        """The [R] arrays `(temperature, top_k, top_p, max_new_tokens)` of a call."""
+        limit = self.max_new_tokens if max_new_tokens is None else max_new_tokens
+        return (
+            _per_row("temperature", temperature, rows, jnp.float32),
+            _per_row("top_k", top_k, rows, jnp.int32),
+            _per_row("top_p", top_p, rows, jnp.float32),
+            _per_row("max_new_tokens", limit, rows, jnp.int32),
+        )
 
     def _check_prompts(self, tokens, mask):
         if tokens.ndim != 2:
@@ -551,31 +542,26 @@ class Sampler:
         """`__call__`'s program: the first B rows prefilled, then one decode loop per width
         of the tail compaction schedule."""
         self.num_traces += 1  # Runs only while tracing.
-        rows = prompt_tokens.shape[0]
-        inputs = _Inputs(prompt_tokens, prompt_mask, _row_keys(key, rows), per_row)
-        width = self._width(rows)
-        s = self._first_slots(nnx.merge(graphdef, state), prompt_tokens, prompt_mask, width)
+        inputs = _Inputs(prompt_tokens, prompt_mask, _row_keys(key, len(prompt_tokens)), per_row)
+        s = self._first_slots(nnx.merge(graphdef, state), prompt_tokens, prompt_mask)
         no_budget = jnp.asarray(np.iinfo(np.int32).max, jnp.int32)
         while True:
-            s, _, _ = self._decode_loop(graphdef, state, s, inputs, no_budget)
-            if not _narrower(width):
+            s, _ = self._decode_loop(graphdef, state, s, inputs, no_budget)
+            if not _narrower(s.row_b.shape[0]):
                 return _output(s, SampleOutput)
-            width = _narrower(width)
-            s = _compacted(s, width)
+            s = _compacted(s, _narrower(s.row_b.shape[0]))
 
     def _start_program(self, graphdef, state, prompt_tokens, prompt_mask):
         """The first B rows prefilled (`_first_slots`), no version recorded yet."""
-        rows = prompt_tokens.shape[0]
-        model = nnx.merge(graphdef, state)
-        s = self._first_slots(model, prompt_tokens, prompt_mask, self._width(rows))
-        versions_rn = jnp.full((rows, self.max_new_tokens), -1, jnp.int32)
-        return _InflightState(slots=s, versions_rn=versions_rn), _progress(s, 0)
+        s = self._first_slots(nnx.merge(graphdef, state), prompt_tokens, prompt_mask)
+        versions_rn = jnp.full(s.tokens_rn.shape, -1, jnp.int32)
+        return dataclasses.replace(s, versions_rn=versions_rn), _progress(s, 0)
 
     def _chunk_program(
         self,
         graphdef,
         state,
-        st,
+        s,
         prompt_tokens,
         prompt_mask,
         key,
@@ -588,50 +574,47 @@ class Sampler:
         `state` (version `version`, fed again to the busy slots first if `refresh`);
         stops early where `__call__` would compact. Returns the new state and
         `_progress`."""
-        rows = prompt_tokens.shape[0]
-        inputs = _Inputs(prompt_tokens, prompt_mask, _row_keys(key, rows), per_row)
+        inputs = _Inputs(prompt_tokens, prompt_mask, _row_keys(key, len(prompt_tokens)), per_row)
 
         def refreshed(s: _SlotState) -> _SlotState:
             return self._fed_again(nnx.merge(graphdef, state), s, prompt_tokens)
 
-        s = jax.lax.cond(refresh, refreshed, lambda s: s, st.slots)
-        s, versions_rn, steps = self._decode_loop(
-            graphdef, state, s, inputs, budget, (st.versions_rn, version)
-        )
-        return _InflightState(slots=s, versions_rn=versions_rn), _progress(s, steps)
+        s = jax.lax.cond(refresh, refreshed, lambda s: s, s)
+        s, steps = self._decode_loop(graphdef, state, s, inputs, budget, version)
+        return s, _progress(s, steps)
 
-    def _decode_loop(self, graphdef, state, s: _SlotState, inputs: _Inputs, budget, versions=None):
+    def _decode_loop(self, graphdef, state, s: _SlotState, inputs: _Inputs, budget, version=None):
         """Decode steps at `s`'s width until `budget` steps are run, every row has ended,
         or no row waits and the busy slots fit the next width. The widest state refills
         the slots that end; narrower ones only follow their rows to the end.
 
         Args:
-          versions: `(versions_rn, version)` to record each sampled token's params
-            version in, or None.
+          version: the params version recorded for each sampled token in `s.versions_rn`
+            (when `s` records versions).
 
         Returns:
-          `(state, versions_rn or None, decode steps run)`.
+          `(state, decode steps run)`.
         """
         rows = inputs.prompt_tokens.shape[0]
         width = s.row_b.shape[0]
         refill = width == self._width(rows)
         narrower = _narrower(width)
-        versions_rn, version = (None, None) if versions is None else versions
 
         def cond(carry) -> jax.Array:
-            s, _, step = carry
+            s, step = carry
             busy = jnp.sum(s.row_b < rows, dtype=jnp.int32)
             return (step < budget) & (busy > 0) & ((busy > narrower) | (s.next_row < rows))
 
         def body(carry):
-            s, versions_rn, step = carry
-            if versions_rn is not None:
+            s, step = carry
+            if s.versions_rn is not None:
                 # Recorded at the pre-step (row, step), as `_decode_step` records its token.
-                versions_rn = versions_rn.at[s.row_b, s.step_b].set(version, mode="drop")
+                versions_rn = s.versions_rn.at[s.row_b, s.step_b].set(version, mode="drop")
+                s = dataclasses.replace(s, versions_rn=versions_rn)
             s = self._decode_step(nnx.merge(graphdef, state), s, inputs, refill)
-            return s, versions_rn, step + 1
+            return s, step + 1
 
-        return jax.lax.while_loop(cond, body, (s, versions_rn, jnp.zeros((), jnp.int32)))
+        return jax.lax.while_loop(cond, body, (s, jnp.zeros((), jnp.int32)))
 
     def _decode_step(self, model, s: _SlotState, inputs: _Inputs, refill: bool) -> _SlotState:
         """The one decode step: samples a token in every busy slot, records it in its row,
@@ -650,20 +633,12 @@ class Sampler:
 
         eos = jnp.asarray(self.eos_ids, jnp.int32)
         ends = jnp.any(tokens[:, None] == eos[None, :], axis=1) | (s.step_b + 1 >= limit)
-        seq_len = s.cache["key_mask"].shape[1]
-        positions_b1 = s.positions_b[:, None]
-        hidden, cache = model.hidden_states(
-            tokens[:, None],
-            positions_b1,
-            busy_b[:, None],
-            s.cache,
-            model.rope_tables(positions_b1, seq_len),
-        )
+        logits_bv, cache = _feed(model, tokens, s.positions_b, busy_b, s.cache)
         advance = busy_b.astype(jnp.int32)  # An idle slot stays where it is.
         s = dataclasses.replace(
             s,
             cache=cache | {"index": s.cache["index"] + advance},
-            logits_bv=model.logits(hidden)[:, 0],
+            logits_bv=logits_bv,
             step_b=s.step_b + advance,
             positions_b=s.positions_b + advance,
             tokens_rn=put(s.tokens_rn, tokens),
@@ -685,26 +660,19 @@ class Sampler:
         row_b = jnp.minimum(s.row_b, rows - 1)
         sampled_b = s.tokens_rn[row_b, jnp.maximum(s.step_b - 1, 0)]
         last_b = jnp.where(s.step_b > 0, sampled_b, prompt_tokens[row_b, prompt_len - 1])
-        seq_len = s.cache["key_mask"].shape[1]
-        positions_b1 = (s.positions_b - 1)[:, None]
         # Idle slots write nothing real (masked), at a position their next prefill clears.
-        hidden, cache = model.hidden_states(
-            last_b[:, None],
-            positions_b1,
-            busy_b[:, None],
-            s.cache | {"index": s.cache["index"] - 1},
-            model.rope_tables(positions_b1, seq_len),
-        )
+        back_one = s.cache | {"index": s.cache["index"] - 1}
+        logits_bv, cache = _feed(model, last_b, s.positions_b - 1, busy_b, back_one)
         return dataclasses.replace(
             s,
             cache=cache | {"index": s.cache["index"]},
-            logits_bv=jnp.where(busy_b[:, None], model.logits(hidden)[:, 0], s.logits_bv),
+            logits_bv=jnp.where(busy_b[:, None], logits_bv, s.logits_bv),
         )
 
-    def _first_slots(self, model, prompt_tokens, prompt_mask, slots: int) -> _SlotState:
+    def _first_slots(self, model, prompt_tokens, prompt_mask) -> _SlotState:
         """Rows [0, B) prefilled together into the B slots, and empty output buffers."""
         rows, prompt_len = prompt_tokens.shape
-        n = self.max_new_tokens
+        slots, n = self._width(rows), self.max_new_tokens
         cache = init_cache(self.config, slots, prompt_len + n, self.cache_dtype)
         hidden, cache = model.hidden_states(prompt_tokens[:slots], None, prompt_mask[:slots], cache)
         return _SlotState(
@@ -796,8 +764,15 @@ def _compacted(s: _SlotState, width: int) -> _SlotState:
     )
 
 
-def _compacted_inflight(st: _InflightState, width: int) -> _InflightState:
-    return dataclasses.replace(st, slots=_compacted(st.slots, width))
+def _feed(model, tokens_b, positions_b, busy_b, cache) -> tuple[jax.Array, dict]:
+    """One token per slot through `model` at the slots' own positions (idle slots
+    masked): the next-token logits [B, V] and the updated cache."""
+    positions_b1 = positions_b[:, None]
+    rope = model.rope_tables(positions_b1, cache["key_mask"].shape[1])
+    hidden, cache = model.hidden_states(
+        tokens_b[:, None], positions_b1, busy_b[:, None], cache, rope
+    )
+    return model.logits(hidden)[:, 0], cache
 
 
 def _row_keys(key: jax.Array, rows: int) -> jax.Array:

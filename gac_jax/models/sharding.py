@@ -69,10 +69,6 @@ class ShardingRules:
         """A PartitionSpec for dimensions with the given logical names."""
         return PartitionSpec(*(self.mesh_axes(name) for name in logical))
 
-    def as_flax_rules(self) -> tuple[tuple[str, MeshAxes], ...]:
-        """The rules as `(logical, mesh_axes)` pairs for `flax.nnx.logical_axis_rules`."""
-        return tuple((f.name, getattr(self, f.name)) for f in dataclasses.fields(self))
-
     # Activations. Their model dimension is not sharded: FSDP gathers weights, not inputs.
     @property
     def act_btd(self) -> PartitionSpec:
@@ -167,10 +163,6 @@ def make_mesh(
     )
 
 
-def _axis_sizes(mesh) -> dict[str, int]:
-    return dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
-
-
 def fit_spec(spec: PartitionSpec, shape: Sequence[int], mesh) -> PartitionSpec:
     """`spec` with the mesh axes a dimension cannot use removed.
 
@@ -184,7 +176,7 @@ def fit_spec(spec: PartitionSpec, shape: Sequence[int], mesh) -> PartitionSpec:
     """
     if len(spec) > len(shape):
         raise ValueError(f"PartitionSpec {spec} has more entries than shape {tuple(shape)}.")
-    sizes = _axis_sizes(mesh)
+    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
     used: set[str] = set()
     fitted = []
     for dim, entry in zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec)), strict=True):

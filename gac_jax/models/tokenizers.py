@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import os
 import string
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
@@ -263,13 +263,6 @@ def _tokenizers_package():
             "HFTokenizer needs the `tokenizers` package (pip install tokenizers)."
         ) from error
     return tokenizers
-
-
-def encode_batch(
-    tokenizer: Tokenizer, texts: Sequence[str], *, add_bos: bool = False
-) -> list[list[int]]:
-    """`tokenizer.encode` of each text (use `gac_jax.models.left_pad` to batch them)."""
-    return [tokenizer.encode(text, add_bos=add_bos) for text in texts]
 
 
 # What an id outside the tokenizer's vocabulary decodes to in model output. A model's

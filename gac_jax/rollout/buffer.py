@@ -272,11 +272,6 @@ class RolloutBuffer:
             self._closed = True
             self._lock.notify_all()
 
-    @property
-    def closed(self) -> bool:
-        with self._lock:
-            return self._closed
-
     def _check_open(self) -> None:
         if self._error is not None:
             raise RolloutWorkerError(f"a rollout worker failed: {self._error!r}") from self._error

@@ -97,10 +97,6 @@ def rollout_mesh(devices: Sequence[jax.Device], tensor_parallel: int = 1) -> Mes
     return make_mesh(len(devices) // tensor_parallel, 1, tensor_parallel, devices=devices)
 
 
-def _copy(params):
-    return jax.tree.map(jnp.copy, params)
-
-
 class RolloutPlacement:
     """Moves each published version to where the sampler runs (see the module docstring).
 
@@ -156,7 +152,7 @@ class RolloutPlacement:
         processes: every process must call this in the same order (it all-gathers).
         """
         if self.mesh is None:
-            return _copy(params)
+            return jax.tree.map(jnp.copy, params)
         if self._shardings is None:
             self._shardings = state_shardings(params, self.mesh, self._rules)
         if jax.process_count() > 1:

@@ -78,10 +78,6 @@ def _check_jsonable(metadata: dict[str, Any]) -> None:
             ) from error
 
 
-def _default_sharding() -> jax.sharding.Sharding:
-    return jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-
-
 def abstract_tree(tree, shardings=None):
     """A `jax.ShapeDtypeStruct` for every leaf of `tree`, with a sharding on each.
 
@@ -99,7 +95,9 @@ def abstract_tree(tree, shardings=None):
 
     def own_sharding(leaf):
         sharding = getattr(leaf, "sharding", None)
-        return sharding if isinstance(sharding, jax.sharding.Sharding) else _default_sharding()
+        if isinstance(sharding, jax.sharding.Sharding):
+            return sharding
+        return jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
 
     if shardings is None:
         shardings = jax.tree.map(own_sharding, tree)

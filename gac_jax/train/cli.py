@@ -47,10 +47,6 @@ def _resolve(parser: argparse.ArgumentParser, config: str, overrides: Sequence[s
         parser.error(str(e))
 
 
-def _default_out(config: str) -> Path:
-    return Path("runs") / Path(config).stem
-
-
 def _resume_config(parser, out_dir: Path, overrides: Sequence[str], resumable):
     """The run's own config with `overrides`, which may only touch `resumable` fields;
     each change is named on stderr."""
@@ -94,7 +90,7 @@ def _cmd_train(args, parser) -> int:
     if args.resume and args.out is None:
         parser.error("--resume needs --out, the run directory to continue.")
     name = args.config or "demo"
-    out_dir = Path(args.out) if args.out is not None else _default_out(name)
+    out_dir = Path(args.out) if args.out is not None else Path("runs") / Path(name).stem
     from gac_jax.train import processes
 
     try:

@@ -31,10 +31,6 @@ def _save(fig, png_path: str | os.PathLike) -> Path:
     return png_path
 
 
-def _available(records) -> list[str]:
-    return sorted({k for r in records for k in r if k != "step"})
-
-
 #: Held-out evaluations (`gac_jax.train.run.Run.evaluate`, every ``eval_every`` steps)
 #: drawn as markers on the training curve they are comparable with: the sampled reward
 #: and greedy accuracy on test problems against the batch reward, pass@1 against the batch
@@ -114,7 +110,7 @@ def run_figure(
     if not series:
         raise ValueError(
             f"None of the keys {list(keys)} is in {str(metrics_jsonl_path)!r}; "
-            f"it has {_available(records)}."
+            f"it has {sorted({k for r in records for k in r if k != 'step'})}."
         )
     fig = _figure(len(series))
     axes = fig.subplots(len(series), 1, sharex=True, squeeze=False)[:, 0]

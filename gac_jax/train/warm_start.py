@@ -34,7 +34,6 @@ its parts serve nothing else.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import os
@@ -73,7 +72,7 @@ from gac_jax.train.checkpoint import (
     read_metadata,
 )
 from gac_jax.train.config_io import config_hash, config_to_dict
-from gac_jax.train.metrics import MetricWriter, ProgressLine
+from gac_jax.train.metrics import MetricWriter, NullMetricWriter, ProgressLine
 
 __all__ = [
     "SHIPPED_WARM_START_DIR",
@@ -179,17 +178,6 @@ class WarmStartConfig(SFTConfig):
 
 
 # ------------------------------------------------------------------- supervised training
-
-
-class _NoWriter:
-    def write(self, step, metrics) -> None:
-        del step, metrics
-
-
-def _writer(metrics_dir):
-    if metrics_dir is None:
-        return contextlib.nullcontext(_NoWriter())
-    return MetricWriter(metrics_dir)
 
 
 def encode_sft_batch(
@@ -309,7 +297,8 @@ def train_sft(
     order = np.empty(0, np.int64)
     train_started = time.perf_counter()
     line = ProgressLine(config.steps, quiet=not progress, fields=(("loss", ("loss",)),))
-    with line, _writer(metrics_dir) as writer:
+    writer = NullMetricWriter() if metrics_dir is None else MetricWriter(metrics_dir)
+    with line, writer:
         for step in range(config.steps):
             # Epochs of fresh permutations, so every example is seen once per epoch.
             if len(order) < config.batch_size:

@@ -87,10 +87,6 @@ class GradientAlignmentControlState(NamedTuple):
     gac_tau_high: jax.Array  # f32 []: upper threshold in force at the last step.
 
 
-def _squared_norm(x) -> jax.Array:
-    return jnp.sum(jnp.square(jnp.asarray(x, jnp.float32)))
-
-
 def set_gac_reference(
     state: GradientAlignmentControlState, reference: optax.Updates
 ) -> GradientAlignmentControlState:
@@ -104,7 +100,7 @@ def set_gac_reference(
     old_leaves, treedef = jax.tree.flatten(state.gac_reference)
     new_leaves = treedef.flatten_up_to(reference)
     cast = [jnp.asarray(new, old.dtype) for new, old in zip(new_leaves, old_leaves, strict=True)]
-    norms = [_squared_norm(x) for x in cast]
+    norms = [jnp.sum(jnp.square(jnp.asarray(x, jnp.float32))) for x in cast]
     return state._replace(
         gac_reference=treedef.unflatten(cast),
         gac_reference_sq=jnp.stack(norms) if norms else jnp.zeros([0], jnp.float32),

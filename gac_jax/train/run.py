@@ -287,10 +287,16 @@ def evaluate_checkpoint(
     return scores
 
 
+@jax.jit
+def _finite(leaves) -> jax.Array:
+    # One program (one set of collectives on every process, not one per leaf), compiled
+    # once per run's layout rather than at every checkpoint.
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))
+
+
 def _all_finite(tree) -> bool:
     leaves = [x for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
-    # One program (one set of collectives on every process, not one per leaf).
-    finite = jax.jit(lambda xs: jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in xs])))(leaves)
+    finite = _finite(leaves)
     # Replicated on every device; read this process's copy (multi-process safe).
     return bool(np.asarray(finite.addressable_shards[0].data))
 

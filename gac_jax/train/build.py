@@ -26,7 +26,7 @@ from gac_jax.tasks import get_task
 from gac_jax.tasks.chat import with_chat_template, with_system_prompt
 from gac_jax.tasks.custom import GuardedReward, resolve_reward
 from gac_jax.train import processes
-from gac_jax.train.config import TrainConfig, require_init, run_chat_template
+from gac_jax.train.config import TrainConfig, run_chat_template
 
 # The driver's JAX settings the Ray actors inherit (so a CPU run's actors stay on the CPU,
 # with the same fake device count).
@@ -78,20 +78,18 @@ def build_model(config: TrainConfig, mesh, *, abstract: bool = False):
         )
         model, tokenizer, _ = load_warm_start(directory, mesh=mesh)
         return model, tokenizer
-    overrides = config.compute.overrides()
     if config.init == "random":
-        cfg = models.get_config(config.model, **overrides)
+        cfg = model_config(config)
         model = models.create_sharded(lambda: models.create_model(cfg, seed=config.seed), mesh)
-        return model, models.CharTokenizer()
-    require_init(config)  # A preset's checkpoint not downloaded yet.
-    path = Path(config.init)
+        return model, build_tokenizer(config)
+    path = Path(config.init)  # `build_run` has said if a preset's is not downloaded yet.
     if not (path / "config.json").is_file():
         raise ValueError(
             f"init={config.init!r} is neither 'warm_start', 'random' nor a Hugging Face "
             "checkpoint directory (with config.json)."
         )
-    model = models.load_hf_checkpoint(path, mesh=mesh, **overrides)
-    return model, models.HFTokenizer.from_directory(path)
+    model = models.load_hf_checkpoint(path, mesh=mesh, **config.compute.overrides())
+    return model, build_tokenizer(config)
 
 
 def add_lora(config: TrainConfig, model):

@@ -45,9 +45,11 @@ from gac_jax.lab.summary import (  # noqa: F401  (re-exported: a sweep's vocabul
     summarize_run,
 )
 from gac_jax.train import train
+from gac_jax.train.build import warm_start_directory
 from gac_jax.train.config import TrainConfig
 from gac_jax.train.config_io import apply_overrides, load_config, run_hash
 from gac_jax.train.metrics import markdown_table, read_metrics
+from gac_jax.train.warm_start import weights_digest
 
 SUMMARY_FILE = "summary.json"
 DEFAULT_RULE = CollapseRule()
@@ -140,6 +142,7 @@ def run_spec(
         "config_hash": digest,
         "config_steps": config.steps,
         "code": code_version(),
+        "init_weights": initial_weights(config),
         "wall_seconds": wall,
         "resumed": resumed,
         "collapse_rule": rule.describe(),
@@ -149,6 +152,16 @@ def run_spec(
     tmp.write_text(json.dumps(summary, indent=2, allow_nan=True))
     tmp.replace(path)  # Written last and atomically: its presence means the run finished.
     return summary
+
+
+def initial_weights(config: TrainConfig) -> dict[str, str] | None:
+    """The starting policy of a warm-started run: its checkpoint directory's name and the
+    SHA-256 of its parameters (`weights_digest`), so runs on two machines can be seen to
+    start from the same weights. None for other inits."""
+    if config.init != "warm_start":
+        return None
+    directory = warm_start_directory(config)
+    return {"warm_start": directory.name, "sha256": weights_digest(directory)}
 
 
 def shard(specs: Sequence[RunSpec], index: int, count: int) -> list[RunSpec]:

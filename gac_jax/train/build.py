@@ -68,15 +68,9 @@ def build_model(config: TrainConfig, mesh, *, abstract: bool = False):
         model = nnx.eval_shape(lambda: add_lora(config, models.create_model(cfg, seed=0)))
         return model, build_tokenizer(config)
     if config.init == "warm_start":
-        from gac_jax.train.warm_start import WarmStartConfig, ensure_warm_start, load_warm_start
+        from gac_jax.train.warm_start import load_warm_start
 
-        # The shipped checkpoint serves countdown/n3_max20 on `tiny`; any other task or model
-        # gets its own supervised warm start, trained once and cached.
-        directory = ensure_warm_start(
-            WarmStartConfig(task=config.task, model=config.model, steps=config.warm_start_steps),
-            data_dir=config.data_dir,
-        )
-        model, tokenizer, _ = load_warm_start(directory, mesh=mesh)
+        model, tokenizer, _ = load_warm_start(warm_start_directory(config), mesh=mesh)
         return model, tokenizer
     if config.init == "random":
         cfg = model_config(config)
@@ -90,6 +84,17 @@ def build_model(config: TrainConfig, mesh, *, abstract: bool = False):
         )
     model = models.load_hf_checkpoint(path, mesh=mesh, **config.compute.overrides())
     return model, build_tokenizer(config)
+
+
+def warm_start_directory(config: TrainConfig) -> Path:
+    """The checkpoint of `config`'s supervised warm start (`init="warm_start"`): a shipped
+    one (countdown/n3_max20 on `tiny` at 800 and 300 steps), else trained once and cached."""
+    from gac_jax.train.warm_start import WarmStartConfig, ensure_warm_start
+
+    return ensure_warm_start(
+        WarmStartConfig(task=config.task, model=config.model, steps=config.warm_start_steps),
+        data_dir=config.data_dir,
+    )
 
 
 def add_lora(config: TrainConfig, model):

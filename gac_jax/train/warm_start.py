@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import os
 import time
 from collections.abc import Mapping, Sequence
@@ -87,12 +88,13 @@ __all__ = [
     "sft_loss",
     "train_sft",
     "warm_start",
+    "weights_digest",
 ]
 
-#: The checkpoint of `WarmStartConfig()`, shipped as package data.
-SHIPPED_WARM_START_DIR = (
-    Path(__file__).resolve().parent.parent / "assets" / "warm_start" / "countdown_n3_max20_tiny"
-)
+#: The shipped warm starts, one directory each, found by their config hash.
+SHIPPED_WARM_STARTS = Path(__file__).resolve().parent.parent / "assets" / "warm_start"
+#: The checkpoint of `WarmStartConfig()` (the demo's), shipped as package data.
+SHIPPED_WARM_START_DIR = SHIPPED_WARM_STARTS / "countdown_n3_max20_tiny"
 
 _METADATA_KIND = "gac_jax.warm_start"
 
@@ -493,6 +495,20 @@ def load_warm_start(
     return model, CharTokenizer(tokenizer_info["characters"]), metadata
 
 
+def weights_digest(directory: str | os.PathLike | None = None, step: int | None = None) -> str:
+    """A SHA-256 of a warm start's parameters (each one's path, dtype, shape and bytes, in
+    path order): two runs started from weights with the same digest started from the same
+    policy, on whatever machine. `directory` and `step` as `load_warm_start`."""
+    model, _, _ = load_warm_start(directory, step=step)
+    flat = jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+    digest = hashlib.sha256()
+    for path, leaf in sorted(flat[0], key=lambda item: jax.tree_util.keystr(item[0])):
+        array = np.asarray(leaf)
+        digest.update(f"{jax.tree_util.keystr(path)}:{array.dtype}:{array.shape};".encode())
+        digest.update(np.ascontiguousarray(array).tobytes())
+    return digest.hexdigest()
+
+
 def default_cache_dir() -> Path:
     """`$GAC_JAX_CACHE/warm_start`, or `~/.cache/gac_jax/warm_start`."""
     root = os.environ.get("GAC_JAX_CACHE") or Path.home() / ".cache" / "gac_jax"
@@ -507,8 +523,11 @@ def ensure_warm_start(
 ) -> Path:
     """The checkpoint directory of `config`'s warm start, training it if needed.
 
-    The shipped checkpoint serves its own config; any other config is trained once and
-    cached under `cache_dir / config_hash(config)`. Processes asking for the same warm start
+    A shipped checkpoint (any directory of `SHIPPED_WARM_STARTS`: the demo's 800 steps
+    and the laboratory's 300) serves its own config, so every machine starts from the same
+    weights (training it again elsewhere gives other weights: float reductions differ
+    between CPUs); any other config is trained once and cached under
+    `cache_dir / config_hash(config)`. Processes asking for the same warm start
     at once (a sweep's first runs) train it once: the first holds a lock on it while it
     trains, the others wait and then load it.
 
@@ -522,8 +541,9 @@ def ensure_warm_start(
     """
     config = WarmStartConfig() if config is None else config
     digest = config_hash(config)
-    if _holds(SHIPPED_WARM_START_DIR, digest):
-        return SHIPPED_WARM_START_DIR
+    for shipped in sorted(SHIPPED_WARM_STARTS.iterdir()):
+        if _holds(shipped, digest):
+            return shipped
     cached = Path(cache_dir or default_cache_dir()) / digest
     if _holds(cached, digest):
         return cached

@@ -27,6 +27,7 @@ from gac_jax.train.config_io import config_to_dict
 from gac_jax.train.metrics import read_metrics
 from gac_jax.train.warm_start import (
     SHIPPED_WARM_START_DIR,
+    SHIPPED_WARM_STARTS,
     SFTConfig,
     WarmStartConfig,
     config_hash,
@@ -37,6 +38,7 @@ from gac_jax.train.warm_start import (
     sft_loss,
     train_sft,
     warm_start,
+    weights_digest,
 )
 
 
@@ -222,6 +224,33 @@ def test_the_shipped_checkpoint_is_the_default_configs_and_solves_some_problems(
     assert loaded_metadata == metadata
     assert model.config.vocab_size >= tokenizer.vocab_size
     assert ensure_warm_start() == SHIPPED_WARM_START_DIR  # Served without training.
+
+
+def test_the_laboratorys_warm_start_is_shipped_so_every_machine_starts_from_its_weights(
+    monkeypatch,
+):
+    # Trained again on another CPU it would be another policy (float reductions differ).
+    module = sys.modules[WarmStartConfig.__module__]
+    monkeypatch.setattr(module, "warm_start", lambda *a, **k: pytest.fail("trained again"))
+    lab = WarmStartConfig(steps=300)
+    directory = ensure_warm_start(lab, cache_dir="/nonexistent")
+    assert directory.parent == SHIPPED_WARM_STARTS and directory != SHIPPED_WARM_START_DIR
+    assert read_metadata(directory)["config_hash"] == config_hash(lab)
+    assert 0.03 <= read_metadata(directory)["metrics"]["pass@1"] <= 0.15
+
+
+def test_the_weights_digest_is_the_parameters_own(monkeypatch):
+    digest = weights_digest(SHIPPED_WARM_START_DIR)
+    assert len(digest) == 64 and digest == weights_digest()  # The default is that one.
+    lab = ensure_warm_start(WarmStartConfig(steps=300))
+    assert weights_digest(lab) != digest
+    # It reads the parameters, not the files: one changed weight changes it.
+    model, _, _ = load_warm_start()
+    params = nnx.state(model, nnx.Param)
+    nnx.update(model, jax.tree.map(lambda x: x.at[(0,) * x.ndim].add(1e-3), params))
+    module = sys.modules[WarmStartConfig.__module__]
+    monkeypatch.setattr(module, "load_warm_start", lambda *a, **k: (model, None, None))
+    assert weights_digest() != digest
 
 
 _ENSURE = """

@@ -30,6 +30,8 @@ class LossConfig:
       policy_loss: a name of `objectives.POLICY_LOSS_SPECS`.
       loss_kwargs: its keyword arguments (``eps_low``, ``tau_m2``, ``aggregation``, ...).
       advantage: a name of `objectives.ADVANTAGE_SPECS`.
+      advantage_kwargs: its keyword arguments beyond what the learner supplies (e.g.
+        VCPO's ``baseline_weights``, ``cap``, ``scope``; GRPO's ``std_ddof``).
       grad_norm: for estimators that need per-sequence gradient norms (VCPO's baseline):
         "exact" per-example gradients, or a proxy of `objectives.GRAD_NORM_PROXIES`.
       correction: None, or a name of `objectives.IMPORTANCE_CORRECTIONS` ("tis", "mis",
@@ -55,6 +57,7 @@ class LossConfig:
     policy_loss: str = "ppo"
     loss_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
     advantage: str = "grpo"
+    advantage_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
     grad_norm: str = "exact"
     correction: str | None = None
     correction_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
@@ -139,6 +142,11 @@ class Objective:
                 f"{sorted(objectives.GRAD_NORM_PROXIES)}."
             )
         self.grad_norm = config.grad_norm
+        supplied = ("where", "log_weights", "grad_sq_norms")  # By the learner.
+        fn = self.advantage_spec.fn
+        allowed_advantage = [k for k in _keyword_only(fn) if k not in supplied]
+        _check_keywords("advantage_kwargs", fn, config.advantage_kwargs, allowed_advantage)
+        self.advantage_kwargs = dict(config.advantage_kwargs)
         allowed = self.spec.keyword_arguments()
         _check_keywords("loss_kwargs", self.spec.fn, config.loss_kwargs, allowed)
         self.loss_kwargs = dict(config.loss_kwargs)
@@ -176,8 +184,15 @@ class Objective:
             return self.loss(logp, behaviour, advantages, mask, **inputs)
 
         _dry_run("loss_kwargs", loss, token, token, rows, mask, inputs)
-        if self.correct is not None:
-            _dry_run("correction_kwargs", self.correct, token, token, mask)
+        groups = jax.ShapeDtypeStruct((2,), jnp.int32)
+
+        def advantages(rewards, group_ids, sequence_values):
+            extra = {}
+            if self.needs_log_weights:
+                extra = dict(log_weights=sequence_values, grad_sq_norms=sequence_values)
+            return self.advantage_spec.fn(rewards, group_ids, **extra, **self.advantage_kwargs)
+
+        _dry_run("advantage_kwargs", advantages, rows, groups, rows)
 
     @property
     def needs_reference(self) -> bool:
@@ -206,9 +221,9 @@ class Objective:
 
     def advantages(self, rewards, group_ids, *, log_weights=None, grad_sq_norms=None):
         """(advantages [B], aux) of the configured estimator (no gradient)."""
-        kwargs = {}
+        kwargs = dict(self.advantage_kwargs)
         if self.needs_log_weights:
-            kwargs = dict(log_weights=log_weights, grad_sq_norms=_sg(grad_sq_norms))
+            kwargs.update(log_weights=log_weights, grad_sq_norms=_sg(grad_sq_norms))
         advantages, aux = self.advantage_spec.fn(rewards, group_ids, **kwargs)
         return _sg(advantages), aux
 

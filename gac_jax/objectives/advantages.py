@@ -137,6 +137,10 @@ def rloo_advantages(
     return adv_b, {"baseline": loo_mean_b, "group_std": std_b, "group_size": count_b}
 
 
+VCPO_BASELINE_WEIGHTS = ("paper", "released")
+VCPO_SCOPES = ("group", "batch")
+
+
 def vcpo_advantages(
     rewards: jax.Array,
     group_ids: jax.Array,
@@ -147,25 +151,36 @@ def vcpo_advantages(
     normalize_std: bool = True,
     epsilon: float = 1e-6,
     std_ddof: int = 0,
+    baseline_weights: str = "paper",
+    cap: float = 8.0,
+    scope: str = "group",
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     r"""VCPO's off-policy optimal baseline replacing the group mean (Huang et al.,
     "Stable Asynchrony: Variance-Controlled Off-Policy RL for LLMs", arXiv 2602.17616):
 
     .. math::
 
-        b^*_g = \frac{\sum_{i \in g} w_i^2 \,\|\nabla \log\pi(\tau_i)\|^2\, R_i}
-                     {\sum_{i \in g} w_i^2 \,\|\nabla \log\pi(\tau_i)\|^2},
+        b^*_g = \frac{\sum_{i \in g} v_i R_i}{\sum_{i \in g} v_i},
+        \qquad v_i = w_i^2 \,\|\nabla \log\pi(\tau_i)\|^2,
         \qquad
         A_i = \frac{R_i - b^*_{g(i)}}{\operatorname{std}_{j\in g(i)} R_j + \epsilon}
 
     with :math:`w_i = \pi_\theta(\tau_i)/\mu(\tau_i)` the sequence importance weight. It
     minimises the variance of the importance-weighted policy gradient
     :math:`w_i (R_i - b)\nabla\log\pi(\tau_i)` over constant baselines. The weights
-    :math:`w_i^2 \|\nabla\log\pi\|^2` are formed in log space and normalised per group
-    (a softmax), so log-weights of any size are safe; a group whose weights are all zero
-    falls back to its plain mean. The std normalisation of GRPO is kept (population std
-    by default, as the official code, mit-han-lab/vcpo ``compute_grad_info``; the official
-    code skips the division when the std is below 1e-8, here :math:`\epsilon` guards it).
+    :math:`v_i` are formed in log space and normalised per group (a softmax), so
+    log-weights of any size are safe; a group whose weights are all zero falls back to its
+    plain mean. The std normalisation of GRPO is kept (population std by default, as the
+    official code, mit-han-lab/vcpo ``compute_grad_info``; the official code skips the
+    division when the std is below 1e-8, here :math:`\epsilon` guards it).
+
+    The authors' released code (mit-han-lab/vcpo at c7f030f) weighs differently:
+    its recorded norm is that of the truncated-IS-weighted loss, :math:`\min(w_i, c)
+    \|\nabla\log\pi(\tau_i)\|` (``megatron_actor.py`` L777-786), which
+    ``staleness_utils.py`` L447-459 square and multiply by :math:`w_i^2` again:
+    :math:`v_i = \min(w_i, c)^2\, w_i^2 \|\nabla\log\pi(\tau_i)\|^2`, about
+    :math:`w_i^4` where the paper has :math:`w_i^2`. ``baseline_weights="released"``
+    reproduces it.
 
     Args:
       rewards: [B] scalar rewards.
@@ -173,18 +188,29 @@ def vcpo_advantages(
       log_weights: [B] sequence log importance weights :math:`\log w_i`, e.g.
         `sequence_log_ratio(logp, behaviour_logp, mask)`. No gradient flows through them.
       grad_sq_norms: [B] :math:`\|\nabla\log\pi(\tau_i)\|^2 \ge 0`: exact per-example
-        squared gradient norms for small models, or a proxy (`grad_sq_norm_proxy`) for
-        large ones. The caller reports which one it used.
+        squared gradient norms of the token-sum log-likelihood (the released code's
+        norm) for small models, or a proxy (`grad_sq_norm_proxy`) for large ones. The
+        caller reports which one it used.
       where: optional [B] bool, sequences to include.
       normalize_std: divide by the group std (True) or not.
       epsilon: added to the std.
       std_ddof: 0 (population std, VCPO's code) or 1.
+      baseline_weights: "paper" (:math:`w^2 \|\nabla\|^2`, the paper's formula) or
+        "released" (:math:`\min(w, c)^2 w^2 \|\nabla\|^2`, the authors' code).
+      cap: :math:`c`, the truncation cap of "released" (their ``rollout_is_threshold``).
+      scope: "group" (a baseline per prompt group, their default) or "batch" (one
+        baseline over every included sequence, their ``scope="minibatch"``: it is then
+        the weighted mean of the group-normalised advantages, subtracted from them).
 
     Returns:
       ``(advantages, aux)`` as `grpo_advantages`, ``aux["baseline"]`` holding :math:`b^*`.
     """
     check_nonnegative("epsilon", epsilon)
     _check_ddof(std_ddof)
+    check_choice("baseline_weights", baseline_weights, VCPO_BASELINE_WEIGHTS)
+    check_choice("scope", scope, VCPO_SCOPES)
+    if not cap > 0:
+        raise ValueError(f"`cap` must be > 0, got {cap!r}.")
     rewards_b, segments_b, where_b = _prepare(rewards, group_ids, where)
     log_w_b = jax.lax.stop_gradient(as_float(log_weights))
     g_b = jax.lax.stop_gradient(as_float(grad_sq_norms))
@@ -193,17 +219,34 @@ def vcpo_advantages(
             raise ValueError(f"`{name}` has shape {value.shape}, expected {rewards_b.shape}.")
     count_b, mean_b, std_b = group_moments(rewards_b, segments_b, where_b, std_ddof)
     active_b = where_b & (g_b > 0)
-    log_v_b = jnp.where(active_b, 2.0 * log_w_b + jnp.log(jnp.where(active_b, g_b, 1.0)), -jnp.inf)
+    log_v_b = 2.0 * log_w_b + jnp.log(jnp.where(active_b, g_b, 1.0))
+    if baseline_weights == "released":
+        log_v_b = log_v_b + 2.0 * jnp.minimum(log_w_b, jnp.log(cap))
+    log_v_b = jnp.where(active_b, log_v_b, -jnp.inf)
+    if scope == "group":
+        baseline_b = _weighted_mean(rewards_b, log_v_b, active_b, segments_b, mean_b)
+        centred_b = rewards_b - baseline_b
+        adv_b = _std_normalise(centred_b, std_b, epsilon) if normalize_std else centred_b
+    else:  # One baseline over the batch, of the group-normalised advantages.
+        centred_b = rewards_b - mean_b
+        grpo_b = _std_normalise(centred_b, std_b, epsilon) if normalize_std else centred_b
+        everyone_b = jnp.zeros_like(segments_b)
+        _, plain_b, _ = group_moments(grpo_b, everyone_b, where_b, 0)
+        baseline_b = _weighted_mean(grpo_b, log_v_b, active_b, everyone_b, plain_b)
+        adv_b = grpo_b - baseline_b
+    adv_b = jnp.where(where_b, adv_b, 0.0)
+    return adv_b, {"baseline": baseline_b, "group_std": std_b, "group_size": count_b}
+
+
+def _weighted_mean(values_b, log_v_b, active_b, segments_b, fallback_b):
+    """Per-sequence mean of `values_b` over its segment weighted by exp(`log_v_b`) (a
+    softmax: log weights of any size are safe), or `fallback_b` where all weigh 0."""
     shift_b = group_max(log_v_b, segments_b)
     shift_b = jnp.where(jnp.isfinite(shift_b), shift_b, 0.0)
     v_b = jnp.where(active_b, jnp.exp(jnp.where(active_b, log_v_b - shift_b, 0.0)), 0.0)
-    num_b = group_sum(v_b * rewards_b, segments_b)
+    num_b = group_sum(v_b * values_b, segments_b)
     den_b = group_sum(v_b, segments_b)
-    baseline_b = jnp.where(den_b > 0, num_b / jnp.where(den_b > 0, den_b, 1.0), mean_b)
-    centred_b = rewards_b - baseline_b
-    adv_b = _std_normalise(centred_b, std_b, epsilon) if normalize_std else centred_b
-    adv_b = jnp.where(where_b, adv_b, 0.0)
-    return adv_b, {"baseline": baseline_b, "group_std": std_b, "group_size": count_b}
+    return jnp.where(den_b > 0, num_b / jnp.where(den_b > 0, den_b, 1.0), fallback_b)
 
 
 def grad_sq_norm_proxy(mask: jax.Array, *, proxy: str = "length") -> jax.Array:

@@ -9,6 +9,8 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import numpy as np
+
 from gac_jax._validation import check_int
 from gac_jax.rollout.record import Rollout
 from gac_jax.rollout.staleness import (
@@ -73,6 +75,7 @@ class BufferStats:
     produced: int  # Groups put.
     consumed: int  # Groups handed to the learner.
     dropped: int  # Groups discarded as too stale.
+    filtered: int  # Groups discarded by dynamic sampling (every reward the same).
     depth: int  # Groups waiting now.
     reserved: int  # Generation slots granted (block policy bookkeeping).
     staleness_histogram: dict[int, int]  # Learner version - group version, at consumption.
@@ -101,6 +104,14 @@ class RolloutBuffer:
     `close()` wakes every waiter (they raise `RolloutBufferClosed`); `fail(exc)` does the
     same with `RolloutWorkerError` so a worker's crash reaches the learner at once.
 
+    Dynamic sampling (DAPO, arXiv 2503.14476; verl's ``filter_groups``): with
+    `max_filtered`, `put` discards a group whose completions all got the same reward (its
+    GRPO advantages are all zero: it carries no gradient) and counts it, as long as fewer
+    than `max_filtered` groups were discarded since the last batch was taken; past that,
+    every group is kept, so a batch never waits on more than ``max_filtered +
+    groups_per_batch`` draws (a collapsed policy whose groups all score 0 still trains). A
+    discarded group gives its reservation back, like a stale one.
+
     `state()` and `restore()` carry the counters across a checkpoint (see `state`).
 
     Args:
@@ -108,6 +119,8 @@ class RolloutBuffer:
       groups_per_batch: groups per learner step.
       max_staleness: largest allowed version gap, or None for no bound.
       stale_policy: "drop" or "block".
+      max_filtered: dynamic sampling's bound on groups discarded per batch; None for no
+        dynamic sampling.
     """
 
     def __init__(
@@ -116,7 +129,9 @@ class RolloutBuffer:
         groups_per_batch: int,
         max_staleness: int | None = None,
         stale_policy: str = "drop",
+        max_filtered: int | None = None,
     ):
+        check_int("max_filtered", max_filtered, 0, allow_none=True)
         if groups_per_batch < 1:
             raise ValueError(f"groups_per_batch={groups_per_batch} must be >= 1.")
         if capacity < groups_per_batch:
@@ -129,6 +144,8 @@ class RolloutBuffer:
         self.groups_per_batch = groups_per_batch
         self.max_staleness = max_staleness
         self.stale_policy = stale_policy
+        self.max_filtered = max_filtered
+        self._filtered = self._filtered_since_take = 0
         self._queue: collections.deque[Rollout] = collections.deque()
         self._lock = threading.Condition()
         self._closed = False
@@ -194,8 +211,16 @@ class RolloutBuffer:
             self._lock.notify_all()
 
     def put(self, rollout: Rollout, timeout: float | None = None) -> bool:
-        """Adds a group, waiting while the buffer is full. False on timeout."""
+        """Adds a group, waiting while the buffer is full. False on timeout. A group that
+        dynamic sampling discards counts as put (True): its producer is done with it."""
         with self._lock:
+            if self._discards(rollout):
+                self._check_open()
+                self._filtered += 1
+                self._filtered_since_take += 1
+                self._reserved = held_after_drop(self._reserved, 1, self.stale_policy)
+                self._lock.notify_all()
+                return True
             ok = self._lock.wait_for(
                 lambda: self._closed or len(self._queue) < self.capacity, timeout
             )
@@ -206,6 +231,13 @@ class RolloutBuffer:
             self._produced += 1
             self._lock.notify_all()
             return True
+
+    def _discards(self, rollout: Rollout) -> bool:
+        """Whether dynamic sampling discards `rollout` (see the class docstring)."""
+        if self.max_filtered is None or self._filtered_since_take >= self.max_filtered:
+            return False
+        rewards = np.asarray(rollout.rewards)
+        return bool(np.all(rewards == rewards[0]))
 
     # ----------------------------------------------------------------------------- consumer
 
@@ -239,6 +271,7 @@ class RolloutBuffer:
                     for rollout in outcome.batch:
                         self._histogram[staleness(learner_version, rollout.policy_version)] += 1
                     self._consumed += num_groups
+                    self._filtered_since_take = 0
                     self._lock.notify_all()
                     return list(outcome.batch)
                 self._check_open()
@@ -284,6 +317,7 @@ class RolloutBuffer:
                 produced=self._produced,
                 consumed=self._consumed,
                 dropped=self._dropped,
+                filtered=self._filtered,
                 depth=len(self._queue),
                 reserved=self._reserved,
                 staleness_histogram=dict(sorted(self._histogram.items())),
@@ -314,6 +348,7 @@ class RolloutBuffer:
                 "produced": produced,
                 "consumed": self._consumed,
                 "dropped": self._dropped,
+                "filtered": self._filtered,
                 "reserved": min(  # Never more than held: a producer may put unreserved.
                     self._reserved, held_after_drop(produced, self._dropped, self.stale_policy)
                 ),
@@ -323,7 +358,8 @@ class RolloutBuffer:
     def restore(self, state: Mapping[str, Any]) -> RolloutBuffer:
         """Continues the counters of `state()` on this fresh buffer; returns the buffer.
 
-        Histogram keys may be strings (as a JSON round trip leaves them).
+        Histogram keys may be strings (as a JSON round trip leaves them); a state without
+        ``filtered`` (saved before dynamic sampling existed) counts none.
         """
         names = ("produced", "consumed", "dropped", "reserved")
         missing = sorted({*names, "staleness_histogram"} - set(state))
@@ -337,6 +373,7 @@ class RolloutBuffer:
                 raise RuntimeError("restore() needs a fresh buffer; this one has been used.")
             self._produced, self._consumed = counts["produced"], counts["consumed"]
             self._dropped, self._reserved = counts["dropped"], counts["reserved"]
+            self._filtered = int(state.get("filtered", 0))
             self._histogram = collections.Counter(
                 {int(k): int(v) for k, v in state["staleness_histogram"].items()}
             )

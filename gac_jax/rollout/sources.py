@@ -26,7 +26,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from gac_jax._validation import check_int
+from gac_jax._validation import check_bool, check_int
 from gac_jax.rollout.buffer import BufferConfig, BufferStats, RolloutBuffer
 from gac_jax.rollout.param_store import ParamStore
 from gac_jax.rollout.record import Rollout
@@ -65,6 +65,12 @@ class RolloutConfig:
         token records its version, and the staleness bound applies to a group's oldest
         token.
       inflight_chunk_steps: decode steps between two looks at the newest version.
+      dynamic_sampling: drop groups whose completions all got one reward (no GRPO
+        gradient) and draw replacements before a batch is formed (DAPO's dynamic sampling,
+        verl's ``filter_groups``); the staleness bound still holds. `RolloutBuffer`.
+      max_draws: with dynamic sampling, a batch draws at most this many times
+        groups_per_batch groups; past that, groups without signal are kept (a policy whose
+        groups all score alike still trains, and a batch never waits for ever).
     """
 
     mode: str = "lagged"
@@ -76,6 +82,8 @@ class RolloutConfig:
     backend: str = "threads"
     inflight_updates: bool = False
     inflight_chunk_steps: int = 16
+    dynamic_sampling: bool = False
+    max_draws: int = 4
 
     def validate(self) -> None:
         """Raises ValueError naming a bad field."""
@@ -89,6 +97,7 @@ class RolloutConfig:
             ("num_workers", 1),
             ("groups_per_call", 1),
             ("inflight_chunk_steps", 1),
+            ("max_draws", 1),
         ):
             check_int(name, getattr(self, name), low)
         if self.version_choice not in VERSION_CHOICES:
@@ -100,6 +109,7 @@ class RolloutConfig:
             raise ValueError(
                 f"backend={self.backend!r} is unknown; expected one of {list(ROLLOUT_BACKENDS)}."
             )
+        check_bool("dynamic_sampling", self.dynamic_sampling)
         for name in ("backend", "inflight_updates"):
             if getattr(self, name) != getattr(RolloutConfig, name) and self.mode != "async":
                 raise ValueError(
@@ -143,12 +153,12 @@ def make_source(
     local = _local_groups(config.groups_per_batch, num_processes)
     args = (generate_groups, store, prompts, local)
     partition = dict(process_index=process_index, num_processes=num_processes)
+    max_filtered = (config.max_draws - 1) * local if config.dynamic_sampling else None
+    inline = dict(seed=seed, resume_from=resume_from, max_filtered=max_filtered, **partition)
     if config.mode == "sync":
-        return SyncRollouts(*args, seed=seed, resume_from=resume_from, **partition)
+        return SyncRollouts(*args, **inline)
     if config.mode == "lagged":
-        return LaggedRollouts(
-            *args, lag=config.lag, seed=seed, resume_from=resume_from, **partition
-        )
+        return LaggedRollouts(*args, lag=config.lag, **inline)
     return AsyncRollouts(
         *args,
         **partition,
@@ -161,6 +171,7 @@ def make_source(
         take_timeout=buffer.take_timeout,
         version_choice=config.version_choice,
         resume_from=resume_from,
+        max_filtered=max_filtered,
     )
 
 
@@ -188,6 +199,7 @@ class _InlineRollouts:
         resume_from: Mapping[str, Any] | None = None,
         process_index: int = 0,
         num_processes: int = 1,
+        max_filtered: int | None = None,
     ):
         if lag < 0:
             raise ValueError(f"lag={lag} must be >= 0.")
@@ -203,9 +215,14 @@ class _InlineRollouts:
         self._seed = seed
         # Step t's groups are ids [t n, (t + 1) n) of the global batch of n = P x local
         # groups; this process makes its own contiguous share of them.
+        # With dynamic sampling (`max_filtered`), each step may draw up to `self._draws`
+        # rounds of groups, round r of step t taking ids [(t D + r) n, (t D + r + 1) n).
         self._first_id = process_index * groups_per_batch
         self._global_groups = num_processes * groups_per_batch
-        self.buffer = RolloutBuffer(groups_per_batch, groups_per_batch, max_staleness=lag)
+        self._draws = 1 if max_filtered is None else 1 + -(-max_filtered // groups_per_batch)
+        self.buffer = RolloutBuffer(
+            groups_per_batch, groups_per_batch, max_staleness=lag, max_filtered=max_filtered
+        )
         if resume_from is not None:
             self.buffer.restore(resume_from["buffer"])
 
@@ -214,13 +231,19 @@ class _InlineRollouts:
 
     def next_batch(self, step: int) -> list[Rollout]:
         version = self.behaviour_version(step)
-        first = step * self._global_groups + self._first_id
-        ids = range(first, first + self.buffer.groups_per_batch)
-        requests = [GroupRequest(self._prompts.prompt_id(g), g) for g in ids]
-        key = group_key(self._seed, requests[0].group_id)
-        rollouts = self._generate(self._store.get(version), version, requests, key)
-        for rollout in rollouts:
-            self.buffer.put(rollout)
+        n = self.buffer.groups_per_batch
+        for draw in range(self._draws):  # One round unless dynamic sampling discards.
+            first = (step * self._draws + draw) * self._global_groups + self._first_id
+            requests = [
+                GroupRequest(self._prompts.prompt_id(g), g) for g in range(first, first + n)
+            ]
+            key = group_key(self._seed, requests[0].group_id)
+            for rollout in self._generate(self._store.get(version), version, requests, key):
+                if self.buffer.stats().depth == n:
+                    break  # The batch is full: the round's other groups go unused.
+                self.buffer.put(rollout)
+            if self.buffer.stats().depth == n:
+                break
         return self.buffer.take(learner_version=step)
 
     def stats(self) -> BufferStats:
@@ -261,6 +284,8 @@ class AsyncRollouts:
       version_choice: which version workers sample with (`RolloutWorker`).
       process_index, num_processes: this learner process among all: its group ids are
         the ids congruent to `process_index` mod `num_processes`.
+      max_filtered: dynamic sampling's bound (`RolloutBuffer`); None for none. A
+        discarded group counts as handed out: a resumed source does not draw it again.
       resume_from: a previous `state()`: the buffer's counters continue and the workers
         generate exactly the groups that run had not handed to the learner (see `state`).
     """
@@ -283,9 +308,14 @@ class AsyncRollouts:
         resume_from: Mapping[str, Any] | None = None,
         process_index: int = 0,
         num_processes: int = 1,
+        max_filtered: int | None = None,
     ):
         self.buffer = RolloutBuffer(
-            capacity or 2 * groups_per_batch, groups_per_batch, max_staleness, stale_policy
+            capacity or 2 * groups_per_batch,
+            groups_per_batch,
+            max_staleness,
+            stale_policy,
+            max_filtered=max_filtered,
         )
         self._stride = num_processes
         numbering = {"first_group_id": process_index}

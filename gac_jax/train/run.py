@@ -70,6 +70,7 @@ class Run:
     placement: RolloutPlacement
     source: Any = None  # The rollout source (`start`).
     rollout_pool: Any = None  # The Ray actors of `rollout.backend=ray` (`start`).
+    _filtered: int = 0  # Groups dynamic sampling had discarded at the last step.
 
     def start(self, resume_from: dict | None = None) -> None:
         """Makes the rollout source (sync, lagged or async, by `rollout.mode`);
@@ -89,6 +90,7 @@ class Run:
             process_index=jax.process_index(),
             num_processes=jax.process_count(),
         )
+        self._filtered = self.source.stats().filtered  # A resumed run's count goes on.
 
     def publish(self, version: int) -> None:
         """Publishes the current policy as `version` (once), a copy on the sampler's
@@ -111,6 +113,13 @@ class Run:
         tokens = sum(int(r.completion_mask.sum()) for r in rollouts)
         generate = sum(r.generate_seconds for r in rollouts)
         stats = self.source.stats()
+        if self.config.rollout.dynamic_sampling:  # This batch's discarded groups.
+            filtered = stats.filtered - self._filtered
+            self._filtered = stats.filtered
+            metrics.update(
+                groups_filtered=float(filtered),
+                draws_per_batch=(filtered + len(rollouts)) / len(rollouts),
+            )
         metrics.update(
             generated_tokens=float(tokens),
             generate_tokens_per_s=tokens / generate if generate > 0 else float("nan"),

@@ -63,6 +63,7 @@ def scale_by_ess(
     power: float | str = "sqrt",
     *,
     ema_decay: float = 0.9,
+    truncation_cap: float | None = None,
 ) -> GradientTransformationExtraArgs:
     r"""Scales updates by `min(1, rho / rho_base) ** p` (VCPO, arXiv 2602.17616).
 
@@ -82,12 +83,17 @@ def scale_by_ess(
       power: exponent `p`: "sqrt" (0.5, for Adam-style optimisers), "linear" (1.0, for
         SGD), or any positive number.
       ema_decay: decay of `ess_ratio_ema`, in [0, 1).
+      truncation_cap: None (the raw weights, VCPO's released runs: ``use_clipped=False``)
+        or c > 0: the ESS of the truncated weights ``min(w, c)`` that truncated IS trains
+        with (their ``use_clipped=True`` switch). Applies to `log_importance_weights` only.
 
     Returns:
       An `optax.GradientTransformationExtraArgs` with `ScaleByEssState`.
     """
     check_range("rho_base", rho_base, 0.0, 1.0, low_open=True)
     check_range("ema_decay", ema_decay, 0.0, 1.0, high_open=True)
+    if truncation_cap is not None:
+        check_range("truncation_cap", truncation_cap, 0.0, float("inf"), low_open=True)
     exponent = _resolve_power(power)
 
     def init_fn(params):
@@ -123,6 +129,8 @@ def scale_by_ess(
                     "log_importance_weights must be per-sequence, shape [B]; got shape "
                     f"{weights.shape}."
                 )
+            if truncation_cap is not None:
+                weights = jnp.minimum(weights, jnp.log(truncation_cap))
             rho = effective_sample_size(weights, sequence_mask).ess_ratio
         else:
             number = concrete_number(ess_ratio)
@@ -153,6 +161,7 @@ class ESSConfig:
     rho_base: float = 1.0
     power: float | str = "sqrt"
     ema_decay: float = 0.9
+    truncation_cap: float | None = None
 
     def build(self) -> GradientTransformationExtraArgs:
         """`scale_by_ess` with these arguments (which it validates)."""

@@ -128,6 +128,59 @@ def test_vcpo_matches_reference():
     np.testing.assert_allclose(np.asarray(adv), expected, rtol=2e-5, atol=1e-6)
 
 
+def _released_reference(rewards, ids, where, log_w, g2, cap, scope, eps=1e-6):
+    """The authors' code, read from mit-han-lab/vcpo (c7f030f, staleness_utils.py L447-491):
+    weight min(w, cap)^2 w^2 |g|^2, per group on the rewards or over the batch on the
+    group-normalised advantages; float64, no log-space tricks."""
+    weight = [
+        min(math.exp(lw), cap) ** 2 * math.exp(2 * lw) * g for lw, g in zip(log_w, g2, strict=True)
+    ]
+    out = np.zeros(len(rewards))
+    groups = _groups(ids, where)
+    normalised = {}
+    for members in groups.values():
+        r = [float(rewards[i]) for i in members]
+        mean, std = sum(r) / len(r), _std(r, 0)
+        for i in members:
+            normalised[i] = 0.0 if std == 0 else (rewards[i] - mean) / (std + eps)
+        if scope == "group":
+            total = sum(weight[i] for i in members)
+            b = sum(weight[i] * rewards[i] for i in members) / total if total > 0 else mean
+            for i in members:
+                out[i] = 0.0 if std == 0 else (rewards[i] - b) / (std + eps)
+    if scope == "batch":
+        total = sum(weight[i] for i in normalised)
+        b = sum(weight[i] * normalised[i] for i in normalised) / total
+        for i, a in normalised.items():
+            out[i] = a - b
+    return out
+
+
+@pytest.mark.parametrize("scope", ["group", "batch"])
+def test_vcpo_released_weights_and_scopes_match_the_authors_code(scope):
+    rewards, ids, where = _data(5)
+    rng = np.random.default_rng(5)
+    log_w = rng.normal(0.5, 1.5, size=12)  # Some weights above the cap of 2.
+    g2 = rng.uniform(0.5, 3.0, size=12)
+    adv, _ = jax.jit(
+        lambda r, g, w, lw, gn: vcpo_advantages(
+            r,
+            g,
+            log_weights=lw,
+            grad_sq_norms=gn,
+            where=w,
+            baseline_weights="released",
+            cap=2.0,
+            scope=scope,
+        )
+    )(rewards, ids, where, log_w, g2)
+    expected = _released_reference(rewards, ids, where, log_w, g2, 2.0, scope)
+    np.testing.assert_allclose(np.asarray(adv), expected, rtol=2e-5, atol=2e-6)
+    # The paper's weights give another baseline as soon as some weight differs from 1.
+    paper, _ = _vcpo(rewards, ids, log_weights=log_w, grad_sq_norms=g2, where=where)
+    assert scope == "batch" or not np.allclose(np.asarray(paper), expected, atol=1e-3)
+
+
 def test_vcpo_reduces_to_grpo_on_policy_with_equal_norms():
     rewards, ids, _ = _data(4)
     adv, _ = _vcpo(rewards, ids, log_weights=np.zeros(12), grad_sq_norms=np.ones(12), std_ddof=1)

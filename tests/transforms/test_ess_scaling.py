@@ -96,6 +96,22 @@ def test_masked_sequences_are_excluded():
     np.testing.assert_allclose(state.ess_scale, 1.0)
 
 
+@pytest.mark.parametrize("cap", [0.5, 2.0, 8.0])
+def test_the_ess_of_truncated_weights(cap):
+    # VCPO's `use_clipped` switch: the ESS of min(w, cap), the weights truncated IS trains
+    # with; against float64 NumPy on the truncated weights themselves.
+    log_w = np.random.default_rng(0).normal(0.0, 2.0, size=32).astype(np.float32)
+    tx = scale_by_ess(rho_base=1.0, power="sqrt", truncation_cap=cap)
+    _, state = tx.update({"w": jnp.ones(1)}, tx.init(None), log_importance_weights=log_w)
+    w = np.minimum(np.exp(log_w.astype(np.float64)), cap)
+    expected = w.sum() ** 2 / (w * w).sum() / w.size
+    np.testing.assert_allclose(state.ess_ratio, expected, rtol=1e-5)
+    _, raw = scale_by_ess().update({"w": jnp.ones(1)}, tx.init(None), log_importance_weights=log_w)
+    assert float(state.ess_ratio) > float(raw.ess_ratio)  # Truncation thins the tail.
+    with pytest.raises(ValueError, match="truncation_cap"):
+        scale_by_ess(truncation_cap=0.0)
+
+
 def test_ema_of_ratio():
     tx = scale_by_ess(ema_decay=0.5)
     state = tx.init({"w": jnp.ones(1)})

@@ -69,7 +69,53 @@ ASYNC = (
     "rollout.num_workers=1",
     "rollout.groups_per_call=16",
 )
-SEEDS = {"sync": 5, "staleness": 1, "alignment": 1, "cures": 5, "async": 1}
+# Laboratory v3 (issue #32): the regime where naive asynchrony fails. REINFORCE with
+# sequence-level importance weights (cap 1e4: in effect uncapped), no PPO clip, 32 prompts a
+# step, lr 5e-4, 150 steps; the pilot's lagged k=16 run fell to pass@1 0.000 by step 49.
+V3_LR = 5e-4
+V3_LAG = 16
+V3_REGIME = (
+    f"optimizer.learning_rate={V3_LR}",
+    "loss.policy_loss=reinforce",
+    "loss.correction=tis",
+    "loss.correction_kwargs.level=sequence",
+    "loss.correction_kwargs.cap=10000.0",
+)
+V3_SIZE = ("rollout.groups_per_batch=32", "steps=150", "eval_every=50", "checkpoint_every=75")
+# The naive run's own loss as VCPO's authors train it (mit-han-lab/vcpo
+# recipe/fully_async_policy/shell/vcpo/math/vcpo_k=32.sh): sequence TIS capped at 8,
+# seq-mean-token-mean.
+AUTHORS_LOSS = (
+    "loss.correction_kwargs.cap=8.0",
+    "loss.loss_kwargs.aggregation=seq-mean-token-mean",
+)
+# GAC's thresholds from the naive runs' measured c_t before their collapse (pilot, steps
+# 1-39 of naive k=16: median 0.00, 75th percentile 0.16, 90th 0.27; the issue's pilot had
+# median 0.05 and 90th percentile 0.36): project above about the median, skip above the
+# 90th percentile.
+GAC_MEASURED = ("gac.monitor_only=false", "gac.tau_low=0.05", "gac.tau_high=0.3")
+CELL = {  # label -> overrides on the regime (lag 16 unless they say).
+    "sync": ("rollout.lag=0",),
+    "naive": (),
+    "vcpo": ("ess={}", "loss.advantage=vcpo"),
+    # VCPO knob for knob: their loss, ESS square-root scaling of the raw weights, the
+    # off-policy optimal baseline with their weights and exact per-sequence gradient norms.
+    "vcpo_authors": (
+        *AUTHORS_LOSS,
+        "ess={}",
+        "loss.advantage=vcpo",
+        "loss.advantage_kwargs.baseline_weights=released",
+        "loss.advantage_kwargs.cap=8.0",
+    ),
+    "naive_cap8": AUTHORS_LOSS,  # vcpo_authors' own naive run.
+    "gac": GAC_MEASURED,
+    "gac_adaptive": ("gac.monitor_only=false", "gac.thresholds=adaptive"),
+    # The step-size controls: naive asynchrony at half and a quarter of the step (the one
+    # whose per-step KL matches a cure's is its matched control; the report says which).
+    f"naive_lr{V3_LR / 2:g}": (f"optimizer.learning_rate={V3_LR / 2}",),
+    f"naive_lr{V3_LR / 4:g}": (f"optimizer.learning_rate={V3_LR / 4}",),
+}
+SEEDS = {"sync": 5, "staleness": 1, "alignment": 1, "cures": 5, "async": 1, "cell": 5}
 
 # --quick: the same sweeps, cut to a few short runs from the shipped warm start.
 QUICK_SETTINGS = (
@@ -160,12 +206,29 @@ def async_specs(seeds, quick=False):
     return [RunSpec(f"{m}/async", (*ASYNC, *METHODS[m], *steps), s) for s in seeds for m in methods]
 
 
+def cell_label(name: str) -> str:
+    lag = 0 if name == "sync" else V3_LAG
+    return f"v3/{name}/k{lag}"
+
+
+def cell_specs(seeds, quick=False):
+    """Laboratory v3's cell: sync, naive k=16, every cure and both step-size controls, the
+    seeds outermost, so a partial sweep holds every method."""
+    names = ("sync", "naive", "vcpo", "gac") if quick else tuple(CELL)
+    size = () if quick else V3_SIZE
+    lag = f"rollout.lag={QUICK['cure_lag'] if quick else V3_LAG}"
+    return [
+        RunSpec(cell_label(n), (*V3_REGIME, *size, lag, *CELL[n]), s) for s in seeds for n in names
+    ]
+
+
 SWEEPS = {
     "sync": sync_specs,
     "staleness": staleness_specs,
     "alignment": alignment_specs,
     "cures": cures_specs,
     "async": async_specs,
+    "cell": cell_specs,
 }
 
 

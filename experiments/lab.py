@@ -206,9 +206,8 @@ def async_specs(seeds, quick=False):
     return [RunSpec(f"{m}/async", (*ASYNC, *METHODS[m], *steps), s) for s in seeds for m in methods]
 
 
-def cell_label(name: str) -> str:
-    lag = 0 if name == "sync" else V3_LAG
-    return f"v3/{name}/k{lag}"
+def cell_label(name: str, lag: int = V3_LAG) -> str:
+    return f"v3/{name}/k{0 if name == 'sync' else lag}"
 
 
 def cell_specs(seeds, quick=False):
@@ -216,9 +215,11 @@ def cell_specs(seeds, quick=False):
     seeds outermost, so a partial sweep holds every method."""
     names = ("sync", "naive", "vcpo", "gac") if quick else tuple(CELL)
     size = () if quick else V3_SIZE
-    lag = f"rollout.lag={QUICK['cure_lag'] if quick else V3_LAG}"
+    lag = QUICK["cure_lag"] if quick else V3_LAG
     return [
-        RunSpec(cell_label(n), (*V3_REGIME, *size, lag, *CELL[n]), s) for s in seeds for n in names
+        RunSpec(cell_label(n, lag), (*V3_REGIME, *size, f"rollout.lag={lag}", *CELL[n]), s)
+        for s in seeds
+        for n in names
     ]
 
 

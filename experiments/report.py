@@ -22,10 +22,11 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
-from scipy import stats
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import lab  # noqa: E402  (experiments/lab.py: the sweeps' labels and settings)
+import report_v3  # noqa: E402  (laboratory v3's blocks)
+from report_tables import ci_cell, figure, interval, median_cell, values_of  # noqa: E402
 
 from gac_jax.lab.provenance import check_one_version, runs_by_version  # noqa: E402
 from gac_jax.lab.sweeps import load_summaries  # noqa: E402
@@ -41,21 +42,14 @@ RECORD_KEYS = (
     "eval/pass@1",
     "eval/greedy_accuracy",
     "version_gap_mean",
+    # Laboratory v3's figures (report_v3.py).
+    "reward",
+    "grad_norm",
+    "ess_ratio",
+    "gac_cosine",
+    "gac_cosine_after",
+    "gac_regime",
 )
-
-
-def interval(values: Sequence[float]) -> tuple[float, float]:
-    """(mean, half-width of the 95% Student-t interval); half-width nan for one value."""
-    x = np.asarray(values, dtype=np.float64)
-    if len(x) < 2:
-        return float(x.mean()), math.nan
-    return float(x.mean()), float(stats.t.ppf(0.975, len(x) - 1) * x.std(ddof=1) / len(x) ** 0.5)
-
-
-def ci_cell(values: Sequence[float], digits: int = 3) -> str:
-    """``mean ± half-width`` (`interval`), or the mean alone for one value."""
-    mean, half = interval(values)
-    return f"{mean:.{digits}f}" if math.isnan(half) else f"{mean:.{digits}f} ± {half:.{digits}f}"
 
 
 def by_label(summaries) -> dict[str, list[dict]]:
@@ -65,22 +59,6 @@ def by_label(summaries) -> dict[str, list[dict]]:
     for s in summaries:
         found.setdefault(s["label"], []).append(s)
     return found
-
-
-def _values(runs, key) -> list[float]:
-    return [float(r[key]) for r in runs if r.get(key) is not None]
-
-
-def _median_cell(runs, key, digits=3) -> str:
-    values = [v for v in _values(runs, key) if math.isfinite(v)]
-    return f"{np.median(values):.{digits}g}" if values else "-"
-
-
-def _figure(panels: int, width: float = 7.0):
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(width, 2.6 * panels + 0.4), layout="constrained")
-    return fig, [fig.add_subplot(panels, 1, i + 1) for i in range(panels)]
 
 
 def _write_csv(runs: Sequence[dict], path: Path) -> None:
@@ -120,7 +98,7 @@ def sync(runs: dict, root: Path, out: Path) -> dict[str, str]:
         values, greedy = [e[i][1] for e in evals], [e[i][2] for e in evals]
         table.append((step, ci_cell(values), ci_cell(greedy)))
         points.append((step, values))
-    gains = _values(seeds, "gain")
+    gains = values_of(seeds, "gain")
     text = markdown_table(("step", "held-out pass@1", "greedy accuracy"), table, escape=False)
     text += (
         f"\n\nGain of held-out pass@1 over the warm start (last evaluation less the one "
@@ -131,9 +109,9 @@ def sync(runs: dict, root: Path, out: Path) -> dict[str, str]:
         text += (
             f"\n\nGradient noise scale B_simple by third of the run (mean of the seeds): "
             f"{' / '.join(f'{x:.0f}' for x in np.mean(thirds, axis=0))} tokens, for a batch "
-            f"of B = {np.mean(_values(seeds, 'noise_batch_size')):.0f} tokens."
+            f"of B = {np.mean(values_of(seeds, 'noise_batch_size')):.0f} tokens."
         )
-    fig, (ax,) = _figure(1)
+    fig, (ax,) = figure(1)
     for step, values in points:
         ax.plot([step] * len(values), values, "o", color="0.6", markersize=3)
     ax.plot([p[0] for p in points], [np.mean(p[1]) for p in points], "-o", label="mean")
@@ -163,14 +141,14 @@ def _lag_rows(runs: dict, lr: float) -> list[tuple[int, list[dict]]]:
 
 def staleness(runs: dict, out: Path) -> dict[str, str]:
     rows, warnings = [], []
-    fig, axes = _figure(4)
+    fig, axes = figure(4)
     for lr in (lab.LAB_LEARNING_RATE, lab.SMALL_LR):
         lags = _lag_rows(runs, lr)
         for k, seeds in lags:
             cells = [
-                ci_cell(_values(seeds, key))
+                ci_cell(values_of(seeds, key))
                 if key in ("final_accuracy", "gain")
-                else _median_cell(seeds, key)
+                else median_cell(seeds, key)
                 for key, _ in STALENESS_KEYS
             ]
             collapsed = sum(bool(s["collapsed"]) for s in seeds)
@@ -189,7 +167,7 @@ def staleness(runs: dict, out: Path) -> dict[str, str]:
             strict=True,
         ):
             xs = [max(k, 1) for k, _ in lags]
-            ax.plot(xs, [np.mean(_values(s, key)) for _, s in lags], "-o", label=f"lr {lr:g}")
+            ax.plot(xs, [np.mean(values_of(s, key)) for _, s in lags], "-o", label=f"lr {lr:g}")
             ax.set(xscale="log", ylabel=dict(STALENESS_KEYS).get(key, key))
     if not rows:
         return {"staleness": "No staleness run has finished yet."}
@@ -213,9 +191,9 @@ def alignment(runs: dict, out: Path) -> dict[str, str]:
             seeds = runs.get(f"align_g{g}/k{k}")
             if not seeds:
                 continue
-            b = float(np.mean(_values(seeds, "noise_batch_size")))
-            b_simple = float(np.mean(_values(seeds, "b_simple")))
-            c_t = float(np.mean(_values(seeds, "c_t_median")))
+            b = float(np.mean(values_of(seeds, "noise_batch_size")))
+            b_simple = float(np.mean(values_of(seeds, "b_simple")))
+            c_t = float(np.mean(values_of(seeds, "c_t_median")))
             ratio = b / b_simple
             thirds = np.mean([s["b_simple_thirds"] for s in seeds], axis=0)
             predicted = f"{1 / (1 + 1 / ratio):.3f}" if k == 0 else "-"
@@ -234,7 +212,7 @@ def alignment(runs: dict, out: Path) -> dict[str, str]:
             points.setdefault(k, []).append((ratio, c_t))
     if not rows:
         return {"alignment": "No alignment run has finished yet."}
-    fig, (ax, ax2) = _figure(2)
+    fig, (ax, ax2) = figure(2)
     for k, pts in sorted(points.items()):
         pts.sort()
         ax.plot(*zip(*pts, strict=True), "o-", label=f"k={k} (measured median c_t)")
@@ -251,7 +229,7 @@ def alignment(runs: dict, out: Path) -> dict[str, str]:
         if lags:
             xs = [k * lr for k, _ in lags]
             ax2.plot(
-                xs, [np.mean(_values(s, "c_t_median")) for _, s in lags], "o-", label=f"lr {lr:g}"
+                xs, [np.mean(values_of(s, "c_t_median")) for _, s in lags], "o-", label=f"lr {lr:g}"
             )
     ax2.set(xscale="log", xlabel="k x lr", ylabel="median c_t")
     if ax2.lines:
@@ -287,7 +265,7 @@ def cures(runs: dict, root: Path, out: Path) -> dict[str, str]:
     if k is None:
         return {"cures": "No cure run has finished yet."}
     labels = [f"{m}/k{k}" for m in lab.METHODS] + [f"{lab.lr_label(lab.CONTROL_LR)}/k{k}"]
-    naive = interval(_values(runs[f"naive/k{k}"], "final_accuracy"))
+    naive = interval(values_of(runs[f"naive/k{k}"], "final_accuracy"))
     steps = runs[f"naive/k{k}"][0]["steps"]
     reference = _sync_at(runs, root, steps)
     rows, bars = [], []
@@ -295,7 +273,7 @@ def cures(runs: dict, root: Path, out: Path) -> dict[str, str]:
         seeds = runs.get(label)
         if not seeds:
             continue
-        mean, half = interval(_values(seeds, "final_accuracy"))
+        mean, half = interval(values_of(seeds, "final_accuracy"))
         low, high = mean - half, mean + half
         if label.startswith("naive/") or math.isnan(half) or math.isnan(naive[1]):
             verdict = "-"
@@ -309,16 +287,16 @@ def cures(runs: dict, root: Path, out: Path) -> dict[str, str]:
             (
                 label.split("/")[0],
                 len(seeds),
-                ci_cell(_values(seeds, "final_accuracy")),
-                ci_cell(_values(seeds, "gain")),
+                ci_cell(values_of(seeds, "final_accuracy")),
+                ci_cell(values_of(seeds, "gain")),
                 sum(bool(s["collapsed"]) for s in seeds),
-                _median_cell(seeds, "c_t_median"),
-                _median_cell(seeds, "ess_ratio_median"),
+                median_cell(seeds, "c_t_median"),
+                median_cell(seeds, "ess_ratio_median"),
                 verdict,
             )
         )
         bars.append((label.split("/")[0], mean, 0.0 if math.isnan(half) else half))
-    fig, (ax,) = _figure(1, width=8.0)
+    fig, (ax,) = figure(1, width=8.0)
     ax.bar(range(len(bars)), [b[1] for b in bars], yerr=[b[2] for b in bars], capsize=3)
     ax.set_xticks(range(len(bars)), [b[0] for b in bars], rotation=30, ha="right")
     ax.set(ylabel="final held-out pass@1", title=f"Cures at k={k} (95% intervals)")
@@ -328,7 +306,7 @@ def cures(runs: dict, root: Path, out: Path) -> dict[str, str]:
         text += (
             f"Synchronous GRPO (the sync sweep's runs) after the same {steps} steps: held-out "
             f"pass@1 **{ci_cell(reference)}** ({len(reference)} seeds); naive GRPO at k={k}: "
-            f"**{ci_cell(_values(runs[f'naive/k{k}'], 'final_accuracy'))}**.\n\n"
+            f"**{ci_cell(values_of(runs[f'naive/k{k}'], 'final_accuracy'))}**.\n\n"
         )
     header = (
         "method",
@@ -356,10 +334,10 @@ def real_async(runs: dict, lagged: dict, root: Path, lagged_root: Path, out: Pat
             (
                 label,
                 len(seeds),
-                _median_cell(seeds, "staleness_mean"),
-                _median_cell(seeds, "staleness_max"),
-                ci_cell(_values(seeds, "final_accuracy")),
-                _median_cell(seeds, "c_t_median"),
+                median_cell(seeds, "staleness_mean"),
+                median_cell(seeds, "staleness_max"),
+                ci_cell(values_of(seeds, "final_accuracy")),
+                median_cell(seeds, "c_t_median"),
             )
         )
     if not rows:
@@ -370,7 +348,7 @@ def real_async(runs: dict, lagged: dict, root: Path, lagged_root: Path, out: Pat
             records = read_metrics(lagged_root / f"naive/k{k}" / f"seed{s['seed']}")
             gaps[f"lagged k={k} seed {s['seed']}"] = [r["version_gap_mean"] for r in records]
             break
-    fig, (ax,) = _figure(1)
+    fig, (ax,) = figure(1)
     top = max(max(v) for v in gaps.values())
     bins = np.arange(-0.5, top + 1.5, max(1, math.ceil(top / 40)))
     # Widths and dashes that stay visible where the histograms coincide.
@@ -405,6 +383,12 @@ def rewrite_blocks(path: Path, blocks: dict[str, str]) -> None:
 def main(argv: Sequence[str] | None = None) -> dict[str, str]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--root", default="experiments/runs/lab", type=Path)
+    parser.add_argument(
+        "--v3-root",
+        default=None,
+        type=Path,
+        help="laboratory v3's runs (lab.py --only cell), if not under --root",
+    )
     parser.add_argument("--out", default="experiments/results", type=Path)
     parser.add_argument(
         "--results-md",
@@ -433,6 +417,14 @@ def main(argv: Sequence[str] | None = None) -> dict[str, str]:
     blocks.update(alignment(lagged, args.out))
     blocks.update(cures(lagged, lagged_root, args.out))
     blocks.update(real_async(asynchronous, lagged, async_root, lagged_root, args.out))
+    v3_root, v3 = lagged_root, lagged
+    if args.v3_root is not None:
+        v3_root = args.v3_root / "lagged"
+        try:
+            v3 = by_label(load_summaries(v3_root)) if v3_root.exists() else {}
+        except ValueError as error:
+            parser.exit(2, f"{parser.prog}: error: {error}\n")
+    blocks.update(report_v3.blocks(v3, v3_root, args.out))
     for name, table in blocks.items():
         print(f"## {name}\n{table}\n")
     if args.results_md != "none":

@@ -97,7 +97,7 @@ def test_the_quick_subset_trains_every_sweep_once(quick_lab):
         for folder in (runs / "lagged", runs / "async")
         for p in folder.glob("**/summary.json")
     }
-    assert found == expected and len(expected) == 8
+    assert found == expected and len(expected) == 12
 
 
 def test_the_report_tables_are_the_runs_numbers(quick_lab):
@@ -120,7 +120,14 @@ def test_the_report_tables_are_the_runs_numbers(quick_lab):
     assert _row(_block(text, "cures"), "gac")[2] == f"{gac['final_accuracy']:.3f}"
     asynchronous = _summary(runs / "async", "naive/async")
     assert _row(_block(text, "async"), "naive/async")[2] == f"{asynchronous['staleness_mean']:.3g}"
-    for png in ("sync_curve", "staleness", "alignment", "cures", "async_gaps"):
+    naive = _summary(lagged, lab.cell_label("naive", 2))
+    row = _row(_block(text, "v3_cell"), "naive")
+    assert row[1] == "1" and row[-7] == str(int(naive["collapsed"]))
+    assert f"{naive['final_accuracy']:.3f}" in row
+    gac = _summary(lagged, "v3/gac/k2")
+    assert _row(_block(text, "v3_gac"), "gac")[2] == f"{gac['project_fraction']:.3f}"
+    assert "fired before the collapse" in _block(text, "v3_diagnostics")
+    for png in ("sync_curve", "staleness", "alignment", "cures", "async_gaps", "v3_cell"):
         assert (out / f"{png}.png").stat().st_size > 1000
 
 
@@ -135,6 +142,34 @@ def test_an_edited_summary_changes_the_table(quick_lab, tmp_path):
     out.mkdir()
     shutil.copy(EXPERIMENTS / "RESULTS.md", out / "RESULTS.md")
     assert _row(_block(_report(copy, out), "cures"), "gac")[2] == "0.987"
+
+
+def test_the_norm_gac_removed_is_read_from_the_cosines():
+    # A projection along the reference keeps the orthogonal part: the fraction of the norm
+    # removed follows from the cosines before and after, checked against the vectors.
+    import report_v3
+
+    rng = np.random.default_rng(0)
+    r, g = rng.normal(size=50), rng.normal(size=50) + 0.8 * rng.normal(size=50)
+    g = g + 1.5 * r  # Aligned with the reference.
+    unit = r / np.linalg.norm(r)
+    projected = g - 0.7 * (g @ unit) * unit
+    cos = lambda a: float(a @ unit / np.linalg.norm(a))  # noqa: E731
+    records = [
+        {"step": 0},
+        {
+            "step": 1,
+            "grad_norm": 1.0,
+            "gac_regime": 1,
+            "gac_cosine": cos(g),
+            "gac_cosine_after": cos(projected),
+        },
+        {"step": 2, "grad_norm": 1.0, "gac_regime": 2, "gac_cosine": 0.9, "gac_cosine_after": 0.0},
+        {"step": 3, "grad_norm": 1.0, "gac_regime": 0, "gac_cosine": 0.1, "gac_cosine_after": 0.1},
+        {"step": 4, "grad_norm": 0.0, "gac_regime": 2, "gac_cosine": 0.0, "gac_cosine_after": 0.0},
+    ]
+    removed = 1 - np.linalg.norm(projected) / np.linalg.norm(g)
+    np.testing.assert_allclose(report_v3.removed_fraction(records), (removed + 1 + 0) / 3)
 
 
 def test_intervals_are_student_t_intervals_of_the_mean():

@@ -121,3 +121,24 @@ def test_correction_errors_name_the_bad_value():
         make_train_step(graphdef, tx, LossConfig(policy_loss="gspo", correction="tis"))
     with pytest.raises(ValueError, match="'tiss'.*icepop, mis, tis"):
         make_train_step(graphdef, tx, LossConfig(correction="tiss"))
+
+
+def test_advantage_kwargs_reach_the_estimator():
+    # VCPO as its authors run it: the objective passes advantage_kwargs to the estimator.
+    from gac_jax.learner.objective import Objective
+
+    rng = np.random.default_rng(0)
+    rewards = jnp.asarray(rng.random(8), jnp.float32)
+    ids = jnp.asarray([0, 0, 0, 0, 1, 1, 1, 1], jnp.int32)
+    log_w, norms = jnp.asarray(rng.normal(size=8)), jnp.asarray(rng.uniform(1, 2, size=8))
+    kwargs = {"baseline_weights": "released", "cap": 2.0, "scope": "batch"}
+    objective = Objective(LossConfig(advantage="vcpo", advantage_kwargs=kwargs))
+    got, _ = objective.advantages(rewards, ids, log_weights=log_w, grad_sq_norms=norms)
+    direct, _ = objectives.vcpo_advantages(
+        rewards, ids, log_weights=log_w, grad_sq_norms=norms, **kwargs
+    )
+    paper, _ = objectives.vcpo_advantages(rewards, ids, log_weights=log_w, grad_sq_norms=norms)
+    np.testing.assert_allclose(got, direct, rtol=1e-6)
+    assert not np.allclose(got, paper, atol=1e-3)
+    with pytest.raises(ValueError, match="advantage_kwargs.scope is not an argument"):
+        Objective(LossConfig(advantage="grpo", advantage_kwargs={"scope": "batch"}))

@@ -115,7 +115,18 @@ CELL = {  # label -> overrides on the regime (lag 16 unless they say).
     f"naive_lr{V3_LR / 2:g}": (f"optimizer.learning_rate={V3_LR / 2}",),
     f"naive_lr{V3_LR / 4:g}": (f"optimizer.learning_rate={V3_LR / 4}",),
 }
-SEEDS = {"sync": 5, "staleness": 1, "alignment": 1, "cures": 5, "async": 1, "cell": 5}
+# The map: where does naive asynchrony lose to synchronous training at the same step? The
+# papers' naive estimators (REINFORCE with sequence or token importance weights, uncapped
+# and capped as VCPO's authors run it) next to PPO-clip, at several staleness levels.
+MAP_LOSSES = {
+    "seq_is": V3_REGIME,
+    "tok_is": (*V3_REGIME, "loss.correction_kwargs.level=token"),
+    "seq_tis8": (*V3_REGIME, *AUTHORS_LOSS),
+    "ppo": (f"optimizer.learning_rate={V3_LR}",),  # PPO-clip against the behaviour policy.
+    "seq_is_dynamic": (*V3_REGIME, "rollout.dynamic_sampling=true"),
+}
+MAP_LAGS = (0, 4, 16, 64)
+SEEDS = {"sync": 5, "staleness": 1, "alignment": 1, "cures": 5, "async": 1, "cell": 5, "map": 3}
 
 # --quick: the same sweeps, cut to a few short runs from the shipped warm start.
 QUICK_SETTINGS = (
@@ -223,6 +234,31 @@ def cell_specs(seeds, quick=False):
     ]
 
 
+def map_label(loss: str, lag: int) -> str:
+    """The map's label; sequence IS at k=0 and k=16 is the cell's sync and naive."""
+    if loss == "seq_is" and lag in (0, V3_LAG):
+        return cell_label("sync" if lag == 0 else "naive")
+    return f"v3map/{loss}/k{lag}"
+
+
+def map_specs(seeds, quick=False):
+    """Each naive loss at each staleness level (the cell's runs where they are the same)."""
+    losses = ("seq_is", "ppo") if quick else tuple(MAP_LOSSES)
+    lags = QUICK["lags"] if quick else MAP_LAGS
+    size = () if quick else V3_SIZE
+    return [
+        RunSpec(
+            map_label(loss, k) if not quick else f"v3map/{loss}/k{k}",
+            (*MAP_LOSSES[loss], *size, f"rollout.lag={k}"),
+            s,
+        )
+        for s in seeds
+        for loss in losses
+        for k in lags
+        if loss != "seq_is_dynamic" or k in (0, V3_LAG)  # Dynamic sampling: sync and k=16.
+    ]
+
+
 SWEEPS = {
     "sync": sync_specs,
     "staleness": staleness_specs,
@@ -230,6 +266,7 @@ SWEEPS = {
     "cures": cures_specs,
     "async": async_specs,
     "cell": cell_specs,
+    "map": map_specs,
 }
 
 

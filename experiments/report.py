@@ -49,6 +49,7 @@ RECORD_KEYS = (
     "gac_cosine",
     "gac_cosine_after",
     "gac_regime",
+    "groups_filtered",
 )
 
 

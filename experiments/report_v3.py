@@ -238,6 +238,64 @@ def diagnostics(runs: dict, root: Path, out: Path) -> dict[str, str]:
     return {"v3_diagnostics": markdown_table(header, rows, escape=False)}
 
 
+def _filtered_per_step(root: Path, seeds: list[dict]) -> str:
+    """Dynamic sampling's mean groups discarded a step (its metric `groups_filtered`)."""
+    values = [
+        r["groups_filtered"]
+        for s in seeds
+        for r in read_metrics(root / s["label"] / f"seed{s['seed']}")
+        if "groups_filtered" in r
+    ]
+    return f"{np.mean(values):.1f}" if values else "-"
+
+
+def staleness_map(runs: dict, root: Path) -> dict[str, str]:
+    """Each naive loss at each staleness: final pass@1, collapses, and whether its interval
+    separates from the same loss trained synchronously (k=0)."""
+    rows = []
+    for loss in lab.MAP_LOSSES:
+        found = {}
+        for label, seeds in runs.items():
+            for k in sorted({*lab.MAP_LAGS, *lab.QUICK["lags"]}):
+                if label in (lab.map_label(loss, k), f"v3map/{loss}/k{k}"):
+                    found[k] = seeds
+        sync = values_of(found[0], "final_accuracy") if 0 in found else []
+        for k, seeds in sorted(found.items()):
+            final = values_of(seeds, "final_accuracy")
+            rows.append(
+                (
+                    loss,
+                    k,
+                    len(seeds),
+                    ci_cell(final),
+                    f"{sum(bool(s['collapsed']) for s in seeds)}/{len(seeds)}",
+                    median_cell(seeds, "ess_ratio_median"),
+                    median_cell(seeds, "c_t_median"),
+                    _filtered_per_step(root, seeds),
+                    "-" if k == 0 or not sync else _separation(final, sync),
+                )
+            )
+    if not rows:
+        return {"v3_map": "No run of the map has finished yet."}
+    header = (
+        "loss",
+        "k",
+        "seeds",
+        "final pass@1",
+        "collapsed",
+        "ESS ratio",
+        "c_t",
+        "groups filtered a step",
+        "vs its sync",
+    )
+    return {"v3_map": markdown_table(header, rows, escape=False)}
+
+
 def blocks(runs: dict, root: Path, out: Path) -> dict[str, str]:
     """Every v3 block of RESULTS.md."""
-    return {**cell(runs, root, out), **gac(runs, root), **diagnostics(runs, root, out)}
+    return {
+        **staleness_map(runs, root),
+        **cell(runs, root, out),
+        **gac(runs, root),
+        **diagnostics(runs, root, out),
+    }

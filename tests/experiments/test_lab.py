@@ -97,7 +97,7 @@ def test_the_quick_subset_trains_every_sweep_once(quick_lab):
         for folder in (runs / "lagged", runs / "async")
         for p in folder.glob("**/summary.json")
     }
-    assert found == expected and len(expected) == 12
+    assert found == expected and len(expected) == 16
 
 
 def test_the_report_tables_are_the_runs_numbers(quick_lab):
@@ -127,6 +127,8 @@ def test_the_report_tables_are_the_runs_numbers(quick_lab):
     gac = _summary(lagged, "v3/gac/k2")
     assert _row(_block(text, "v3_gac"), "gac")[2] == f"{gac['project_fraction']:.3f}"
     assert "fired before the collapse" in _block(text, "v3_diagnostics")
+    ppo = _summary(lagged, "v3map/ppo/k2")
+    assert _row(_block(text, "v3_map"), "ppo", "2")[3] == f"{ppo['final_accuracy']:.3f}"
     for png in ("sync_curve", "staleness", "alignment", "cures", "async_gaps", "v3_cell"):
         assert (out / f"{png}.png").stat().st_size > 1000
 

@@ -180,6 +180,22 @@ def gac(runs: dict, root: Path) -> dict[str, str]:
     return {"v3_gac": markdown_table(header, rows, escape=False)}
 
 
+ONSET_WINDOW = 10
+
+
+def collapse_onset(records) -> int:
+    """Where a collapsed run's reward started to fall: the last step of the first
+    `ONSET_WINDOW`-step window whose mean batch reward is below half the first window's.
+    The summary's collapse rule (25-step windows) cannot fire before step 49, after most
+    of these runs' rewards had already fallen, so warnings are timed against this onset."""
+    reward = np.array([r.get("reward", math.nan) for r in records], dtype=np.float64)
+    w = ONSET_WINDOW
+    start = np.nanmean(reward[:w])
+    trailing = np.convolve(reward, np.ones(w) / w, mode="valid")
+    below = np.nonzero(trailing[w:] < 0.5 * start)[0]
+    return int(records[below[0] + 2 * w - 1]["step"]) if len(below) else int(records[-1]["step"])
+
+
 def diagnostics(runs: dict, root: Path, out: Path) -> dict[str, str]:
     methods = _prefix(runs)
     if not methods:
@@ -208,23 +224,21 @@ def diagnostics(runs: dict, root: Path, out: Path) -> dict[str, str]:
     collapsed_runs = kept_runs = 0
     for seeds in methods.values():
         for s in seeds:
-            collapse = s["collapse_step"]
-            if collapse is None:
+            records = read_metrics(root / s["label"] / f"seed{s['seed']}")
+            if s["collapse_step"] is None:
                 kept_runs += 1
                 fired["ess"][1] += s["ess_drop_step"] is not None
                 fired["spike"][1] += s["grad_spike_step"] is not None
                 continue
             collapsed_runs += 1
-            fired["ess"][0] += s["ess_drop_step"] is not None and s["ess_drop_step"] <= collapse
-            fired["spike"][0] += (
-                s["grad_spike_step"] is not None and s["grad_spike_step"] <= collapse
-            )
-            records = read_metrics(root / s["label"] / f"seed{s['seed']}")
-            at = [r["step"] - collapse for r in records]
+            onset = collapse_onset(records)
+            fired["ess"][0] += s["ess_drop_step"] is not None and s["ess_drop_step"] < onset
+            fired["spike"][0] += s["grad_spike_step"] is not None and s["grad_spike_step"] < onset
+            at = [r["step"] - onset for r in records]
             axes[1].plot(at, [r.get("ess_ratio", math.nan) for r in records], lw=0.8)
             axes[2].plot(at, [r.get("grad_norm", math.nan) for r in records], lw=0.8)
-    axes[1].set(ylabel="ESS ratio", title="Before each collapse (step 0: the collapse)")
-    axes[2].set(xlabel="steps from the collapse", ylabel="gradient norm", yscale="log")
+    axes[1].set(ylabel="ESS ratio", title="Around each collapse (step 0: its onset)")
+    axes[2].set(xlabel="steps from the onset of the collapse", ylabel="gradient norm", yscale="log")
     fig.savefig(out / "v3_diagnostics.png", dpi=100)
     rows = [
         ("ESS ratio below 0.5", *fired["ess"]),

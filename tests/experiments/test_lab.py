@@ -202,3 +202,14 @@ def test_the_kept_runs_give_the_same_report(quick_lab, tmp_path):
     again = _report(kept, out)
     for name in ("sync", "staleness", "alignment", "cures", "async"):
         assert _block(again, name) == _block(text, name)
+
+
+def test_the_collapse_onset_is_where_the_reward_first_halves():
+    import report_v3
+
+    records = [{"step": t, "reward": 0.2 if t < 30 else 0.0} for t in range(80)]
+    # The first 10-step window below half the first window's mean ends at step 34
+    # (steps 25-34: five at 0.2, five at 0, mean 0.1 is not below 0.1; 26-35 is).
+    assert report_v3.collapse_onset(records) == 35
+    steady = [{"step": t, "reward": 0.2} for t in range(80)]
+    assert report_v3.collapse_onset(steady) == 79  # None: the last step.

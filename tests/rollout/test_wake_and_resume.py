@@ -132,6 +132,7 @@ def test_buffer_state_survives_json_and_continues_the_reservation_order():
         "produced": 3,  # The waiting group is not carried: it is generated again.
         "consumed": 2,
         "dropped": 1,
+        "filtered": 0,
         "reserved": 2,
         "staleness_histogram": {"0": 2},
     }

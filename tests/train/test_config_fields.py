@@ -136,6 +136,7 @@ FIELDS = {
     "ess.rho_base": ("0.5", _ess("rho_base"), 0.5, "2.0"),
     "ess.power": ("linear", _ess("power"), "linear", "cubic"),
     "ess.ema_decay": ("0.5", _ess("ema_decay"), 0.5, "1.0"),
+    "ess.truncation_cap": ("8.0", _ess("truncation_cap"), 8.0, "0"),
     "loss.policy_loss": (
         "cispo",
         lambda b, _: b["run"].learner.objective.spec.fn.__name__,
@@ -153,6 +154,12 @@ FIELDS = {
         lambda b, _: b["run"].learner.objective.advantage_spec.fn.__name__,
         "rloo_advantages",
         "gae",
+    ),
+    "loss.advantage_kwargs": (
+        "{scope: batch}",
+        lambda b, _: b["run"].learner.objective.advantage_kwargs,
+        {"scope": "batch"},
+        "{scope: prompt}",
     ),
     "loss.grad_norm": (
         "length",
@@ -279,6 +286,13 @@ FIELDS = {
         "sometimes",
     ),
     "rollout.inflight_chunk_steps": ("4", lambda b, _: b["run"].generator.chunk_steps, 4, "0"),
+    "rollout.dynamic_sampling": (
+        "true",
+        lambda b, _: b["source"].buffer.max_filtered is not None,
+        True,
+        "often",
+    ),
+    "rollout.max_draws": ("3", lambda b, _: b["source"].buffer.max_filtered, 16, "0"),
     "buffer.max_staleness": ("3", lambda b, _: b["source"].buffer.max_staleness, 3, "-1"),
     "buffer.stale_policy": ("drop", lambda b, _: b["source"].buffer.stale_policy, "drop", "wait"),
     "buffer.capacity": ("24", lambda b, _: b["source"].buffer.capacity, 24, "0"),
@@ -304,6 +318,8 @@ CONTEXT = {
     "optimizer.end_lr_ratio": ["optimizer.schedule=warmup_cosine"],
     "ess": ["ess={}"],
     "loss.grad_norm": ["loss.advantage=vcpo"],
+    "loss.advantage_kwargs": ["loss.advantage=vcpo"],
+    "rollout.max_draws": ["rollout.dynamic_sampling=true"],
     "loss.kl_estimator": ["loss.kl_coef=0.1"],
     "loss.kl_penalty": ["loss.kl_coef=0.1"],
     "learner.reference_offload": ["loss.kl_coef=0.1"],

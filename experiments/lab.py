@@ -235,9 +235,12 @@ def cell_specs(seeds, quick=False):
 
 
 def map_label(loss: str, lag: int) -> str:
-    """The map's label; sequence IS at k=0 and k=16 is the cell's sync and naive."""
+    """The map's label; the cell's runs where the map's are the same (sequence IS at k=0 and
+    k=16 is the cell's sync and naive, sequence TIS cap 8 at k=16 its naive_cap8)."""
     if loss == "seq_is" and lag in (0, V3_LAG):
         return cell_label("sync" if lag == 0 else "naive")
+    if loss == "seq_tis8" and lag == V3_LAG:
+        return cell_label("naive_cap8")
     return f"v3map/{loss}/k{lag}"
 
 

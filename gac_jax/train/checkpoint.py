@@ -11,6 +11,13 @@ orbax relies on a ``commit_success.txt`` marker written last instead). Orbax lis
 finalised steps, so a save interrupted at any point leaves nothing that `latest_step` or
 `restore` would pick.
 
+A step that cannot be read back (a truncated data file, a deleted manifest or metadata,
+garbage JSON) raises `DamagedCheckpointError`, one line naming the step and the cause;
+`restore_newest` then falls back to the newest intact step and says which it skipped. Old
+steps are deleted by renaming them out of the listing first (``.deleting-<step>-<id>``)
+and only then removing the files, so a process killed while deleting never leaves a
+half-deleted step that a restore would list.
+
 Flax NNX models are saved as the pure dict of their parameters (`model_params`) and
 restored onto a model of the same architecture (`restore_model`), which also restores
 each parameter onto that model's own sharding::
@@ -26,9 +33,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import json
 import logging
 import os
+import re
+import shutil
+import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +54,7 @@ from gac_jax._validation import check_int
 __all__ = [
     "Checkpoint",
     "CheckpointManager",
+    "DamagedCheckpointError",
     "abstract_tree",
     "latest_step",
     "load_model_params",
@@ -54,6 +67,56 @@ __all__ = [
 
 STATE_ITEM = "state"
 METADATA_ITEM = "metadata"
+# An old step being deleted: renamed to this prefix first (never listed as a step), then
+# removed; leftovers of a killed deletion are removed when a writer opens the directory.
+DELETING_PREFIX = ".deleting-"
+SAVE_MARGIN_BYTES = 1 << 20  # Orbax's own files (metadata, manifests) beside the arrays.
+# The errno of a disk that cannot take a save, as tensorstore spells it in its messages.
+DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM)
+DAMAGED_PREFIX = ".damaged-"  # A damaged step set aside by a resume (`set_aside`).
+CAUSE_CHARS = 200  # A cause longer than this is cut (tensorstore's specs run to kilobytes).
+
+
+class DamagedCheckpointError(ValueError):
+    """A finalised step whose files cannot be read back: truncated or missing data,
+    manifests or metadata, or garbage in them."""
+
+    def __init__(self, directory: Path, step: int, cause: BaseException):
+        self.directory, self.step, self.cause = directory, step, cause
+        super().__init__(
+            f"checkpoint step {step} in {str(directory)!r} is damaged and cannot be read "
+            f"({_short_cause(cause)})"
+        )
+
+
+def _disk_errno(error: BaseException) -> int | None:
+    """The errno of a full, read-only or forbidden disk behind `error` (an OSError in its
+    chain, or tensorstore's ``[os_error_code='28']``), or None."""
+    seen = error
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno in DISK_ERRNOS:
+            return seen.errno
+        match = re.search(r"os_error_code='(\d+)'", str(seen))
+        if match and int(match.group(1)) in DISK_ERRNOS:
+            return int(match.group(1))
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
+def _failed_write_record(record: logging.LogRecord) -> bool:
+    """Orbax's log of a writer thread's exception: the caller gets the error itself."""
+    return "raised an exception" in record.getMessage()
+
+
+def _short_cause(error: BaseException) -> str:
+    """The first line of `error`'s message, without tensorstore's spec dump, at most
+    `CAUSE_CHARS` characters, prefixed with its type."""
+    text = str(error).strip().strip("'\"")
+    for marker in (" See full TensorStore details", " [tensorstore_spec", "\n"):
+        text = text.split(marker)[0]
+    if len(text) > CAUSE_CHARS:
+        text = text[: CAUSE_CHARS - 3] + "..."
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,12 +212,16 @@ class CheckpointManager:
         """
         check_int("max_to_keep", max_to_keep, 1, allow_none=True)
         self.directory = Path(directory).expanduser().resolve()
+        self.max_to_keep = None if read_only else max_to_keep
+        self._async_save = async_save
         if read_only and not self.directory.is_dir():
             raise FileNotFoundError(f"No checkpoint directory at {str(self.directory)!r}.")
         options = ocp.CheckpointManagerOptions(
-            # A reader is given the settings orbax would force for read_only itself, so it
-            # has nothing to warn about (it logs each one it overrides).
-            max_to_keep=None if read_only else max_to_keep,
+            # Old steps are deleted here, by rename first (`_prune`), not by orbax, whose
+            # deletion killed midway leaves a step listed with half its files. A reader is
+            # given the settings orbax would force for read_only itself, so it has nothing
+            # to warn about (it logs each one it overrides).
+            max_to_keep=None,
             save_interval_steps=0 if read_only else 1,
             enable_async_checkpointing=async_save,
             read_only=read_only,
@@ -172,6 +239,9 @@ class CheckpointManager:
                     METADATA_ITEM: ocp.JsonCheckpointHandler(),
                 },
             )
+        if not read_only and jax.process_index() == 0:
+            for leftover in self.directory.glob(DELETING_PREFIX + "*"):
+                shutil.rmtree(leftover, ignore_errors=True)
 
     def __enter__(self) -> CheckpointManager:
         return self
@@ -180,12 +250,29 @@ class CheckpointManager:
         self.close()
 
     def close(self) -> None:
-        """Waits for any pending save, then releases orbax's resources."""
+        """Waits for any pending save (and its pruning), then releases orbax's resources."""
+        if self._async_save:
+            self.wait_until_finished()
         self._manager.close()
 
     def wait_until_finished(self) -> None:
-        """Blocks until a pending asynchronous save is finalised."""
+        """Blocks until a pending asynchronous save is finalised (then deletes the steps
+        beyond `max_to_keep`)."""
         self._manager.wait_until_finished()
+        self._prune()
+
+    def _prune(self) -> None:
+        """Deletes the oldest finalised steps beyond `max_to_keep`: each is renamed out of
+        the step listing first (atomic), then removed, so a deletion killed midway leaves
+        only a ``.deleting-*`` folder that no restore lists. Process 0 deletes, as orbax
+        does."""
+        if self.max_to_keep is None or jax.process_index() != 0:
+            return
+        for step in self.steps()[: -self.max_to_keep]:
+            doomed = self.directory / f"{DELETING_PREFIX}{step}-{uuid.uuid4().hex[:8]}"
+            os.replace(self.directory / str(step), doomed)
+            shutil.rmtree(doomed, ignore_errors=True)
+        self._manager.reload()
 
     def steps(self) -> tuple[int, ...]:
         """The finalised steps on disk, ascending."""
@@ -211,16 +298,57 @@ class CheckpointManager:
         _check_jsonable(metadata)
         if step in self.steps():
             raise ValueError(f"Step {step} is already saved in {str(self.directory)!r}.")
-        self._manager.save(
-            step,
-            args=ocp.args.Composite(
-                **{
-                    STATE_ITEM: ocp.args.StandardSave(state),
-                    METADATA_ITEM: ocp.args.JsonSave(metadata),
-                }
-            ),
-            force=True,
-        )
+        self._check_space(step, state)
+        try:
+            with absl_records_dropped(_failed_write_record):
+                self._manager.save(
+                    step,
+                    args=ocp.args.Composite(
+                        **{
+                            STATE_ITEM: ocp.args.StandardSave(state),
+                            METADATA_ITEM: ocp.args.JsonSave(metadata),
+                        }
+                    ),
+                    force=True,
+                )
+        except Exception as error:
+            code = _disk_errno(error)
+            if code is None:
+                raise
+            for partial in self.directory.glob(f"{step}.orbax-checkpoint-tmp*"):
+                shutil.rmtree(partial, ignore_errors=True)  # Free what the failed save took.
+            raise OSError(
+                code,
+                f"{os.strerror(code)} (checkpoint step {step} not written)",
+                str(self.directory),
+            ) from error
+        if not self._async_save:  # An asynchronous save prunes once it is finalised.
+            self._prune()
+
+    def set_aside(self, step: int) -> Path:
+        """Moves a (damaged) step out of the listing, to ``.damaged-<step>-<id>`` beside
+        the steps, so that the step can be saved again; returns where it went. Process 0
+        moves it; the files are kept for a person to inspect."""
+        aside = self.directory / f"{DAMAGED_PREFIX}{step}-{uuid.uuid4().hex[:8]}"
+        if jax.process_index() == 0:
+            os.replace(self.directory / str(step), aside)
+        self._manager.reload()
+        return aside
+
+    def _check_space(self, step: int, state) -> None:
+        """Refuses a save the disk has no room for before orbax writes a byte: a save that
+        runs out of space midway fails in orbax's writer threads, which print pages of
+        tracebacks before the error reaches the caller."""
+        needed = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state))
+        needed = needed // jax.process_count() + SAVE_MARGIN_BYTES
+        free = shutil.disk_usage(self.directory).free
+        if needed > free:
+            raise OSError(
+                errno.ENOSPC,
+                f"No space left on device: checkpoint step {step} needs about "
+                f"{needed / 2**20:.1f} MiB, {free / 2**20:.1f} MiB free",
+                str(self.directory),
+            )
 
     def _resolve_step(self, step: int | None) -> int:
         steps = self.steps()
@@ -237,10 +365,14 @@ class CheckpointManager:
     def read_metadata(self, step: int | None = None) -> dict[str, Any]:
         """The metadata dict of `step` (the latest by default), without reading arrays."""
         step = self._resolve_step(step)
-        restored = self._manager.restore(
-            step, args=ocp.args.Composite(**{METADATA_ITEM: ocp.args.JsonRestore()})
-        )
-        return dict(restored[METADATA_ITEM] or {})
+        with self._reading(step):
+            restored = self._manager.restore(
+                step, args=ocp.args.Composite(**{METADATA_ITEM: ocp.args.JsonRestore()})
+            )
+            metadata = restored[METADATA_ITEM]
+            if not isinstance(metadata, dict | None):
+                raise TypeError(f"the metadata is a {type(metadata).__name__}, not a dict")
+        return dict(metadata or {})
 
     def state_metadata(self, step: int | None = None):
         """The saved tree of array metadata (`.shape`, `.dtype`) of `step`.
@@ -248,7 +380,18 @@ class CheckpointManager:
         Dict keys come back as strings (orbax stores paths), e.g. a list index 0 as "0".
         """
         step = self._resolve_step(step)
-        return self._manager.item_metadata(step)[STATE_ITEM].tree
+        with self._reading(step):
+            return self._manager.item_metadata(step)[STATE_ITEM].tree
+
+    @contextlib.contextmanager
+    def _reading(self, step: int):
+        """Turns any failure to read `step`'s files into `DamagedCheckpointError`."""
+        try:
+            yield
+        except DamagedCheckpointError:
+            raise
+        except Exception as error:  # Orbax and tensorstore raise anything, even Exception.
+            raise DamagedCheckpointError(self.directory, step, error) from error
 
     def restore(self, step: int | None = None, *, target=None, shardings=None) -> Checkpoint:
         """Restores `step` (the latest finalised one by default).
@@ -268,24 +411,54 @@ class CheckpointManager:
 
         Raises:
           FileNotFoundError: if there is no such finalised step.
+          DamagedCheckpointError: if its files cannot be read back.
         """
         step = self._resolve_step(step)
+        metadata = self.read_metadata(step)
         if target is None:
             target = self.state_metadata(step)
         target = abstract_tree(target, shardings)
-        restored = self._manager.restore(
-            step,
-            args=ocp.args.Composite(
-                **{
-                    STATE_ITEM: ocp.args.StandardRestore(target),
-                    METADATA_ITEM: ocp.args.JsonRestore(),
-                }
-            ),
-        )
-        return Checkpoint(
-            step=step,
-            state=restored[STATE_ITEM],
-            metadata=dict(restored[METADATA_ITEM] or {}),
+        with self._reading(step):
+            restored = self._manager.restore(
+                step, args=ocp.args.Composite(**{STATE_ITEM: ocp.args.StandardRestore(target)})
+            )
+            state = restored[STATE_ITEM]
+        return Checkpoint(step=step, state=state, metadata=metadata)
+
+    def restore_newest(
+        self,
+        target_of: Callable[[dict[str, Any]], Any],
+        *,
+        check: Callable[[dict[str, Any]], None] | None = None,
+    ) -> tuple[Checkpoint, list[DamagedCheckpointError]]:
+        """Restores the newest step that reads back intact, skipping damaged ones.
+
+        Args:
+          target_of: the restore target (see `restore`) of a step, from its metadata.
+          check: called on the metadata of the step about to be restored; what it raises
+            (e.g. a checkpoint of another config) propagates and stops the search.
+
+        Returns:
+          The checkpoint and the errors of the newer steps skipped, newest first.
+
+        Raises:
+          FileNotFoundError: if there is no finalised step, or none reads back intact
+            (the message names each and why).
+        """
+        skipped: list[DamagedCheckpointError] = []
+        for step in reversed(self.steps()):
+            try:
+                metadata = self.read_metadata(step)
+                if check is not None:
+                    check(metadata)
+                return self.restore(step, target=target_of(metadata)), skipped
+            except DamagedCheckpointError as error:
+                skipped.append(error)
+        if not skipped:
+            raise FileNotFoundError(f"No finalised checkpoint in {str(self.directory)!r}.")
+        causes = "; ".join(f"step {e.step}: {_short_cause(e.cause)}" for e in skipped)
+        raise FileNotFoundError(
+            f"no intact checkpoint in {str(self.directory)!r}, every step is damaged ({causes})"
         )
 
 

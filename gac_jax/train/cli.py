@@ -27,6 +27,16 @@ from gac_jax.train.config import preset_names
 from gac_jax.train.config_io import RESUMABLE_FIELDS, apply_overrides, load_config, to_yaml
 
 CONFIG_FILE = "config.json"  # Written into the run directory by `loop.train`.
+BAD_INPUT_EXIT = 2  # A bad config, argument, checkpoint or data file (argparse's code).
+DISK_EXIT = 74  # The output cannot be written: no space, read-only (sysexits' EX_IOERR).
+
+
+def _fail(parser: argparse.ArgumentParser, message: str, code: int = BAD_INPUT_EXIT):
+    """Ends the command with one line on stderr, ``gac-jax CMD: error: MESSAGE``, and exit
+    status `code` (no usage block: the message says what to change)."""
+    message = " ".join(str(message).split())  # One line, whatever the error held.
+    print(f"{parser.prog}: error: {message}", file=sys.stderr)
+    raise SystemExit(code)
 
 
 def _loop():
@@ -44,7 +54,7 @@ def _resolve(parser: argparse.ArgumentParser, config: str, overrides: Sequence[s
     try:
         return apply_overrides(load_config(config), overrides)
     except ValueError as e:
-        parser.error(str(e))
+        _fail(parser, str(e))
 
 
 def _resume_config(parser, out_dir: Path, overrides: Sequence[str], resumable):
@@ -54,13 +64,14 @@ def _resume_config(parser, out_dir: Path, overrides: Sequence[str], resumable):
 
     saved = out_dir / CONFIG_FILE
     if not saved.is_file():
-        parser.error(f"--resume: {str(saved)!r} does not exist; is {str(out_dir)!r} a run?")
+        _fail(parser, f"--resume: {str(saved)!r} does not exist; is {str(out_dir)!r} a run?")
     base = _resolve(parser, str(saved), [])
     config = _resolve(parser, str(saved), overrides)
     for key, old, new in config_diff(base, config):
         if key.split(".")[0] not in resumable:
-            parser.error(
-                f"--resume: {key} may not change on resume (only {', '.join(resumable)} may)."
+            _fail(
+                parser,
+                f"--resume: {key} may not change on resume (only {', '.join(resumable)} may).",
             )
         print(f"resume: {key} {old!r} -> {new!r}", file=sys.stderr)
     return config
@@ -86,9 +97,9 @@ def _missing_task_data(config, command: str) -> bool:
 
 def _cmd_train(args, parser) -> int:
     if args.resume and args.config is not None:
-        parser.error("--resume continues the run's own config.json: drop --config.")
+        _fail(parser, "--resume continues the run's own config.json: drop --config.")
     if args.resume and args.out is None:
-        parser.error("--resume needs --out, the run directory to continue.")
+        _fail(parser, "--resume needs --out, the run directory to continue.")
     name = args.config or "demo"
     out_dir = Path(args.out) if args.out is not None else Path("runs") / Path(name).stem
     from gac_jax.train import processes
@@ -96,7 +107,7 @@ def _cmd_train(args, parser) -> int:
     try:
         processes.initialize(args.coordinator, args.num_processes, args.process_id)
     except ValueError as error:
-        parser.error(str(error))
+        _fail(parser, str(error))
     loop = _loop()
     if args.resume:
         config = _resume_config(parser, out_dir, args.set, RESUMABLE_FIELDS)
@@ -106,16 +117,25 @@ def _cmd_train(args, parser) -> int:
         return 1
     try:
         loop.train(config, out_dir, resume=args.resume, overwrite=args.overwrite)
-    except (loop.RunExistsError, ValueError) as error:
-        parser.error(str(error))
+    except (loop.RunExistsError, ValueError, FileNotFoundError) as error:
+        _fail(parser, str(error))
+    except OSError as error:  # The disk: full, read-only, not ours.
+        _fail(parser, _disk_message(error, out_dir), DISK_EXIT)
     except loop.RunInterrupted as stopped:
         print(stopped, file=sys.stderr)
         return stopped.exit_code
     except (FloatingPointError, RuntimeError) as error:
         print(f"gac-jax train: error: {error}", file=sys.stderr)
         return 1
-    print(f"Run written to {out_dir}")
+    print(f"Run written to {out_dir}: {out_dir / 'metrics.jsonl'}, plot {out_dir / 'plot.png'}")
     return 0
+
+
+def _disk_message(error: OSError, out_dir: Path) -> str:
+    """One line naming the path that could not be written and why."""
+    if error.filename is None:
+        return f"cannot write under {out_dir}: {error.strerror or error}"
+    return f"cannot write {error.filename}: {error.strerror or error}"
 
 
 def _find_run_config(checkpoint: Path) -> Path | None:
@@ -141,9 +161,10 @@ def _checkpoint_config(args, parser, checkpoint: Path):
     if config_name is None:
         found = _find_run_config(checkpoint)
         if found is None:
-            parser.error(
+            _fail(
+                parser,
                 f"no {CONFIG_FILE} found in {checkpoint} or the two directories above it; "
-                "pass --config."
+                "pass --config.",
             )
         config_name = str(found)
     return _resolve(parser, config_name, args.set)
@@ -157,7 +178,7 @@ def _cmd_export_hf(args, parser) -> int:
 
         out = export_checkpoint(config, checkpoint, args.out, step=args.step, dtype=args.dtype)
     except (ValueError, FileNotFoundError) as error:
-        parser.error(str(error))
+        _fail(parser, str(error))
     print(out)
     return 0
 
@@ -170,7 +191,7 @@ def _cmd_eval(args, parser) -> int:
     try:
         metrics = _run_module().evaluate_checkpoint(config, checkpoint, step=args.step)
     except (ValueError, FileNotFoundError) as error:
-        parser.error(str(error))
+        _fail(parser, str(error))
     print(json.dumps({k: _json_value(v) for k, v in dict(metrics).items()}, indent=2))
     return 0
 
@@ -195,14 +216,14 @@ def _cmd_plan(args, parser) -> int:
             jax.config.update("jax_num_cpu_devices", args.fake_devices)
             jax.config.update("jax_platforms", "cpu")
         except RuntimeError as error:  # The backend is already up.
-            parser.error(f"--fake-devices {args.fake_devices}: {error}")
+            _fail(parser, f"--fake-devices {args.fake_devices}: {error}")
     config = _resolve(parser, args.config, args.set)
     from gac_jax.train.plan import plan
 
     try:
         report = plan(config, device_memory_gib=args.device_memory_gib)
     except ValueError as error:
-        parser.error(str(error))
+        _fail(parser, str(error))
     print(json.dumps(report, indent=2))
     print(report["verdict"], file=sys.stderr)
     return 0 if report["fits"] else 1
@@ -219,12 +240,12 @@ def _cmd_plot(args, parser) -> int:
             path = plots.plot_run(run, out, keys)
         else:
             if len(keys) != 1:
-                parser.error("comparing several runs needs exactly one --key.")
+                _fail(parser, "comparing several runs needs exactly one --key.")
             path = plots.plot_runs(
                 {run: run for run in args.runs}, args.out or "compare.png", keys[0]
             )
     except (ValueError, FileNotFoundError) as e:
-        parser.error(str(e))
+        _fail(parser, str(e))
     print(path)
     return 0
 

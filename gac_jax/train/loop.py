@@ -18,10 +18,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import logging
 import os
 import shutil
 import signal
+import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -33,8 +33,6 @@ from gac_jax.train import config_io, processes
 from gac_jax.train.checkpoint import CheckpointManager
 from gac_jax.train.config import TrainConfig
 from gac_jax.train.run import Run, build_run
-
-logger = logging.getLogger(__name__)
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -221,15 +219,29 @@ def train(
     primary = processes.is_primary()
     if primary:
         _prepare_directory(out_dir, resume=resume, overwrite=overwrite)
+    # Built before the run directory is made: a run refused here (bad data, a bad reward
+    # path) leaves nothing behind that the next attempt would take for a run.
+    run = build_run(config)
+    if primary:
         out_dir.mkdir(parents=True, exist_ok=True)
     processes.barrier("gac_jax.train: run directory ready")
+    unfinished = sorted((out_dir / "checkpoints").glob("*.orbax-checkpoint-tmp*"))
     checkpoints = CheckpointManager(out_dir / "checkpoints", max_to_keep=config.keep_checkpoints)
-    run = build_run(config)
     start_step, rollout_state = 0, None
-    if resume and checkpoints.latest_step() is not None:
-        start_step, rollout_state = run.restore(checkpoints, out_dir)
-    elif resume:
-        logger.info("no checkpoint in %s: starting from step 0", out_dir / "checkpoints")
+    if resume:
+        for path in unfinished:  # Removed by the manager as it opened.
+            say(f"resume: discarded the unfinished checkpoint save {path.name}")
+        if checkpoints.steps():
+            start_step, rollout_state, skipped = run.restore(checkpoints, out_dir)
+            for error in skipped:  # Moved out of the way of the steps saved again.
+                say(f"resume: {error}; moved to {checkpoints.set_aside(error.step).name}")
+            processes.barrier("gac_jax.train: damaged checkpoints set aside")
+            say(
+                f"resume: continuing from the checkpoint of step {start_step} in "
+                f"{checkpoints.directory}"
+            )
+        else:
+            say(f"resume: no checkpoint in {checkpoints.directory}; starting from step 0")
     # Written once the run is known to be this config's (a refused resume leaves it alone).
     if primary:
         config_json = json.dumps(config_io.config_to_dict(run.config), indent=2)
@@ -255,6 +267,13 @@ def train(
         checkpoints.close()
         progress.close()
     return out_dir
+
+
+def say(message: str) -> None:
+    """One line on stderr from the primary process: what a run did that a person should
+    know (which checkpoint it resumed from, what it skipped)."""
+    if processes.is_primary():
+        print(message, file=sys.stderr, flush=True)
 
 
 def _drive(run: Run, hooks: Hooks, start_step: int) -> None:

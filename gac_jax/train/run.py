@@ -19,6 +19,7 @@ import dataclasses
 import json
 import logging
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -42,7 +43,7 @@ from gac_jax.rollout import (
 from gac_jax.rollout.evaluation import evaluate_policy
 from gac_jax.rollout.placement import RolloutPlacement
 from gac_jax.train import build, config_io, processes
-from gac_jax.train.checkpoint import CheckpointManager
+from gac_jax.train.checkpoint import CheckpointManager, DamagedCheckpointError
 from gac_jax.train.config import TrainConfig, require_init
 
 logger = logging.getLogger(__name__)
@@ -195,32 +196,45 @@ class Run:
         }
         checkpoints.save(next_step, state, metadata)
 
-    def restore(self, checkpoints: CheckpointManager, out_dir: Path) -> tuple[int, dict | None]:
-        """Restores params, optimizer and the store's history from the newest checkpoint;
-        returns the next step and the rollout source's recorded state (for `start`)."""
-        metadata = checkpoints.read_metadata()
-        _check_resumable(self.config, metadata, out_dir)
-        versions = metadata["store_versions"]
-        restored = checkpoints.restore(target=self._target(versions)).state
-        self.learner.params = restored["params"]
-        self.learner.opt_state = restored["opt_state"]
-        for v in versions:
-            self.store.publish(self.placement.to_rollout(restored["history"][str(v)]), v)
-        return int(metadata["next_step"]), _own_rollout_state(metadata)
+    def restore(
+        self, checkpoints: CheckpointManager, out_dir: Path
+    ) -> tuple[int, dict | None, list[DamagedCheckpointError]]:
+        """Restores params, optimizer and the store's history from the newest checkpoint
+        that reads back intact; returns the next step, the rollout source's recorded state
+        (for `start`) and the damaged newer checkpoints it skipped, newest first. A
+        checkpoint of another config is refused (ValueError), not skipped."""
+        restored, skipped = checkpoints.restore_newest(
+            lambda metadata: self._target(metadata["store_versions"]),
+            check=lambda metadata: _check_resumable(self.config, metadata, out_dir),
+        )
+        metadata = restored.metadata
+        self.learner.params = restored.state["params"]
+        self.learner.opt_state = restored.state["opt_state"]
+        for v in metadata["store_versions"]:
+            self.store.publish(self.placement.to_rollout(restored.state["history"][str(v)]), v)
+        return int(metadata["next_step"]), _own_rollout_state(metadata), skipped
 
     def load(self, checkpoint_dir: str | os.PathLike, step: int | None = None) -> int:
         """Loads a checkpoint's params (for evaluation and export); returns its step.
 
         `checkpoint_dir` is a run directory, its `checkpoints/` folder or one step's folder;
-        `step` picks a step (the newest if None)."""
+        `step` picks a step (a damaged one raises `DamagedCheckpointError`); without it,
+        the newest that reads back intact, each damaged newer one named on stderr."""
         path, step = _step_directory(Path(checkpoint_dir), step)
         with CheckpointManager(path, read_only=True) as checkpoints:
             if step is not None and step not in checkpoints.steps():
                 raise ValueError(
                     f"no checkpoint of step {step} in {str(path)!r}; steps: {checkpoints.steps()}."
                 )
-            versions = checkpoints.read_metadata(step)["store_versions"]
-            restored = checkpoints.restore(step, target=self._target(versions))
+            if step is None:
+                restored, skipped = checkpoints.restore_newest(
+                    lambda metadata: self._target(metadata["store_versions"])
+                )
+                for error in skipped:
+                    print(f"warning: {error}; using an older step", file=sys.stderr)
+            else:
+                versions = checkpoints.read_metadata(step)["store_versions"]
+                restored = checkpoints.restore(step, target=self._target(versions))
         self.learner.params = restored.state["params"]
         return restored.step
 

@@ -18,6 +18,7 @@ from gac_jax.rollout.placement import RolloutPlacement
 from gac_jax.rollout.record import Rollout
 from gac_jax.rollout.worker import GroupRequest
 from gac_jax.tasks import Task
+from gac_jax.tasks.custom import score_group
 
 
 @dataclasses.dataclass(frozen=True)
@@ -184,7 +185,7 @@ class TaskGroupGenerator:
             if versions_i is not None and completion_mask.any():
                 group_version = int(versions_i[completion_mask].min())
             example = self.examples[request.prompt_id]
-            rewards = np.asarray([self.task.reward(t, example) for t in texts], np.float32)
+            scores = score_group(self.task.reward, texts, example)
             rollouts.append(
                 Rollout(
                     prompt_id=request.prompt_id,
@@ -193,11 +194,13 @@ class TaskGroupGenerator:
                     completion_tokens=completion_tokens,
                     completion_mask=completion_mask,
                     behaviour_logp=behaviour_logp,
-                    rewards=rewards,
+                    rewards=scores.rewards,
                     policy_version=int(group_version),
                     token_versions=versions_i,
                     generate_seconds=generate_seconds,
                     score_seconds=time.monotonic() - start,
+                    reward_failures=scores.failures,
+                    reward_timeouts=scores.timeouts,
                 )
             )
         return rollouts

@@ -30,6 +30,9 @@ class Rollout:
         completions that span a weight update; None when one version made everything.
       generate_seconds: wall time spent sampling the group.
       score_seconds: wall time spent computing the rewards.
+      reward_failures: completions whose reward call raised or returned no number (scored
+        as the run's `reward_guard.failure_score`).
+      reward_timeouts: completions whose reward call timed out.
       created_at: `time.monotonic()` when the group was finished.
     """
 
@@ -44,6 +47,8 @@ class Rollout:
     token_versions: np.ndarray | None = None
     generate_seconds: float = 0.0
     score_seconds: float = 0.0
+    reward_failures: int = 0
+    reward_timeouts: int = 0
     created_at: float = dataclasses.field(default_factory=time.monotonic)
 
     def __post_init__(self):

@@ -26,9 +26,10 @@ converted; the optional extra ``gac_jax[datasets]``), for the same reasons as JS
 **Rewards by name** (`resolve_reward`): ``"package.module:function"``, a function taking
 ``(completion, example)`` and returning a float, or a short name of
 `gac_jax.tasks.rewards.MATCHERS` (``boxed``, ``hashes``, ``answer_tag``, ``last_number``,
-``lenient``). `GuardedReward` wraps one for a run: a call that raises (or returns
-something that is not a finite number) counts as 0.0, and the first such failure is logged
-with its traceback, the later ones only counted.
+``lenient``). `GuardedReward` wraps one for a run (`RewardGuardConfig`): each call runs
+with a timeout, a call that raises, returns something that is not a finite number or times
+out scores `failure_score` (0.0) and is counted by kind, and the first of each kind is
+one warning line.
 """
 
 from __future__ import annotations
@@ -39,15 +40,28 @@ import importlib.util
 import json
 import logging
 import math
+import numbers
 import os
 import threading
-from collections.abc import Callable, Mapping
+import time
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
+
+import numpy as np
 
 from gac_jax.tasks.rewards import MATCHERS, lenient_match
 
-__all__ = ["GuardedReward", "hf_splits", "jsonl_splits", "load_jsonl", "resolve_reward"]
+__all__ = [
+    "GuardedReward",
+    "RewardGuardConfig",
+    "RewardScores",
+    "hf_splits",
+    "jsonl_splits",
+    "load_jsonl",
+    "resolve_reward",
+    "score_group",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -256,39 +270,145 @@ def resolve_reward(spec: str) -> Callable[[str, Mapping[str, Any]], float]:
     return function
 
 
-class GuardedReward:
-    """A run's reward: `function`, with failures counted as 0.0 and logged once.
+@dataclasses.dataclass(frozen=True)
+class RewardGuardConfig:
+    """How a run treats its own reward function (`reward=`) when it misbehaves.
 
     Attributes:
-      name: what the log line calls the reward.
-      failures: calls that raised or returned no finite number.
+      timeout: seconds one call may take; a call still running then scores
+        `failure_score` and is counted in ``reward/timeouts`` (the thread is abandoned:
+        Python cannot stop it).
+      failure_score: the score of a call that raised, returned something that is not a
+        finite number (a string such as "0.5" included), or timed out.
+      max_failure_fraction: stop the run (one line, exit 1) when at least this share of a
+        batch's completions failed or timed out; None never stops. The default, 1.0, stops
+        a run whose reward fails on every completion of a batch, which would otherwise
+        train at `failure_score` and look like a hard task.
     """
 
-    def __init__(self, function: Callable[[str, Mapping[str, Any]], float], name: str):
+    timeout: float = 30.0
+    failure_score: float = 0.0
+    max_failure_fraction: float | None = 1.0
+
+    def validate(self) -> None:
+        if not (isinstance(self.timeout, int | float) and self.timeout > 0):
+            raise ValueError(f"timeout={self.timeout!r} must be a number of seconds > 0.")
+        if not math.isfinite(self.failure_score):
+            raise ValueError(f"failure_score={self.failure_score!r} must be finite.")
+        fraction = self.max_failure_fraction
+        if fraction is not None and not 0 < fraction <= 1:
+            raise ValueError(f"max_failure_fraction={fraction!r} must be in (0, 1] or null.")
+
+
+class RewardScores(NamedTuple):
+    """The scores of one group's completions, with how many calls failed or timed out."""
+
+    rewards: np.ndarray  # [G] float32.
+    failures: int
+    timeouts: int
+
+
+class GuardedReward:
+    """A run's own reward: `function`, called with a timeout, its failures scored as
+    configured and counted by kind, the first of each kind named in one warning line.
+
+    Attributes:
+      name: what the warnings call the reward.
+      failures: calls that raised or returned no finite number, over the run.
+      timeouts: calls that took longer than the timeout, over the run.
+    """
+
+    def __init__(
+        self,
+        function: Callable[[str, Mapping[str, Any]], float],
+        name: str,
+        config: RewardGuardConfig = RewardGuardConfig(),
+    ):
         self.function = function
         self.name = name
+        self.config = config
         self.failures = 0
+        self.timeouts = 0
         self._lock = threading.Lock()  # Async runs score from several worker threads.
 
     def __call__(self, completion: str, example: Mapping[str, Any]) -> float:
-        try:
-            value = float(self.function(completion, example))
-            if not math.isfinite(value):
-                raise ValueError(f"returned {value}, not a finite number")
-            return value
-        except Exception:
-            with self._lock:
+        return float(self.score_group([completion], example).rewards[0])
+
+    def score_group(self, completions: Sequence[str], example: Mapping[str, Any]) -> RewardScores:
+        """Scores `completions` of one prompt, each call in its own daemon thread against
+        one deadline, so a group takes at most `timeout` however many calls hang."""
+        results: list[Any] = [None] * len(completions)
+
+        def call(i: int, completion: str) -> None:
+            try:
+                results[i] = ("ok", self.function(completion, example))
+            except Exception as error:  # User code: any failure is scored, not raised.
+                results[i] = ("error", error)
+
+        threads = [
+            threading.Thread(target=call, args=(i, c), daemon=True, name="gac_jax-reward")
+            for i, c in enumerate(completions)
+        ]
+        for thread in threads:
+            thread.start()
+        deadline = time.monotonic() + self.config.timeout
+        for thread in threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        rewards = np.full(len(completions), self.config.failure_score, np.float32)
+        failures = timeouts = 0
+        for i, (thread, result) in enumerate(zip(threads, results, strict=True)):
+            if thread.is_alive() or result is None:
+                timeouts += 1
+                self._note("timeout", f"took longer than {self.config.timeout:g} s")
+                continue
+            kind, value = result
+            problem = (
+                f"raised {type(value).__name__}: {value}"
+                if kind == "error"
+                else _not_a_score(value)
+            )
+            if problem is None:
+                rewards[i] = float(value)
+            else:
+                failures += 1
+                self._note("failure", problem)
+        return RewardScores(rewards, failures, timeouts)
+
+    def _note(self, kind: str, problem: str) -> None:
+        """Counts a failure or timeout; the first of each kind is one warning line."""
+        with self._lock:
+            if kind == "timeout":
+                self.timeouts += 1
+                first = self.timeouts == 1
+            else:
                 self.failures += 1
                 first = self.failures == 1
-            if first:
-                logger.warning(
-                    "reward %s failed (counted as 0.0; later failures are not logged) on "
-                    "completion %r",
-                    self.name,
-                    completion[:200],
-                    exc_info=True,
-                )
-            return 0.0
+        if first:
+            logger.warning(
+                "reward %s %s; scored %g and counted in reward/%ss (later ones are only counted)",
+                self.name,
+                " ".join(problem.split())[:200],
+                self.config.failure_score,
+                kind,
+            )
+
+
+def _not_a_score(value) -> str | None:
+    """Why `value` is not a reward (None if it is one): only real numbers are, a string
+    that looks like one included."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real | np.number):
+        return f"returned {value!r} ({type(value).__name__}), not a number"
+    if not math.isfinite(float(value)):
+        return f"returned {value!r}, not a finite number"
+    return None
+
+
+def score_group(reward, completions: Sequence[str], example: Mapping[str, Any]) -> RewardScores:
+    """A group's scores under a task's reward: guarded (`GuardedReward`) or, for the
+    library's own rewards, called directly."""
+    if isinstance(reward, GuardedReward):
+        return reward.score_group(completions, example)
+    return RewardScores(np.asarray([reward(c, example) for c in completions], np.float32), 0, 0)
 
 
 def default_reward() -> Callable[[str, Mapping[str, Any]], float]:

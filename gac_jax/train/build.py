@@ -116,11 +116,11 @@ def build_learner(config: TrainConfig, model, mesh) -> GRPOLearner:
 
 def build_task(config: TrainConfig):
     """The run's task: `config.task` with `config.reward` (if set) as its reward, guarded
-    (a call that raises counts as 0 and is logged once per run), and its prompts in the
+    by `config.reward_guard` (timeouts, failures scored and counted), and its prompts in the
     chat template of the `init` model directory (`config.chat_template`)."""
     task = get_task(config.task)
     if config.reward is not None:
-        reward = GuardedReward(resolve_reward(config.reward), config.reward)
+        reward = GuardedReward(resolve_reward(config.reward), config.reward, config.reward_guard)
         task = dataclasses.replace(task, reward=reward)
     template = run_chat_template(config)
     if template is not None:

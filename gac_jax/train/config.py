@@ -24,6 +24,7 @@ from gac_jax.models import ComputeConfig, LoraConfig, MeshConfig
 from gac_jax.rollout import BufferConfig, GenerationConfig, RolloutConfig
 from gac_jax.rollout.placement import PlacementConfig
 from gac_jax.rollout.ray_cluster import RayConfig
+from gac_jax.tasks.custom import RewardGuardConfig
 from gac_jax.transforms import ESSConfig, GACConfig
 
 INIT_MODES = ("random", "warm_start")
@@ -38,7 +39,10 @@ class TrainConfig:
       reward: replaces the task's reward: ``"package.module:function"`` taking
         ``(completion, example)`` and returning a float, or a built-in matcher's name
         (``boxed``, ``hashes``, ``answer_tag``, ``last_number``, ``lenient``); None keeps
-        the task's own. A call that raises counts as 0 (logged once per run).
+        the task's own. Guarded by `reward_guard`.
+      reward_guard: the timeout of each call of `reward`, the score of a call that
+        fails or times out, and when so many fail that the run stops
+        (`gac_jax.tasks.custom.RewardGuardConfig`).
       chat_template: "auto" renders prompts with the chat template of the `init` model
         directory when it has one (`gac_jax.tasks.chat`); None (``none`` on the command
         line) keeps raw prompts.
@@ -81,6 +85,7 @@ class TrainConfig:
 
     task: str = "countdown/n3_max20"
     reward: str | None = None
+    reward_guard: RewardGuardConfig = dataclasses.field(default_factory=RewardGuardConfig)
     chat_template: str | None = "auto"
     system_prompt: str | None = None
     enable_thinking: bool | None = None

@@ -180,7 +180,10 @@ def output_hooks(hooks: Hooks, run: Run, writer, samples, progress, eval_key) ->
     config = run.config
 
     def evaluate(info: StepInfo) -> None:
-        info.metrics.update(info.run.evaluate(jax.random.fold_in(eval_key, info.step)))
+        scores = info.run.evaluate(jax.random.fold_in(eval_key, info.step))
+        info.metrics.update(scores)
+        shown = " ".join(f"{k.removeprefix('eval/')} {v:.3f}" for k, v in scores.items())
+        say(f"eval after step {info.step + 1}: {shown}")
 
     def record(info: StepInfo) -> None:
         metrics = dict(info.metrics)

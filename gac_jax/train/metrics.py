@@ -303,6 +303,9 @@ DEFAULT_PROGRESS_FIELDS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("ess", ("ess_ratio",)),
     ("cos", ("gac_cosine", "cosine")),
     ("tok/s", ("tokens_per_s", "generate_tokens_per_s", "train_tokens_per_s")),
+    # Only in runs with their own reward (`reward=`): its failed and timed-out calls.
+    ("reward-fail", ("reward/failures",)),
+    ("reward-timeout", ("reward/timeouts",)),
 )
 
 

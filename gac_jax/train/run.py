@@ -49,6 +49,10 @@ from gac_jax.train.config import TrainConfig, require_init
 logger = logging.getLogger(__name__)
 
 
+class RewardFailedError(RuntimeError):
+    """The run's own reward failed on too many of a batch's completions."""
+
+
 @dataclasses.dataclass
 class Run:
     """Everything `build_run` makes of a config, and the run's behaviour between hooks.
@@ -121,6 +125,8 @@ class Run:
                 groups_filtered=float(filtered),
                 draws_per_batch=(filtered + len(rollouts)) / len(rollouts),
             )
+        if self.config.reward is not None:  # The run's own reward: how often it failed.
+            metrics.update(self._reward_failures(rollouts, step))
         metrics.update(
             generated_tokens=float(tokens),
             generate_tokens_per_s=tokens / generate if generate > 0 else float("nan"),
@@ -237,6 +243,22 @@ class Run:
                 restored = checkpoints.restore(step, target=self._target(versions))
         self.learner.params = restored.state["params"]
         return restored.step
+
+    def _reward_failures(self, rollouts: list, step: int) -> dict[str, float]:
+        """``reward/failures`` and ``reward/timeouts`` of the batch; raises
+        `RewardFailedError` when their share reaches `reward_guard.max_failure_fraction`."""
+        failures = sum(r.reward_failures for r in rollouts)
+        timeouts = sum(r.reward_timeouts for r in rollouts)
+        completions = sum(r.group_size for r in rollouts)
+        bound = self.config.reward_guard.max_failure_fraction
+        if bound is not None and failures + timeouts >= bound * completions:
+            raise RewardFailedError(
+                f"step {step}: reward {self.config.reward} failed on {failures} and timed out "
+                f"on {timeouts} of the batch's {completions} completions (the run stops at "
+                f"reward_guard.max_failure_fraction={bound:g}); the first failure was logged "
+                "above"
+            )
+        return {"reward/failures": float(failures), "reward/timeouts": float(timeouts)}
 
     def close(self) -> None:
         """Stops the rollout source and the Ray actors (if any)."""

@@ -1,15 +1,18 @@
 """A researcher's own data and rewards: JSONL tasks, rewards by import path, the built-in
 strict and lenient answer matchers, and a raising reward counted as 0 and logged once."""
 
+import dataclasses
 import json
 import logging
 import sys
 import textwrap
+import time
 
+import numpy as np
 import pytest
 
 from gac_jax.tasks import get_task
-from gac_jax.tasks.custom import GuardedReward, resolve_reward
+from gac_jax.tasks.custom import GuardedReward, RewardGuardConfig, resolve_reward
 from gac_jax.tasks.rewards import (
     MATCHERS,
     answer_tag_match,
@@ -135,22 +138,62 @@ def test_a_bad_reward_path_fails_with_one_line(reward_module, spec, message):
     assert "\n" not in str(info.value)
 
 
-def test_a_raising_reward_counts_zero_and_is_logged_once(reward_module, caplog):
+def test_a_raising_reward_counts_zero_and_is_logged_once_in_one_line(reward_module, caplog):
     reward = GuardedReward(resolve_reward(f"{reward_module}:broken"), "my_task_rewards:broken")
     with caplog.at_level(logging.WARNING, logger="gac_jax.tasks.custom"):
         values = [reward(f"c{i}", {}) for i in range(5)]
     assert values == [0.0] * 5
-    assert reward.failures == 5
+    assert reward.failures == 5 and reward.timeouts == 0
     records = [r for r in caplog.records if "my_task_rewards:broken" in r.getMessage()]
-    assert len(records) == 1
-    assert records[0].exc_info is not None and "boom c0" in str(records[0].exc_info[1])
-    assert "RuntimeError: boom c0" in caplog.text  # the traceback is in the log
+    assert len(records) == 1 and records[0].exc_info is None
+    message = records[0].getMessage()
+    assert "raised RuntimeError: boom c0" in message and "\n" not in message
+    assert "reward/failures" in message
 
 
-def test_a_non_finite_reward_counts_zero():
-    reward = GuardedReward(lambda c, ex: float("nan"), "nan_reward")
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), "0.5", None, [1.0], True], ids=repr)
+def test_what_is_not_a_finite_number_is_a_failure(value):
+    reward = GuardedReward(lambda c, ex: value, "odd_reward")
     assert reward("x", {}) == 0.0 and reward.failures == 1
-    assert GuardedReward(lambda c, ex: len(c), "length")("abc", {}) == 3.0
+
+
+def test_numbers_of_any_numeric_type_are_scores():
+    for value, expected in ((3, 3.0), (np.float32(0.25), 0.25), (np.int64(2), 2.0)):
+        assert GuardedReward(lambda c, ex, v=value: v, "n")("abc", {}) == expected
+
+
+def test_a_hanging_reward_times_out_per_group_not_per_call():
+    config = RewardGuardConfig(timeout=0.3, failure_score=-1.0)
+
+    def sleepy(completion, example):
+        if completion.startswith("hang"):
+            time.sleep(30)
+        if completion == "boom":
+            raise ValueError("no")
+        return 1.0
+
+    reward = GuardedReward(sleepy, "sleepy", config)
+    started = time.monotonic()
+    scores = reward.score_group(["hang1", "ok", "hang2", "boom", "hang3"], {})
+    elapsed = time.monotonic() - started
+    assert elapsed < 2.0  # One deadline for the group, not 0.3 s x 3 hung calls in a row.
+    np.testing.assert_array_equal(scores.rewards, [-1.0, 1.0, -1.0, -1.0, -1.0])
+    assert (scores.failures, scores.timeouts) == (1, 3)
+    assert (reward.failures, reward.timeouts) == (1, 3)
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("timeout", 0),
+        ("timeout", -1.0),
+        ("max_failure_fraction", 0.0),
+        ("max_failure_fraction", 1.5),
+    ],
+)
+def test_reward_guard_config_is_validated(field, value):
+    with pytest.raises(ValueError, match=field):
+        dataclasses.replace(RewardGuardConfig(), **{field: value}).validate()
 
 
 # --- matchers: strict vs lenient ---------------------------------------------------------

@@ -40,6 +40,7 @@ SECTIONS = (
     "buffer",
     "mesh",
     "compute",
+    "reward_guard",
 )
 
 
@@ -51,6 +52,11 @@ def _model(built):
 def _step_arguments(built):
     """The settings the learner's train step factory receives (its `LearnerConfig`)."""
     return dataclasses.asdict(built["run"].learner._make_step.keywords["config"])
+
+
+def _guard(built):
+    """The settings of the reward the generator scores with (the run's `GuardedReward`)."""
+    return built["run"].generator.task.reward.config
 
 
 def _objective(built):
@@ -298,6 +304,14 @@ FIELDS = {
     "buffer.capacity": ("24", lambda b, _: b["source"].buffer.capacity, 24, "0"),
     "buffer.take_timeout": ("30.0", lambda b, _: b["source"]._take_timeout, 30.0, "-1"),
     "mesh.data": ("2", lambda b, _: b["run"].learner.mesh.shape["data"], 2, "0"),
+    "reward_guard.timeout": ("2.5", lambda b, _: _guard(b).timeout, 2.5, "0"),
+    "reward_guard.failure_score": ("-1.0", lambda b, _: _guard(b).failure_score, -1.0, "nan"),
+    "reward_guard.max_failure_fraction": (
+        "0.5",
+        lambda b, _: _guard(b).max_failure_fraction,
+        0.5,
+        "2.0",
+    ),
     "mesh.fsdp": ("2", lambda b, _: b["run"].learner.mesh.shape["fsdp"], 2, "-2"),
     "mesh.tensor": ("2", lambda b, _: b["run"].learner.mesh.shape["tensor"], 2, "0"),
     "compute.dtype": ("float16", lambda b, _: _model(b).config.dtype, "float16", "int8"),
@@ -336,6 +350,7 @@ CONTEXT = {
     "rollout.inflight_updates": ["rollout.mode=async"],
     "buffer": ["rollout.mode=async"],
     "mesh.fsdp": ["mesh.data=-1"],
+    "reward_guard": ["reward=lenient"],
     "mesh.tensor": ["mesh.data=-1"],
 }
 # Settings that are only valid together with the field's new value.

@@ -331,6 +331,15 @@ def _validate_across_sections(config: TrainConfig) -> None:
             f"buffer.capacity={capacity} must be >= rollout.groups_per_batch="
             f"{config.rollout.groups_per_batch}, or a batch could never be assembled."
         )
+    room = capacity or 2 * rollout.groups_per_batch  # The buffer's default: two batches.
+    if rollout.mode == "async" and rollout.groups_per_call > room:
+        # A worker reserves a call's slots before it samples: more than the buffer holds
+        # and it waits forever for room that only its own groups could make.
+        raise ValueError(
+            f"rollout.groups_per_call={rollout.groups_per_call} must be <= the buffer's "
+            f"{room} groups (buffer.capacity, or 2 x rollout.groups_per_batch when null), or "
+            "the rollout workers deadlock."
+        )
 
 
 def _preset_demo() -> TrainConfig:

@@ -8,7 +8,13 @@ from gac_jax.train.config import get_preset
 from gac_jax.train.config_io import apply_overrides
 from gac_jax.train.run import build_run
 
-BASE = ["init=random", "mesh.data=1", "mesh.fsdp=-1", "rollout.groups_per_batch=4"]
+BASE = [
+    "init=random",
+    "mesh.data=1",
+    "mesh.fsdp=-1",
+    "rollout.groups_per_batch=4",
+    "rollout.groups_per_call=4",
+]
 
 
 def _layout(tree):

@@ -23,7 +23,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from gac_jax.train.config import preset_names
+from gac_jax.train.config import PRESET_DESCRIPTIONS, preset_names
 from gac_jax.train.config_io import RESUMABLE_FIELDS, apply_overrides, load_config, to_yaml
 
 CONFIG_FILE = "config.json"  # Written into the run directory by `loop.train`.
@@ -119,6 +119,15 @@ def _cmd_train(args, parser) -> int:
         loop.train(config, out_dir, resume=args.resume, overwrite=args.overwrite)
     except (loop.RunExistsError, ValueError, FileNotFoundError) as error:
         _fail(parser, str(error))
+    except TimeoutError as error:  # Before OSError, its base class.
+        _fail(
+            parser,
+            f"no batch: {error} (buffer.take_timeout): the rollout workers made nothing in "
+            "that time; is the reward hanging (reward_guard.timeout)?",
+            1,
+        )
+    except KeyboardInterrupt:  # Asked twice: stopped at once, without a checkpoint.
+        _fail(parser, "interrupted twice: stopped without saving this step", 128 + 2)
     except OSError as error:  # The disk: full, read-only, not ours.
         _fail(parser, _disk_message(error, out_dir), DISK_EXIT)
     except loop.RunInterrupted as stopped:
@@ -197,8 +206,9 @@ def _cmd_eval(args, parser) -> int:
 
 
 def _cmd_presets(args, parser) -> int:
+    width = max(map(len, preset_names()))
     for name in preset_names():
-        print(name)
+        print(f"{name:<{width}}  {PRESET_DESCRIPTIONS[name]}")
     return 0
 
 

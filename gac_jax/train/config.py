@@ -442,6 +442,18 @@ PRESETS: dict[str, Any] = {
 }
 
 
+# What `gac-jax presets` says of each, one line (a test checks every preset has one).
+PRESET_DESCRIPTIONS = {
+    "demo": "the embedded default: countdown, shipped warm start, async GRPO with GAC (300 steps)",
+    "countdown_sync": "countdown from the shipped warm start, synchronous GRPO, lr 2e-4",
+    "countdown_lagged8": "countdown_sync with every batch 8 versions stale (lagged mode)",
+    "countdown_sweep": "the older experiments' base: lagged naive GRPO, about 3 min a run",
+    "lab": "experiments/lab.py's laboratory: countdown from the 300-step warm start",
+    "qwen3_0_6b_gsm8k": "Qwen3-0.6B on GSM8K, FSDP over all devices (needs the HF checkpoint)",
+    "qwen3_1_7b_gsm8k": "Qwen3-1.7B on GSM8K, FSDP over all devices (needs the HF checkpoint)",
+}
+
+
 def preset_names() -> list[str]:
     return sorted(PRESETS)
 

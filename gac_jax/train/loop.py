@@ -215,7 +215,6 @@ def train(
     files that are not checkpoints, and all of them write their checkpoint shards.
     """
     from gac_jax.train.metrics import NullMetricWriter, ProgressLine, run_writer
-    from gac_jax.train.plots import plot_run
     from gac_jax.train.samples import sample_logger
 
     out_dir = Path(out_dir)
@@ -259,17 +258,25 @@ def train(
             output_hooks(hooks, run, writer, samples, progress, jax.random.key(config.seed + 1))
             checkpoint_hooks(hooks, checkpoints, config.checkpoint_every, stop, out_dir)
             if primary:
-                hooks.add(
-                    lambda _: plot_run(out_dir / "metrics.jsonl", out_dir / "plot.png"),
-                    every=0,
-                    at_end=True,
-                )
+                hooks.add(lambda _: _plot(config, out_dir), every=0, at_end=True)
             _drive(run, hooks, start_step)
     finally:
         run.close()
         checkpoints.close()
         progress.close()
     return out_dir
+
+
+def _plot(config: TrainConfig, out_dir: Path) -> None:
+    """The run's plot, titled with its directory's name, GAC's thresholds on the cosine
+    panel when GAC acts (fixed thresholds; adaptive ones move and are not drawn)."""
+    from gac_jax.train.plots import plot_run
+
+    gac = config.gac
+    lines = {}
+    if not gac.monitor_only and gac.thresholds == "fixed":
+        lines["gac_cosine"] = [(gac.tau_low, "tau_low"), (gac.tau_high, "tau_high")]
+    plot_run(out_dir / "metrics.jsonl", out_dir / "plot.png", title=out_dir.name, lines=lines)
 
 
 def say(message: str) -> None:

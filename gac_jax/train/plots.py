@@ -68,22 +68,29 @@ def ema_smooth(values: Sequence[float], weight: float = DEFAULT_SMOOTHING) -> li
 
 
 def _eval_points(records, key: str) -> dict[str, tuple[list[int], list[float]]]:
-    """The held-out evaluations drawn on `key`'s panel, by metric (those present only)."""
-    points = {name: metric_series(records, name) for name in EVAL_MARKERS.get(key, ())}
+    """The held-out evaluations drawn on `key`'s panel, by metric (those present only);
+    the reward panel also gets pass@k (k > 1) where it was logged."""
+    names = list(EVAL_MARKERS.get(key, ()))
+    if key == "reward":
+        logged = {k for r in records for k in r if k.startswith("eval/pass@")}
+        names += sorted(logged - {"eval/pass@1"})
+    points = {name: metric_series(records, name) for name in names}
     return {name: series for name, series in points.items() if series[0]}
 
 
-def _draw_panel(ax, key: str, series, evals, smoothing: float) -> None:
+def _draw_panel(ax, key: str, series, evals, smoothing: float, lines=()) -> None:
     steps, values = series
+    for value, label in lines:  # Reference levels, e.g. GAC's thresholds on the cosine.
+        ax.axhline(value, color="grey", linestyle="--", linewidth=0.8, label=label)
     if key.startswith("eval/"):  # Already sparse: every point is an evaluation.
         ax.plot(steps, values, marker="o", linewidth=1.2)
     else:
         (raw,) = ax.plot(steps, values, linewidth=0.8, alpha=0.3)
         ax.plot(steps, ema_smooth(values, smoothing), color=raw.get_color(), linewidth=1.5)
-    for (name, (eval_steps, eval_values)), marker in zip(evals.items(), "os", strict=False):
+    for (name, (eval_steps, eval_values)), marker in zip(evals.items(), "os^", strict=False):
         label = f"held-out {name.removeprefix('eval/')}"
         ax.plot(eval_steps, eval_values, linestyle="none", marker=marker, label=label)
-    if evals:
+    if evals or lines:
         ax.legend(fontsize="small")
     ax.set_ylabel(key)
     ax.grid(True, alpha=0.3)
@@ -95,11 +102,13 @@ def run_figure(
     *,
     smoothing: float = DEFAULT_SMOOTHING,
     title: str | None = None,
+    lines: Mapping[str, Sequence[tuple[float, str]]] | None = None,
 ):
     """The figure `plot_run` saves (a matplotlib ``Figure``, one panel per present key).
 
     Each training metric is drawn raw (faint) and smoothed with `ema_smooth`; the held-out
-    evaluations of `EVAL_MARKERS` are markers on their panel.
+    evaluations of `EVAL_MARKERS` are markers on their panel; `lines` maps a key to
+    (value, label) reference levels drawn dashed on its panel.
 
     Raises:
       ValueError: if none of `keys` has a numeric value in the run, listing the keys it has.
@@ -115,7 +124,8 @@ def run_figure(
     fig = _figure(len(series))
     axes = fig.subplots(len(series), 1, sharex=True, squeeze=False)[:, 0]
     for ax, (key, steps_values) in zip(axes, series.items(), strict=True):
-        _draw_panel(ax, key, steps_values, _eval_points(records, key), smoothing)
+        levels = (lines or {}).get(key, ())
+        _draw_panel(ax, key, steps_values, _eval_points(records, key), smoothing, levels)
     axes[-1].set_xlabel("step")
     if title is not None:
         fig.suptitle(title)
@@ -129,6 +139,7 @@ def plot_run(
     *,
     smoothing: float = DEFAULT_SMOOTHING,
     title: str | None = None,
+    lines: Mapping[str, Sequence[tuple[float, str]]] | None = None,
 ) -> Path:
     """Plots each of `keys` against step, one panel each; returns the PNG's path.
 
@@ -139,7 +150,7 @@ def plot_run(
     Raises:
       ValueError: if none of `keys` has a numeric value in the run, listing the keys it has.
     """
-    fig = run_figure(metrics_jsonl_path, keys, smoothing=smoothing, title=title)
+    fig = run_figure(metrics_jsonl_path, keys, smoothing=smoothing, title=title, lines=lines)
     return _save(fig, png_path)
 
 

@@ -197,7 +197,9 @@ def test_eval_with_config_and_without(fake_loop, tmp_path, capsys):
 
 def test_presets_and_show_config(capsys):
     assert main(["presets"]) == 0
-    assert capsys.readouterr().out.split() == preset_names()
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split()[0] for line in lines] == preset_names()
+    assert all(len(line.split()) > 3 for line in lines)  # Each with its description.
     assert (
         main(
             [

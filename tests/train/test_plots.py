@@ -162,3 +162,21 @@ def test_plot_run_smooths_and_marks_the_held_out_evaluations(tmp_path):
     np.testing.assert_allclose(_line_data(eval_line)[1], [evals[s][1] for s in steps])
     png = plot_run(metrics, tmp_path / "plot.png")
     assert _png_size(png)[0] >= 300
+
+
+def test_plot_run_draws_reference_lines_pass_at_k_and_the_title(tmp_path):
+    with MetricWriter(tmp_path, tensorboard=False) as writer:
+        for step in range(10):
+            record = {"reward": step / 10, "gac_cosine": 0.1 * (step % 3)}
+            if step in (4, 9):
+                record.update({"eval/sampled_reward": 0.3, "eval/pass@8": 0.5 + step / 100})
+            writer.write(step, record)
+    lines = {"gac_cosine": [(0.2, "tau_low"), (0.8, "tau_high")]}
+    fig = run_figure(tmp_path / "metrics.jsonl", title="my_run", lines=lines)
+    reward_ax, cosine_ax = fig.axes
+    assert fig._suptitle.get_text() == "my_run"
+    pass_at_k = [ln for ln in reward_ax.get_lines() if ln.get_label() == "held-out pass@8"]
+    np.testing.assert_allclose(_line_data(pass_at_k[0])[1], [0.54, 0.59])
+    levels = {ln.get_label(): _line_data(ln)[1][0] for ln in cosine_ax.get_lines()}
+    assert levels["tau_low"] == 0.2 and levels["tau_high"] == 0.8
+    assert reward_ax.get_legend() is not None and cosine_ax.get_legend() is not None

@@ -264,3 +264,31 @@ def test_a_refused_run_leaves_nothing_behind(tmp_path, capsys):
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     main(argv)  # The same command, once the file is fixed, is not refused.
     assert len(read_metrics(out / "metrics.jsonl")) == 1
+
+
+@pytest.fixture
+def read_only_dir(tmp_path):
+    """A read-only file system (a tmpfs mounted read-only), where this machine allows
+    mounting; as root, a chmod'ed directory would still be writable."""
+    import subprocess
+
+    path = tmp_path / "ro"
+    path.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(path)],
+        capture_output=True,
+        check=False,
+    )
+    if mounted.returncode != 0:
+        pytest.skip("cannot mount a read-only tmpfs here")
+    yield path
+    subprocess.run(["umount", str(path)], check=False)
+
+
+def test_a_read_only_output_directory_is_one_line_and_exit_74(digit_task, read_only_dir, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", "--set", *SMALL, "--out", str(read_only_dir / "run")])
+    err = _err_lines(capsys)
+    assert exit_info.value.code == DISK_EXIT
+    assert err[-1].startswith("gac-jax train: error: cannot write ") and "Read-only" in err[-1]
+    assert not any("Traceback" in line for line in err), err

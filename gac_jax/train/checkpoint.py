@@ -27,6 +27,11 @@ each parameter onto that model's own sharding::
                          {"step": step, "config_hash": h})
     restored = restore_model("/ckpt/run", model)   # latest step, in place
     restored.metadata["config_hash"]
+
+Over 450 lines because `CheckpointManager` is one class over one orbax manager and one
+directory: saving (with its space check), pruning by rename and restoring (with its
+fallback past damaged steps) all read the same step listing; the faults themselves live in
+`checkpoint_faults`.
 """
 
 from __future__ import annotations
@@ -37,7 +42,6 @@ import errno
 import json
 import logging
 import os
-import re
 import shutil
 import uuid
 from collections.abc import Callable
@@ -50,6 +54,12 @@ from flax import nnx
 
 from gac_jax._quiet import absl_records_dropped
 from gac_jax._validation import check_int
+from gac_jax.train.checkpoint_faults import (
+    DamagedCheckpointError,
+    disk_errno,
+    failed_write_record,
+    short_cause,
+)
 
 __all__ = [
     "Checkpoint",
@@ -71,52 +81,7 @@ METADATA_ITEM = "metadata"
 # removed; leftovers of a killed deletion are removed when a writer opens the directory.
 DELETING_PREFIX = ".deleting-"
 SAVE_MARGIN_BYTES = 1 << 20  # Orbax's own files (metadata, manifests) beside the arrays.
-# The errno of a disk that cannot take a save, as tensorstore spells it in its messages.
-DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM)
 DAMAGED_PREFIX = ".damaged-"  # A damaged step set aside by a resume (`set_aside`).
-CAUSE_CHARS = 200  # A cause longer than this is cut (tensorstore's specs run to kilobytes).
-
-
-class DamagedCheckpointError(ValueError):
-    """A finalised step whose files cannot be read back: truncated or missing data,
-    manifests or metadata, or garbage in them."""
-
-    def __init__(self, directory: Path, step: int, cause: BaseException):
-        self.directory, self.step, self.cause = directory, step, cause
-        super().__init__(
-            f"checkpoint step {step} in {str(directory)!r} is damaged and cannot be read "
-            f"({_short_cause(cause)})"
-        )
-
-
-def _disk_errno(error: BaseException) -> int | None:
-    """The errno of a full, read-only or forbidden disk behind `error` (an OSError in its
-    chain, or tensorstore's ``[os_error_code='28']``), or None."""
-    seen = error
-    while seen is not None:
-        if isinstance(seen, OSError) and seen.errno in DISK_ERRNOS:
-            return seen.errno
-        match = re.search(r"os_error_code='(\d+)'", str(seen))
-        if match and int(match.group(1)) in DISK_ERRNOS:
-            return int(match.group(1))
-        seen = seen.__cause__ or seen.__context__
-    return None
-
-
-def _failed_write_record(record: logging.LogRecord) -> bool:
-    """Orbax's log of a writer thread's exception: the caller gets the error itself."""
-    return "raised an exception" in record.getMessage()
-
-
-def _short_cause(error: BaseException) -> str:
-    """The first line of `error`'s message, without tensorstore's spec dump, at most
-    `CAUSE_CHARS` characters, prefixed with its type."""
-    text = str(error).strip().strip("'\"")
-    for marker in (" See full TensorStore details", " [tensorstore_spec", "\n"):
-        text = text.split(marker)[0]
-    if len(text) > CAUSE_CHARS:
-        text = text[: CAUSE_CHARS - 3] + "..."
-    return f"{type(error).__name__}: {text}" if text else type(error).__name__
 
 
 @dataclasses.dataclass(frozen=True)
@@ -300,7 +265,7 @@ class CheckpointManager:
             raise ValueError(f"Step {step} is already saved in {str(self.directory)!r}.")
         self._check_space(step, state)
         try:
-            with absl_records_dropped(_failed_write_record):
+            with absl_records_dropped(failed_write_record):
                 self._manager.save(
                     step,
                     args=ocp.args.Composite(
@@ -312,7 +277,7 @@ class CheckpointManager:
                     force=True,
                 )
         except Exception as error:
-            code = _disk_errno(error)
+            code = disk_errno(error)
             if code is None:
                 raise
             for partial in self.directory.glob(f"{step}.orbax-checkpoint-tmp*"):
@@ -456,7 +421,7 @@ class CheckpointManager:
                 skipped.append(error)
         if not skipped:
             raise FileNotFoundError(f"No finalised checkpoint in {str(self.directory)!r}.")
-        causes = "; ".join(f"step {e.step}: {_short_cause(e.cause)}" for e in skipped)
+        causes = "; ".join(f"step {e.step}: {short_cause(e.cause)}" for e in skipped)
         raise FileNotFoundError(
             f"no intact checkpoint in {str(self.directory)!r}, every step is damaged ({causes})"
         )

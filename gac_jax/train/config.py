@@ -10,6 +10,11 @@ batches), `PlacementConfig` (which devices sample), `RayConfig` (the Ray rollout
 model's dtypes and remat). `TrainConfig` adds
 what the loop itself uses (task, model, steps, evaluation, checkpoints) and the checks that
 span sections. `gac_jax.train.config_io` reads and writes configs (YAML, JSON, ``--set``).
+`RewardGuardConfig` (how the run's own reward is called) is the reward guard's.
+
+Over 450 lines because `TrainConfig` documents every field of its own in its docstring and
+the presets (each with the measurements that sized it, and its one-line description) sit
+beside the config they instantiate.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import pytest
 
 from gac_jax.tasks import get_task
-from gac_jax.train import build
+from gac_jax.train import build, checkpoint_faults
 from gac_jax.train import checkpoint as checkpoint_lib
 from gac_jax.train.checkpoint import CheckpointManager, DamagedCheckpointError
 from gac_jax.train.cli import DISK_EXIT, main
@@ -193,11 +193,11 @@ def test_a_full_disk_is_one_line_exit_74_and_the_previous_step_resumes(
 
 def test_tensorstores_out_of_space_error_is_found_in_its_message():
     error = ValueError("RESOURCE_EXHAUSTED: ... No space left on device [os_error_code='28']")
-    assert checkpoint_lib._disk_errno(error) == errno.ENOSPC
-    assert checkpoint_lib._disk_errno(ValueError("NOT_FOUND: [os_error_code='2']")) is None
+    assert checkpoint_faults.disk_errno(error) == errno.ENOSPC
+    assert checkpoint_faults.disk_errno(ValueError("NOT_FOUND: [os_error_code='2']")) is None
     wrapped = RuntimeError("save failed")
     wrapped.__cause__ = OSError(errno.EROFS, "Read-only file system")
-    assert checkpoint_lib._disk_errno(wrapped) == errno.EROFS
+    assert checkpoint_faults.disk_errno(wrapped) == errno.EROFS
 
 
 def _tree(scale):

@@ -11,7 +11,10 @@ caller joins it with `connect`. Ending the `LocalRayCluster` stops its whole pro
 
 Ray's token authentication is on, as for the local cluster `ray.init()` would start: both
 sides read the token from Ray's default place, and `RAY_AUTH_MODE` says so explicitly to the
-joining process too (a process joining by address does not turn it on by itself).
+joining process too (a process joining by address does not turn it on by itself). `ray
+start` does not create the token (`ray.init()` does): on a machine that has none yet, the
+cluster creates it first with `ray get-auth-token --generate` (Ray 2.5x and later; without
+token authentication the command does not exist and nothing is needed).
 """
 
 from __future__ import annotations
@@ -65,6 +68,20 @@ def _port_open(port: int) -> bool:
         return s.connect_ex(("127.0.0.1", port)) == 0
 
 
+def _ensure_auth_token(env: dict[str, str]) -> None:
+    """Creates Ray's authentication token where Ray looks for it, unless one exists (the
+    command keeps an existing token, so clusters already running keep theirs). A Ray
+    without token authentication has no such command: its failure is ignored."""
+    subprocess.run(
+        [sys.executable, "-m", "ray.scripts.scripts", "get-auth-token", "--generate"],
+        env=env,
+        stdin=subprocess.DEVNULL,
+        capture_output=True,  # The token is printed: keep it off the terminal.
+        timeout=120,
+        check=False,
+    )
+
+
 class LocalRayCluster:
     """A one-node Ray cluster of this machine, in its own process group.
 
@@ -102,10 +119,13 @@ class LocalRayCluster:
         ]
         if self.num_cpus is not None:
             command.append(f"--num-cpus={self.num_cpus}")
+        env = {**os.environ, AUTH_MODE_VARIABLE: os.environ.get(AUTH_MODE_VARIABLE, "token")}
+        if env[AUTH_MODE_VARIABLE].lower() == "token":
+            _ensure_auth_token(env)
         self._log = tempfile.NamedTemporaryFile(prefix="gac_jax_ray_", suffix=".log", delete=False)
         self._process = subprocess.Popen(
             command,
-            env={**os.environ, AUTH_MODE_VARIABLE: os.environ.get(AUTH_MODE_VARIABLE, "token")},
+            env=env,
             stdin=subprocess.DEVNULL,
             stdout=self._log,
             stderr=subprocess.STDOUT,

@@ -32,6 +32,14 @@ __all__ = [
 ]
 
 
+BATCHES_HELD = 2  # The buffer's capacity when none is configured, in batches.
+
+
+def buffer_capacity(capacity: int | None, groups_per_batch: int) -> int:
+    """The groups a buffer holds: `capacity`, or `BATCHES_HELD` batches when None."""
+    return capacity or BATCHES_HELD * groups_per_batch
+
+
 @dataclasses.dataclass(frozen=True)
 class BufferConfig:
     """The asynchronous mode's buffer (lagged and sync modes bound staleness by their lag).

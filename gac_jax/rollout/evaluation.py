@@ -13,6 +13,7 @@ from gac_jax.models import Sampler
 from gac_jax.models.tokenizers import Tokenizer
 from gac_jax.rollout import generation
 from gac_jax.tasks import Task
+from gac_jax.tasks.custom import score_group
 
 
 def pass_at_k(num_samples: int, num_correct: int, k: int) -> float:
@@ -68,8 +69,7 @@ def evaluate_policy(
 
     def rewards_of(rows_per_problem: int, temperature: float, call_key) -> np.ndarray:
         rows = [p for p in prompts for _ in range(rows_per_problem)]
-        owners = [i for i in range(num_problems) for _ in range(rows_per_problem)]
-        out_rewards = np.zeros(len(rows), np.float32)
+        texts = []
         for start in range(0, len(rows), batch_rows):
             chunk = slice(start, start + batch_rows)
             call_key, sub = jax.random.split(call_key)
@@ -83,10 +83,17 @@ def evaluate_policy(
                 prompt_length=prompt_length,
                 sampling={"temperature": temperature},
             )
-            for j, (row, row_mask) in enumerate(zip(out.tokens, out.completion_mask, strict=True)):
-                text, _ = generation.cut_at_stop(tokenizer, row, row_mask, stop)
-                out_rewards[start + j] = task.reward(text, problems[owners[start + j]])
-        return out_rewards.reshape(num_problems, rows_per_problem)
+            for row, row_mask in zip(out.tokens, out.completion_mask, strict=True):
+                texts.append(generation.cut_at_stop(tokenizer, row, row_mask, stop)[0])
+        # Each problem's completions scored together, as training scores a group (a run's
+        # own reward then gets one deadline per problem, not one per completion).
+        r = rows_per_problem
+        return np.stack(
+            [
+                score_group(task.reward, texts[i * r : (i + 1) * r], ex).rewards
+                for i, ex in enumerate(problems)
+            ]
+        )
 
     greedy_key, sample_key = jax.random.split(key)
     greedy = rewards_of(1, 0.0, greedy_key)[:, 0]

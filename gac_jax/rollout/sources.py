@@ -27,7 +27,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from gac_jax._validation import check_bool, check_int
-from gac_jax.rollout.buffer import BufferConfig, BufferStats, RolloutBuffer
+from gac_jax.rollout.buffer import BufferConfig, BufferStats, RolloutBuffer, buffer_capacity
 from gac_jax.rollout.param_store import ParamStore
 from gac_jax.rollout.record import Rollout
 from gac_jax.rollout.worker import (
@@ -311,7 +311,7 @@ class AsyncRollouts:
         max_filtered: int | None = None,
     ):
         self.buffer = RolloutBuffer(
-            capacity or 2 * groups_per_batch,
+            buffer_capacity(capacity, groups_per_batch),
             groups_per_batch,
             max_staleness,
             stale_policy,

@@ -379,7 +379,10 @@ class CheckpointManager:
           DamagedCheckpointError: if its files cannot be read back.
         """
         step = self._resolve_step(step)
-        metadata = self.read_metadata(step)
+        return self._restore(step, self.read_metadata(step), target, shardings)
+
+    def _restore(self, step: int, metadata: dict[str, Any], target, shardings) -> Checkpoint:
+        """`restore` of a step whose metadata is already read."""
         if target is None:
             target = self.state_metadata(step)
         target = abstract_tree(target, shardings)
@@ -416,7 +419,7 @@ class CheckpointManager:
                 metadata = self.read_metadata(step)
                 if check is not None:
                     check(metadata)
-                return self.restore(step, target=target_of(metadata)), skipped
+                return self._restore(step, metadata, target_of(metadata), None), skipped
             except DamagedCheckpointError as error:
                 skipped.append(error)
         if not skipped:

@@ -27,6 +27,7 @@ from gac_jax._validation import check_int
 from gac_jax.learner import LearnerConfig, LossConfig, OptimizerConfig
 from gac_jax.models import ComputeConfig, LoraConfig, MeshConfig
 from gac_jax.rollout import BufferConfig, GenerationConfig, RolloutConfig
+from gac_jax.rollout.buffer import BATCHES_HELD, buffer_capacity
 from gac_jax.rollout.placement import PlacementConfig
 from gac_jax.rollout.ray_cluster import RayConfig
 from gac_jax.tasks.custom import RewardGuardConfig
@@ -336,13 +337,14 @@ def _validate_across_sections(config: TrainConfig) -> None:
             f"buffer.capacity={capacity} must be >= rollout.groups_per_batch="
             f"{config.rollout.groups_per_batch}, or a batch could never be assembled."
         )
-    room = capacity or 2 * rollout.groups_per_batch  # The buffer's default: two batches.
+    room = buffer_capacity(capacity, rollout.groups_per_batch)
     if rollout.mode == "async" and rollout.groups_per_call > room:
         # A worker reserves a call's slots before it samples: more than the buffer holds
         # and it waits forever for room that only its own groups could make.
         raise ValueError(
             f"rollout.groups_per_call={rollout.groups_per_call} must be <= the buffer's "
-            f"{room} groups (buffer.capacity, or 2 x rollout.groups_per_batch when null), or "
+            f"{room} groups (buffer.capacity, or {BATCHES_HELD} x rollout.groups_per_batch when "
+            "null), or "
             "the rollout workers deadlock."
         )
 

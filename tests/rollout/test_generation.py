@@ -1,6 +1,8 @@
 """GenerationConfig: validation and `make_sampler`; the generator's rollouts whatever the
 slots; training and evaluation generating through one function; stop strings."""
 
+import threading
+import time
 import types
 
 import jax
@@ -12,6 +14,7 @@ from gac_jax import models
 from gac_jax.rollout import GenerationConfig, TaskGroupGenerator, generation, make_sampler
 from gac_jax.rollout.generation import cut_at_stop
 from gac_jax.rollout.worker import GroupRequest
+from gac_jax.tasks.custom import GuardedReward, RewardGuardConfig
 from gac_jax.train import evaluate_policy
 
 
@@ -170,3 +173,34 @@ def test_the_generator_cuts_completions_at_stop_strings():
     # The stop string did cut: the first completion holds it, and loses tokens.
     assert stop in whole_texts[0]
     assert cut[0].completion_mask[0].sum() < whole[0].completion_mask[0].sum()
+
+
+def test_evaluation_scores_each_problems_completions_together_with_its_example():
+    """A run's own (guarded) reward is called on a problem's samples side by side, as
+    training scores a group, so a hanging reward costs one timeout per problem; and each
+    completion is scored with its own problem."""
+    model = models.create_model(models.get_config("tiny"), seed=0)
+    graphdef, params = nnx.split(model)
+    active, most = [0], [0]
+    lock = threading.Lock()
+
+    def slow_index(completion, example):
+        with lock:
+            active[0] += 1
+            most[0] = max(most[0], active[0])
+        time.sleep(0.05)
+        with lock:
+            active[0] -= 1
+        return float(EXAMPLES.index(example))
+
+    reward = GuardedReward(slow_index, "slow_index", RewardGuardConfig(timeout=30.0))
+    task = types.SimpleNamespace(prompt=lambda e: e, reward=reward)
+    sampler = make_sampler(model.config, models.CharTokenizer(), GenerationConfig(max_new_tokens=4))
+    scores = evaluate_policy(
+        graphdef, params, sampler, task, EXAMPLES, models.CharTokenizer(),
+        prompt_length=8, num_problems=3, num_samples=4, key=jax.random.key(2),
+    )  # fmt: skip
+    assert most[0] == 4  # One problem's 4 samples at once.
+    assert scores["sampled_reward"] == pytest.approx(1.0)  # Mean of the problems' 0, 1, 2.
+    assert scores["greedy_accuracy"] == pytest.approx(2 / 3)  # Problems 1 and 2 score >= 1.
+    assert reward.failures == reward.timeouts == 0

@@ -14,6 +14,17 @@ waiting thread: the pool replaces the actor and retries the same groups, or rais
 `RolloutActorDied`, which the worker turns into a failed buffer so the learner's next
 `take` raises `RolloutWorkerError` at once.
 
+In-flight updates (`follow=store`): the pool subscribes to the learner's `ParamStore`; a
+thread of the pool puts each newly published version into the object store and posts its
+reference on a small board actor. Between decode chunks the actor's generator asks the
+board for the newest version (one Ray call per chunk) and fetches and places it when it is
+newer than the one it holds, so a call started on version v may finish on a later one, and
+every token keeps its version (`Sampler.sample_inflight`).
+
+Weight transfer is timed on both sides: `put_seconds()` (the learner's host copy and
+`ray.put`, per version) and `transfer_seconds()` (each actor's fetch and placement, per
+version); `call_intervals()` gives each actor's busy spans on the wall clock.
+
 Ray's engine does the process management, the transport and the failure detection; there is
 no hand-written RPC and no polling of files for weights.
 
@@ -32,6 +43,7 @@ Example::
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import os
@@ -47,6 +59,7 @@ import ray
 
 from gac_jax._validation import check_int
 from gac_jax.rollout.buffer import RolloutBufferClosed
+from gac_jax.rollout.param_store import ParamStore
 from gac_jax.rollout.ray_cluster import ON_ACTOR_FAILURE
 from gac_jax.rollout.record import Rollout
 from gac_jax.rollout.worker import GenerateGroups, GroupRequest
@@ -68,17 +81,66 @@ class RolloutPoolClosed(RolloutBufferClosed):
     """The pool was closed while a thread was calling it (the worker thread ends quietly)."""
 
 
+#: Records an actor keeps of its calls and transfers (the newest ones).
+_HISTORY = 100_000
+
+
+class _VersionBoard:
+    """The newest published version and its params' object reference (wrapped in a list,
+    so that Ray hands the reference over rather than the params); a Ray actor."""
+
+    def __init__(self):
+        self._newest: tuple[int, list[ray.ObjectRef]] | None = None
+
+    def post(self, version: int, wrapped_ref: list[ray.ObjectRef]) -> None:
+        if self._newest is None or version > self._newest[0]:
+            self._newest = (version, wrapped_ref)
+
+    def newest(self) -> tuple[int, list[ray.ObjectRef]] | None:
+        return self._newest
+
+
 class _RolloutActor:
     """One rollout process: builds its generator on its own devices, keeps the newest params.
 
-    Created by `RayRolloutPool` as a Ray actor; not meant to be used directly.
+    Created by `RayRolloutPool` as a Ray actor; not meant to be used directly. With a
+    `board`, the generator's `latest_params` (in-flight updates) reads the newest version
+    from it.
     """
 
-    def __init__(self, factory: ActorFactory):
+    def __init__(self, factory: ActorFactory, board: ray.actor.ActorHandle | None = None):
         self._generate, self._place = factory()
         self._version: int | None = None
         self._params: Any = None
         self._versions_seen: list[int] = []
+        self._transfers: collections.deque = collections.deque(maxlen=_HISTORY)
+        self._calls: collections.deque = collections.deque(maxlen=_HISTORY)
+        self._board = board
+        if board is not None:
+            if not hasattr(self._generate, "latest_params"):
+                raise TypeError(
+                    "in-flight updates need a generator with a `latest_params` attribute "
+                    f"(TaskGroupGenerator has one); the factory returned {self._generate!r}."
+                )
+            self._generate.latest_params = self._newest
+
+    def _take(self, version: int, wrapped_ref: list[ray.ObjectRef]) -> None:
+        """Fetches and places `version`'s params (unless they are the ones held), timed."""
+        if version == self._version:
+            return
+        start = time.perf_counter()
+        self._params = None  # Let the old version's device buffers go first.
+        self._params = jax.block_until_ready(self._place(ray.get(wrapped_ref[0])))
+        self._version = version
+        self._transfers.append((version, time.perf_counter() - start))
+
+    def _newest(self) -> tuple[Any, int]:
+        """In-flight `latest_params`: the board's newest version if it is newer than the
+        params held (fetched and placed once), else the params held."""
+        newest = ray.get(self._board.newest.remote())
+        if newest is not None and (self._version is None or newest[0] > self._version):
+            self._take(*newest)
+        return self._params, self._version
 
     def generate(
         self,
@@ -90,17 +152,25 @@ class _RolloutActor:
     ) -> list[Rollout]:
         # The ref comes wrapped in a list so that Ray does not fetch it for every call; it is
         # fetched and placed only when the version changes.
-        if version != self._version:
-            self._params = None  # Let the old version's device buffers go first.
-            self._params = self._place(ray.get(params_ref[0]))
-            self._version = version
+        start = time.time()
+        self._take(version, params_ref)
         self._versions_seen.append(version)
         key = jax.random.wrap_key_data(key_data, impl=key_impl)
-        return self._generate(self._params, version, requests, key)
+        rollouts = self._generate(self._params, version, requests, key)
+        self._calls.append((start, time.time()))
+        return rollouts
 
     def versions_seen(self) -> list[int]:
         """The version of every call, in the order the calls came."""
         return list(self._versions_seen)
+
+    def transfer_seconds(self) -> list[tuple[int, float]]:
+        """(version, seconds to fetch and place its params) for each version taken."""
+        return list(self._transfers)
+
+    def call_intervals(self) -> list[tuple[float, float]]:
+        """(start, end) of each call on the wall clock (`time.time()`), weights included."""
+        return list(self._calls)
 
     def pid(self) -> int:
         return os.getpid()
@@ -139,6 +209,10 @@ class RayRolloutPool:
       keep_versions: how many versions' params the pool keeps in the object store (the
         newest ones). A call for an evicted version puts it again, so this bounds memory,
         not correctness.
+      follow: in-flight updates: the learner's `ParamStore`. Each version published there
+        is put into the object store by a thread of the pool and posted to the actors,
+        whose generators (they need a `latest_params` attribute, as `TaskGroupGenerator`
+        has) swap to it between decode chunks.
     """
 
     def __init__(
@@ -151,6 +225,7 @@ class RayRolloutPool:
         actor_options: Mapping[str, Any] | None = None,
         env: Mapping[str, str] | None = None,
         keep_versions: int = 2,
+        follow: ParamStore | None = None,
     ):
         if not callable(factory):
             raise TypeError(f"factory must be a zero-argument callable, got {factory!r}.")
@@ -182,12 +257,27 @@ class RayRolloutPool:
         self._claims = [0] * num_actors  # Live threads bound to each actor.
         self._local = threading.local()
         self._closed = False
+        self._put_seconds: dict[int, float] = {}
+        self._board = None
+        self._published = threading.Event()
+        self._unsubscribe: Callable[[], None] | None = None
+        if follow is not None:
+            self._board = ray.remote(_VersionBoard).options(num_cpus=0).remote()
         self._actors: list[ray.actor.ActorHandle] = []
         self._pid_refs: list[ray.ObjectRef] = []
         for _ in range(num_actors):
-            actor = self._actor_class.remote(factory)
+            actor = self._actor_class.remote(factory, self._board)
             self._actors.append(actor)
             self._pid_refs.append(actor.pid.remote())
+        if follow is not None:
+            self._store = follow
+            self._unsubscribe = follow.subscribe(lambda version: self._published.set())
+            self._poster = threading.Thread(
+                target=self._post_versions, name="RayRolloutPool.post", daemon=True
+            )
+            self._poster.start()
+            if follow.latest_version is not None:
+                self._published.set()
 
     # ------------------------------------------------------------------------------ calling
 
@@ -217,12 +307,31 @@ class RayRolloutPool:
             arrived = time.monotonic()
             return [dataclasses.replace(r, created_at=arrived) for r in rollouts]
 
+    def _post_versions(self) -> None:
+        """In-flight updates: puts each newly published version and posts it to the board
+        (a version published while the previous one was being put is skipped)."""
+        while True:
+            self._published.wait()
+            self._published.clear()
+            if self._closed:
+                return
+            params, version = self._store.latest()
+            try:
+                ref = self._params_ref(params, version)
+                self._board.post.remote(version, [ref])
+            except Exception:  # noqa: BLE001 - a closed pool or a stopped Ray: nothing to post to
+                if self._closed or not ray.is_initialized():
+                    return
+                logger.exception("posting version %d to the rollout actors failed", version)
+
     def _params_ref(self, params: Any, version: int) -> ray.ObjectRef:
         """The object holding `version`'s params on the host, put on its first request."""
         with self._put_lock:
             ref = self._refs.get(version)
             if ref is None:
+                start = time.perf_counter()
                 ref = self._refs[version] = ray.put(jax.device_get(params))
+                self._put_seconds[version] = time.perf_counter() - start
                 while len(self._refs) > self.keep_versions:
                     # Actors still fetching an evicted version keep it alive (Ray counts
                     # the refs that calls in flight hold).
@@ -274,7 +383,7 @@ class RayRolloutPool:
                 ) from error
             logger.warning("%s died (%s); starting a replacement.", name, cause)
             ray.kill(actor)  # It may be unreachable rather than dead: make sure.
-            replacement = self._actor_class.remote(self._factory)
+            replacement = self._actor_class.remote(self._factory, self._board)
             self._actors[index] = replacement
             self._pid_refs[index] = replacement.pid.remote()
             self.replacements += 1
@@ -302,6 +411,20 @@ class RayRolloutPool:
         afresh)."""
         return ray.get([actor.versions_seen.remote() for actor in self.actors])
 
+    def put_seconds(self) -> dict[int, float]:
+        """Seconds this process took to copy each version's params to the host and put them
+        into the object store (once per version)."""
+        with self._put_lock:
+            return dict(self._put_seconds)
+
+    def transfer_seconds(self) -> list[list[tuple[int, float]]]:
+        """For each actor, (version, seconds to fetch and place its params) per version."""
+        return ray.get([actor.transfer_seconds.remote() for actor in self.actors])
+
+    def call_intervals(self) -> list[list[tuple[float, float]]]:
+        """For each actor, the (start, end) wall-clock times (`time.time()`) of its calls."""
+        return ray.get([actor.call_intervals.remote() for actor in self.actors])
+
     def close(self) -> None:
         """Kills the actors and drops the params in the object store. A thread waiting on
         a call ends with `RolloutPoolClosed`, which the worker treats as a closed buffer."""
@@ -310,10 +433,13 @@ class RayRolloutPool:
                 return
             self._closed = True
             actors = list(self._actors)
+        if self._unsubscribe is not None:
+            self._unsubscribe()
+            self._published.set()  # The poster sees the pool closed and ends.
         with self._put_lock:
             self._refs.clear()
         if ray.is_initialized():
-            for actor in actors:
+            for actor in actors + ([self._board] if self._board is not None else []):
                 ray.kill(actor)
 
     def __enter__(self) -> RayRolloutPool:

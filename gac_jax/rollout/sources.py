@@ -115,11 +115,6 @@ class RolloutConfig:
                 raise ValueError(
                     f"{name}={getattr(self, name)!r} needs mode='async', got mode={self.mode!r}."
                 )
-        if self.inflight_updates and self.backend == "ray":
-            raise ValueError(
-                "inflight_updates=true samples from this process's ParamStore; it does not "
-                "work with backend='ray' yet."
-            )
 
 
 def store_history(config: RolloutConfig, buffer: BufferConfig) -> int:

@@ -195,10 +195,12 @@ class ActorGenerator:
         return generator, placement.to_rollout
 
 
-def build_ray_pool(config: TrainConfig):
+def build_ray_pool(config: TrainConfig, store=None, factory=None):
     """`rollout.backend=ray`: `rollout.num_workers` actor processes on the Ray cluster
     `RAY_ADDRESS` names, or on a new local one (`LocalRayCluster`, started from a clean
-    interpreter so no Python runs in a fork of this JAX process, stopped at exit)."""
+    interpreter so no Python runs in a fork of this JAX process, stopped at exit). With
+    `rollout.inflight_updates` the actors follow `store` (the learner's `ParamStore`).
+    `factory`: the actors' factory (default `ActorGenerator(config)`; a benchmark wraps it)."""
     import atexit
 
     import ray
@@ -216,9 +218,10 @@ def build_ray_pool(config: TrainConfig):
     env = {name: os.environ[name] for name in INHERITED_ENV if name in os.environ}
     gpus = config.ray.actor_gpus
     return RayRolloutPool(
-        ActorGenerator(config),
+        factory or ActorGenerator(config),
         config.rollout.num_workers,
         on_actor_failure=config.ray.on_actor_failure,
         actor_options={"num_gpus": gpus} if gpus else None,
         env=env,
+        follow=store if config.rollout.inflight_updates else None,
     )

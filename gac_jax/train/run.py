@@ -77,13 +77,15 @@ class Run:
     rollout_pool: Any = None  # The Ray actors of `rollout.backend=ray` (`start`).
     _filtered: int = 0  # Groups dynamic sampling had discarded at the last step.
 
-    def start(self, resume_from: dict | None = None) -> None:
+    def start(self, resume_from: dict | None = None, actor_factory=None) -> None:
         """Makes the rollout source (sync, lagged or async, by `rollout.mode`);
-        `resume_from` is the source state a checkpoint recorded."""
+        `resume_from` is the source state a checkpoint recorded; `actor_factory` replaces
+        the Ray actors' factory (`build.build_ray_pool`)."""
         c = self.config
         generator = self.generator
         if c.rollout.mode == "async" and c.rollout.backend == "ray":
-            self.rollout_pool = generator = build.build_ray_pool(c)
+            pool = build.build_ray_pool(c, self.store, actor_factory)
+            self.rollout_pool = generator = pool
         self.source = make_source(
             c.rollout,
             c.buffer,

@@ -65,6 +65,36 @@ def tiny_model_factory():
     return make_generator(), jax.device_put
 
 
+class SlowLookups:
+    """A generator whose every look at the newest version (between decode chunks) takes
+    50 ms, so that a learner publishing every few hundred ms lands inside calls."""
+
+    def __init__(self, generator):
+        self._generator = generator
+
+    @property
+    def latest_params(self):
+        return self._generator.latest_params
+
+    @latest_params.setter
+    def latest_params(self, newest):
+        def slow():
+            time.sleep(0.05)
+            return newest()
+
+        self._generator.latest_params = slow
+
+    def __call__(self, *args):
+        return self._generator(*args)
+
+
+def inflight_factory():
+    """Runs in each actor process: the generator, looking for a new version every step."""
+    generator = make_generator()
+    generator.chunk_steps = 1
+    return SlowLookups(generator), jax.device_put
+
+
 def fake_factory():
     """Runs in each actor process: groups of zeros, no model (for the failure tests)."""
 
@@ -122,11 +152,12 @@ class Learner:
     """The test thread's learner: publishes version `step` (params moved by step * 1e-3),
     then takes that step's batch, recording (learner version, group)."""
 
-    def __init__(self, pool, base_params):
+    def __init__(self, pool, base_params, store=None, pause=0.0):
         self.base_params = base_params
         self.published = {}
         self.taken: list[tuple[int, Rollout]] = []
-        self.store = ParamStore()
+        self.store = store or ParamStore()
+        self.pause = pause  # Seconds each step spends "training" after its batch.
         self.step = 0
         self.publish(0)
         self.source = AsyncRollouts(
@@ -150,6 +181,7 @@ class Learner:
         if self.step > 0:
             self.publish(self.step)
         self.taken += [(self.step, r) for r in self.source.next_batch(self.step)]
+        time.sleep(self.pause)
         self.step += 1
 
     def check_bound_and_ids(self):
@@ -187,6 +219,36 @@ def test_actors_sample_published_versions_in_order_within_the_bound(replacing_po
         np.testing.assert_array_equal(again.completion_tokens, rollout.completion_tokens)
         np.testing.assert_array_equal(again.completion_mask, rollout.completion_mask)
         np.testing.assert_allclose(again.behaviour_logp, rollout.behaviour_logp, atol=1e-5)
+
+
+def test_inflight_actors_swap_to_published_versions_between_chunks(base_params):
+    store = ParamStore()
+    with RayRolloutPool(inflight_factory, 1, env=ACTOR_ENV, follow=store) as pool:
+        learner = Learner(pool, base_params, store=store, pause=0.3)
+        try:
+            for _ in range(6):
+                learner.train_step()
+        finally:
+            learner.source.close()
+        transfers = pool.transfer_seconds()[0]
+        puts = pool.put_seconds()
+        calls = pool.call_intervals()[0]
+
+    learner.check_bound_and_ids()
+    mixed = 0
+    for step, rollout in learner.taken:
+        versions = rollout.token_versions[rollout.completion_mask]
+        # The group's version is its oldest token's, and no token comes from the future.
+        assert rollout.policy_version == versions.min() and versions.max() <= step
+        rows = np.where(rollout.completion_mask, rollout.token_versions, np.iinfo(np.int32).max)
+        assert np.all(np.diff(np.minimum.accumulate(rows[:, ::-1], axis=1)[:, ::-1]) >= 0)
+        mixed += len(np.unique(versions)) > 1
+    assert mixed > 0, "no group spanned a weight update; the test did not exercise it"
+    # Every version the actor took was timed on both sides.
+    taken = [version for version, _ in transfers]
+    assert len(set(taken)) > 1 and set(taken) <= set(puts)
+    assert all(seconds > 0 for _, seconds in transfers) and all(v > 0 for v in puts.values())
+    assert calls and all(start <= end for start, end in calls)
 
 
 def test_a_killed_actor_is_replaced_and_training_goes_on(replacing_pool, base_params):

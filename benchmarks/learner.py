@@ -208,7 +208,7 @@ def _options_learner(config, options):
     return GRPOLearner(model, tx, models.make_mesh(), trainable=trainable, **kwargs)
 
 
-def bench_options(config, rounds):
+def bench_options(config, rounds, name="10M"):
     """Step times {option: [seconds]}, interleaved round by round."""
     learners = {name: _options_learner(config, o) for name, o in OPTIONS.items()}
     batches = [fake_batch(config, seed=s, version=0) for s in range(NUM_BATCHES)]
@@ -222,7 +222,7 @@ def bench_options(config, rounds):
             learner.step(batches[r % NUM_BATCHES], 2 + r)
             times[name].append(time.perf_counter() - start)
     base = statistics.median(times["plain"])
-    print("\noptions on 10M, plain chain: step time, and ratio to the plain step")
+    print(f"\noptions on {name}, plain chain: step time, and ratio to the plain step")
     for name, t in times.items():
         median = statistics.median(t)
         ratios = [a / b for a, b in zip(t, times["plain"], strict=True)]
@@ -235,8 +235,12 @@ def bench_options(config, rounds):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="3 timed rounds instead of 10")
+    parser.add_argument(
+        "--smoke", action="store_true", help="every path once: 1 round, the tiny config only"
+    )
     args = parser.parse_args()
-    rounds = 3 if args.quick else 10
+    rounds = 1 if args.smoke else 3 if args.quick else 10
+    configs = {"tiny": CONFIGS["tiny"]} if args.smoke else CONFIGS
 
     print(
         f"jax {jax.__version__}, backend {jax.default_backend()}, "
@@ -246,7 +250,7 @@ def main():
     peak_times = [peak_timer() for _ in range(3)]
     results = {
         name: bench_config(config, rounds, peak_timer, peak_times)
-        for name, config in CONFIGS.items()
+        for name, config in configs.items()
     }
     matmul_flops = 2 * PEAK_N**3
     peak = matmul_flops / statistics.median(peak_times)
@@ -258,8 +262,9 @@ def main():
     )
     print("model FLOPs/token = 6 * N_matmul + 12 * layers * heads * head_dim * seq_len")
     for name, (times, regimes) in results.items():
-        report(name, CONFIGS[name], times, regimes, peak)
-    bench_options(CONFIGS["10M"], rounds)
+        report(name, configs[name], times, regimes, peak)
+    options_on = "tiny" if args.smoke else "10M"
+    bench_options(configs[options_on], rounds, options_on)
 
 
 if __name__ == "__main__":

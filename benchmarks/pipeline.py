@@ -163,8 +163,13 @@ def main():
     parser.add_argument("--length-median", type=float, default=None, help="max_new / 8")
     parser.add_argument("--length-sigma", type=float, default=1.0)
     parser.add_argument("--steps", type=int, default=None, help="simulated learner steps")
+    parser.add_argument(
+        "--smoke", action="store_true", help="every path once: --quick at 16 new tokens"
+    )
     args = parser.parse_args()
-    quick = args.quick
+    quick = args.quick or args.smoke
+    if args.smoke:
+        args.max_new_tokens, args.steps = 16, args.steps or 50
     started = time.perf_counter()
     b, n = args.groups_per_batch, args.max_new_tokens
     repeats = 5 if quick else 21

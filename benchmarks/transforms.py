@@ -98,7 +98,10 @@ def main():
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--reference-dtype", default=None)
     parser.add_argument("--scope", default="global", choices=["global", "per_leaf"])
+    parser.add_argument("--smoke", action="store_true", help="every path once, 1e5 floats")
     args = parser.parse_args()
+    if args.smoke:
+        args.floats, args.repeats = 1e5, 2
 
     params = transformer_like_tree(args.floats)
     n = sum(x.size for x in jax.tree.leaves(params))

@@ -29,3 +29,53 @@ def test_the_accelerator_benchmark_runs_its_smoke_form_and_writes_its_table(tmp_
     assert result["update"]["adamw_ms"] > 0 and result["update"]["gac_ess_ms"] > 0
     table = out.with_suffix(".md").read_text()
     assert table.count("\n| ") == 5  # The header row, the learner, two samplers, the update.
+
+
+def _run(script: str, *args: str, timeout: int = 600) -> str:
+    done = subprocess.run(
+        [sys.executable, str(BENCHMARKS / script), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    return done.stdout
+
+
+@pytest.mark.slow
+def test_the_transforms_benchmark_runs_its_smoke_form():
+    out = _run("transforms.py", "--smoke")
+    for name in ("adamw", "gac+ess", "full chain", "full, ref donated"):
+        assert name in out
+
+
+@pytest.mark.slow
+def test_the_learner_benchmark_runs_its_smoke_form():
+    out = _run("learner.py", "--smoke")
+    assert "peak: jitted" in out and "options on tiny" in out
+    assert "MFU" in out or "mfu" in out
+
+
+@pytest.mark.slow
+def test_the_pipeline_benchmark_runs_its_smoke_form():
+    out = _run("pipeline.py", "--smoke")
+    assert "(a) buffer overhead" in out and "(b) measured at max_new_tokens=16" in out
+    assert "block policy, the real RolloutBuffer" in out
+
+
+@pytest.mark.slow
+def test_the_sampler_benchmark_runs_its_smoke_form():
+    out = _run("sampler.py", "--quick")
+    assert "slots / all tokens/s: median ratio" in out
+
+
+@pytest.mark.slow
+def test_the_async_benchmark_runs_every_layout_in_its_smoke_form():
+    out = _run("async_throughput.py", "--smoke")
+    for setting in ("sync", "async shared", "async split", "async in-flight"):
+        assert f"\n{setting} " in out, setting
+    for layout in ("sync", "split", "split-inflight"):
+        assert f"\n{layout} " in out, layout
+    assert "fed the costs measured on the shared fake devices" in out
+    assert "fed the costs measured in the pinned split" in out
+    assert "weights per version: put" in out

@@ -16,10 +16,11 @@ waiting thread: the pool replaces the actor and retries the same groups, or rais
 
 In-flight updates (`follow=store`): the pool subscribes to the learner's `ParamStore`; a
 thread of the pool puts each newly published version into the object store and posts its
-reference on a small board actor. Between decode chunks the actor's generator asks the
-board for the newest version (one Ray call per chunk) and fetches and places it when it is
-newer than the one it holds, so a call started on version v may finish on a later one, and
-every token keeps its version (`Sampler.sample_inflight`).
+reference on a small board actor. A thread in each actor waits on the board for a newer
+version (no polling); between decode chunks the actor's generator reads what that thread
+last saw and fetches and places it when it is newer than the params it holds, so a call
+started on version v may finish on a later one, and every token keeps its version
+(`Sampler.sample_inflight`).
 
 Weight transfer is timed on both sides: `put_seconds()` (the learner's host copy and
 `ray.put`, per version) and `transfer_seconds()` (each actor's fetch and placement, per
@@ -87,17 +88,28 @@ _HISTORY = 100_000
 
 class _VersionBoard:
     """The newest published version and its params' object reference (wrapped in a list,
-    so that Ray hands the reference over rather than the params); a Ray actor."""
+    so that Ray hands the reference over rather than the params); an async Ray actor, so
+    that rollout actors can wait on it for a newer version without polling."""
 
     def __init__(self):
+        import asyncio
+
         self._newest: tuple[int, list[ray.ObjectRef]] | None = None
+        self._posted = asyncio.Condition()
 
-    def post(self, version: int, wrapped_ref: list[ray.ObjectRef]) -> None:
-        if self._newest is None or version > self._newest[0]:
-            self._newest = (version, wrapped_ref)
+    async def post(self, version: int, wrapped_ref: list[ray.ObjectRef]) -> None:
+        async with self._posted:
+            if self._newest is None or version > self._newest[0]:
+                self._newest = (version, wrapped_ref)
+                self._posted.notify_all()
 
-    def newest(self) -> tuple[int, list[ray.ObjectRef]] | None:
-        return self._newest
+    async def newer_than(self, version: int) -> tuple[int, list[ray.ObjectRef]]:
+        """Waits until a version newer than `version` is posted, and returns it."""
+        async with self._posted:
+            await self._posted.wait_for(
+                lambda: self._newest is not None and self._newest[0] > version
+            )
+            return self._newest
 
 
 class _RolloutActor:
@@ -116,6 +128,10 @@ class _RolloutActor:
         self._transfers: collections.deque = collections.deque(maxlen=_HISTORY)
         self._calls: collections.deque = collections.deque(maxlen=_HISTORY)
         self._board = board
+        # In-flight updates: the newest version posted, kept up to date by a thread that
+        # waits on the board, so that a look between decode chunks costs no Ray call.
+        self._posted: tuple[int, list[ray.ObjectRef]] | None = None
+        self._posted_lock = threading.Lock()
         if board is not None:
             if not hasattr(self._generate, "latest_params"):
                 raise TypeError(
@@ -123,6 +139,18 @@ class _RolloutActor:
                     f"(TaskGroupGenerator has one); the factory returned {self._generate!r}."
                 )
             self._generate.latest_params = self._newest
+            threading.Thread(target=self._follow_board, name="follow-board", daemon=True).start()
+
+    def _follow_board(self) -> None:
+        version = -1
+        while True:
+            try:
+                posted = ray.get(self._board.newer_than.remote(version))
+            except Exception:  # noqa: BLE001 - the board was killed: the pool is closing
+                return
+            with self._posted_lock:
+                self._posted = posted
+            version = posted[0]
 
     def _take(self, version: int, wrapped_ref: list[ray.ObjectRef]) -> None:
         """Fetches and places `version`'s params (unless they are the ones held), timed."""
@@ -135,9 +163,10 @@ class _RolloutActor:
         self._transfers.append((version, time.perf_counter() - start))
 
     def _newest(self) -> tuple[Any, int]:
-        """In-flight `latest_params`: the board's newest version if it is newer than the
+        """In-flight `latest_params`: the newest posted version if it is newer than the
         params held (fetched and placed once), else the params held."""
-        newest = ray.get(self._board.newest.remote())
+        with self._posted_lock:
+            newest = self._posted
         if newest is not None and (self._version is None or newest[0] > self._version):
             self._take(*newest)
         return self._params, self._version

@@ -109,6 +109,11 @@ class _SlotState:
     # int32 [R, N]: the params version that sampled each token, -1 past a row's end;
     # in-flight sampling only (None: not recorded).
     versions_rn: jax.Array | None = None
+    # Episodes only (`gac_jax.models.episodes`; None otherwise): bool [B], the slot's turn
+    # has ended and it waits for its environment's observation (it neither decodes nor is
+    # refilled); bool [R, N], the row's observation tokens (context, not sampled).
+    waiting_b: jax.Array | None = None
+    observed_rn: jax.Array | None = None
 
 
 @jax.tree_util.register_dataclass
@@ -120,6 +125,9 @@ class _Inputs:
     prompt_mask: jax.Array  # bool [R, P]
     row_keys: jax.Array  # [R] keys: row r's is fold_in(key, r).
     per_row: tuple  # [R] arrays (temperature f32, top_k i32, top_p f32, max_new_tokens i32).
+    # Episodes only: int32 [K], token ids that end a policy turn (the slot then waits for
+    # its environment, `_SlotState.waiting_b`).
+    turn_end_ids: jax.Array | None = None
 
 
 def filter_logits(
@@ -599,17 +607,29 @@ class Sampler:
         width = s.row_b.shape[0]
         refill = width == self._width(rows)
         narrower = _narrower(width)
+        if s.waiting_b is not None:  # Episodes: no compaction; back to the host at a turn end.
+            waiting = jnp.sum(s.waiting_b, dtype=jnp.int32)
 
-        def cond(carry) -> jax.Array:
-            s, step = carry
-            busy = jnp.sum(s.row_b < rows, dtype=jnp.int32)
-            return (step < budget) & (busy > 0) & ((busy > narrower) | (s.next_row < rows))
+            def cond(carry) -> jax.Array:
+                s, step = carry
+                decoding = jnp.sum((s.row_b < rows) & ~s.waiting_b, dtype=jnp.int32)
+                unchanged = jnp.sum(s.waiting_b, dtype=jnp.int32) == waiting
+                return (step < budget) & (decoding > 0) & unchanged
+
+        else:
+
+            def cond(carry) -> jax.Array:
+                s, step = carry
+                busy = jnp.sum(s.row_b < rows, dtype=jnp.int32)
+                return (step < budget) & (busy > 0) & ((busy > narrower) | (s.next_row < rows))
 
         def body(carry):
             s, step = carry
             if s.versions_rn is not None:
                 # Recorded at the pre-step (row, step), as `_decode_step` records its token.
-                versions_rn = s.versions_rn.at[s.row_b, s.step_b].set(version, mode="drop")
+                versions_rn = s.versions_rn.at[_written_rows(s, rows), s.step_b].set(
+                    version, mode="drop"
+                )
                 s = dataclasses.replace(s, versions_rn=versions_rn)
             s = self._decode_step(nnx.merge(graphdef, state), s, inputs, refill)
             return s, step + 1
@@ -621,18 +641,22 @@ class Sampler:
         feeds it to the decoder, then hands each slot whose row has just ended the next
         waiting row (`refill`) or leaves it idle."""
         rows = s.tokens_rn.shape[0]
-        busy_b = s.row_b < rows
+        written_b = _written_rows(s, rows)
+        busy_b = written_b < rows  # Decoding: not idle, not waiting for an environment.
         row_b = jnp.minimum(s.row_b, rows - 1)
         temperature, top_k, top_p, limit = (jnp.take(x, row_b, axis=0) for x in inputs.per_row)
         keys = jax.vmap(jax.random.fold_in)(jnp.take(inputs.row_keys, row_b, axis=0), s.step_b)
         tokens, logps, policy_logps = sample_step(s.logits_bv, keys, temperature, top_k, top_p)
         tokens = jnp.where(busy_b, tokens, self.pad_id)
 
-        def put(buffer, values_b):  # Idle slots carry row R, out of bounds: dropped.
-            return buffer.at[s.row_b, s.step_b].set(values_b, mode="drop")
+        def put(buffer, values_b):  # Idle and waiting slots write to row R: dropped.
+            return buffer.at[written_b, s.step_b].set(values_b, mode="drop")
 
         eos = jnp.asarray(self.eos_ids, jnp.int32)
         ends = jnp.any(tokens[:, None] == eos[None, :], axis=1) | (s.step_b + 1 >= limit)
+        if s.waiting_b is not None:  # A turn ends: the slot waits for its environment.
+            turn_b = jnp.any(tokens[:, None] == inputs.turn_end_ids[None, :], axis=1)
+            s = dataclasses.replace(s, waiting_b=s.waiting_b | (busy_b & turn_b & ~ends))
         logits_bv, cache = _feed(model, tokens, s.positions_b, busy_b, s.cache)
         advance = busy_b.astype(jnp.int32)  # An idle slot stays where it is.
         s = dataclasses.replace(
@@ -737,6 +761,14 @@ class Sampler:
             step_b=s.step_b.at[slot].set(0),
             positions_b=s.positions_b.at[slot].set(jnp.sum(mask_1p, dtype=jnp.int32)),
         )
+
+
+def _written_rows(s: _SlotState, rows: int) -> jax.Array:
+    """int32 [B]: the row each slot's next token is written to; R (out of bounds, so the
+    write is dropped) for idle slots and slots waiting for an environment."""
+    if s.waiting_b is None:
+        return s.row_b
+    return jnp.where(s.waiting_b, rows, s.row_b)
 
 
 def _narrower(width: int) -> int:

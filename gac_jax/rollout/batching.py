@@ -42,8 +42,10 @@ def collate(rollouts: Sequence[Rollout], prompt_length: int) -> dict[str, np.nda
     Returns:
       A dict with the keys `BATCH_KEYS`:
       tokens: int32 [N, T], 0 where padded.
-      attention_mask: bool [N, T], real tokens (prompt and completion).
-      loss_mask: bool [N, T], completion tokens, the ones trained on.
+      attention_mask: bool [N, T], real tokens (prompt, completion and, in multi-turn
+        episodes, the environment's observations).
+      loss_mask: bool [N, T], the policy's completion tokens, the ones trained on (never
+        an observation).
       behaviour_logp: float32 [N, T], behaviour log-prob on completion tokens, else 0.
       rewards: float32 [N].
       group_ids: int32 [N], the GRPO group of each row: the index of its rollout in
@@ -76,8 +78,11 @@ def collate(rollouts: Sequence[Rollout], prompt_length: int) -> dict[str, np.nda
         rows_i = slice(i * g, (i + 1) * g)
         tokens[rows_i, prompt_length - p : prompt_length] = r.prompt_tokens
         attention[rows_i, prompt_length - p : prompt_length] = True
-        tokens[rows_i, prompt_length:] = np.where(r.completion_mask, r.completion_tokens, 0)
-        attention[rows_i, prompt_length:] = r.completion_mask
+        context = r.completion_mask
+        if r.observation_mask is not None:
+            context = context | r.observation_mask
+        tokens[rows_i, prompt_length:] = np.where(context, r.completion_tokens, 0)
+        attention[rows_i, prompt_length:] = context
         loss_mask[rows_i, prompt_length:] = r.completion_mask
         behaviour[rows_i, prompt_length:] = np.where(r.completion_mask, r.behaviour_logp, 0.0)
         rewards[rows_i] = r.rewards

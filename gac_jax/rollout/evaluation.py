@@ -12,6 +12,7 @@ from flax import nnx
 from gac_jax.models import Sampler
 from gac_jax.models.tokenizers import Tokenizer
 from gac_jax.rollout import generation
+from gac_jax.rollout.episodes import EpisodeRunner
 from gac_jax.tasks import Task
 from gac_jax.tasks.custom import score_group
 
@@ -40,6 +41,7 @@ def evaluate_policy(
     key: jax.Array,
     batch_rows: int = 256,
     stop: Sequence[str] = (),
+    episodes: EpisodeRunner | None = None,
 ) -> dict[str, float]:
     """Greedy accuracy, mean sampled reward and pass@1 / pass@k on the first problems.
 
@@ -55,6 +57,8 @@ def evaluate_policy(
       batch_rows: most rows per sampler call.
       stop: stop strings: a completion is scored up to the first (`cut_at_stop`), as
         the rollouts are.
+      episodes: a multi-turn task's `EpisodeRunner`: each sample is an episode with the
+        task's environment, scored by the environment's reward, as in training.
 
     Returns:
       `{"greedy_accuracy", "sampled_reward", "pass@1", f"pass@{n}"}`.
@@ -69,6 +73,8 @@ def evaluate_policy(
 
     def rewards_of(rows_per_problem: int, temperature: float, call_key) -> np.ndarray:
         rows = [p for p in prompts for _ in range(rows_per_problem)]
+        if episodes is not None:
+            return episode_rewards(rows, rows_per_problem, temperature, call_key)
         texts = []
         for start in range(0, len(rows), batch_rows):
             chunk = slice(start, start + batch_rows)
@@ -91,6 +97,30 @@ def evaluate_policy(
         return np.stack(
             [
                 score_group(task.reward, texts[i * r : (i + 1) * r], ex).rewards
+                for i, ex in enumerate(problems)
+            ]
+        )
+
+    def episode_rewards(rows, r: int, temperature: float, call_key) -> np.ndarray:
+        row_examples = [ex for ex in problems for _ in range(r)]
+        items = []
+        for start in range(0, len(rows), batch_rows):
+            chunk = slice(start, start + batch_rows)
+            call_key, sub = jax.random.split(call_key)
+            out = episodes.sample(
+                graphdef,
+                lambda: (params, 0),
+                rows[chunk],
+                row_examples[chunk],
+                sub,
+                prompt_length=prompt_length,
+                sampling={"temperature": temperature},
+                chunk_steps=64,
+            )
+            items += list(zip(out.states, out.transcripts, strict=True))
+        return np.stack(
+            [
+                episodes.reward.score_group(items[i * r : (i + 1) * r], ex).rewards
                 for i, ex in enumerate(problems)
             ]
         )

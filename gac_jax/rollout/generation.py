@@ -14,6 +14,7 @@ from flax import nnx
 from gac_jax._validation import check_int
 from gac_jax.models import SampleOutput, Sampler, left_pad
 from gac_jax.models.tokenizers import Tokenizer, decode_completion
+from gac_jax.rollout.episodes import EpisodeRunner
 from gac_jax.rollout.placement import RolloutPlacement
 from gac_jax.rollout.record import Rollout
 from gac_jax.rollout.worker import GroupRequest
@@ -105,6 +106,9 @@ class TaskGroupGenerator:
         (`Sampler.sample_inflight`); each token's version is recorded in
         `Rollout.token_versions` and the group's `policy_version` is its oldest token's.
       chunk_steps: decode steps between two looks at `latest_params`.
+      episodes: a multi-turn task's `EpisodeRunner` (built on `sampler`): each row is an
+        episode with the task's environment (`gac_jax.rollout.episodes`), scored by the
+        environment's reward; None samples one completion per row.
     """
 
     def __init__(
@@ -118,6 +122,7 @@ class TaskGroupGenerator:
         placement: RolloutPlacement | None = None,
         latest_params: Callable[[], tuple[Any, int]] | None = None,
         chunk_steps: int = 16,
+        episodes: EpisodeRunner | None = None,
     ):
         config = GenerationConfig() if config is None else config
         config.validate()
@@ -139,6 +144,7 @@ class TaskGroupGenerator:
         temperature = 0.0 if config.greedy else config.temperature
         self.sampling = dict(temperature=temperature, top_k=config.top_k, top_p=config.top_p)
         self.stop = tuple(config.stop)
+        self.episodes = episodes
 
     def encode_prompt(self, prompt_id: int) -> np.ndarray:
         text = self.task.prompt(self.examples[prompt_id])
@@ -155,6 +161,8 @@ class TaskGroupGenerator:
     ) -> list[Rollout]:
         g = self.group_size
         prompts = [self.encode_prompt(r.prompt_id) for r in requests]
+        if self.episodes is not None:
+            return self._episode_groups(params, version, requests, key, prompts)
         rows = [p for p in prompts for _ in range(g)]
         start = time.monotonic()
         out = generate(
@@ -201,6 +209,61 @@ class TaskGroupGenerator:
                     score_seconds=time.monotonic() - start,
                     reward_failures=scores.failures,
                     reward_timeouts=scores.timeouts,
+                )
+            )
+        return rollouts
+
+    def _episode_groups(self, params, version, requests, key, prompts) -> list[Rollout]:
+        """Multi-turn: one episode per row with the task's environment (`EpisodeRunner`)."""
+        g = self.group_size
+        inflight = self.latest_params is not None
+        params_fn = self._params_fn(params, version) if inflight else lambda: (params, version)
+        examples = [self.examples[r.prompt_id] for r in requests]
+        start = time.monotonic()
+        out = self.episodes.sample(
+            self.graphdef,
+            params_fn,
+            [p for p in prompts for _ in range(g)],
+            [ex for ex in examples for _ in range(g)],
+            key,
+            prompt_length=self.prompt_length,
+            sampling=self.sampling,
+            chunk_steps=self.chunk_steps,
+            place_inputs=None if self.placement is None else self.placement.place_inputs,
+        )
+        generate_seconds = (time.monotonic() - start) / len(requests)
+        rollouts = []
+        for i, request in enumerate(requests):
+            rows_i = slice(i * g, (i + 1) * g)
+            policy = out.policy_mask[rows_i]
+            versions = out.token_versions[rows_i]
+            group_version = int(versions[policy].min()) if inflight and policy.any() else version
+            start = time.monotonic()
+            scores = self.episodes.scores(out, rows_i, examples[i])
+            rollouts.append(
+                Rollout(
+                    prompt_id=request.prompt_id,
+                    group_id=request.group_id,
+                    prompt_tokens=prompts[i],
+                    completion_tokens=out.tokens[rows_i],
+                    completion_mask=policy,
+                    behaviour_logp=np.where(policy, out.policy_logps[rows_i], 0.0),
+                    rewards=scores.rewards,
+                    policy_version=group_version,
+                    token_versions=versions if inflight else None,
+                    generate_seconds=generate_seconds,
+                    score_seconds=time.monotonic() - start,
+                    reward_failures=scores.failures,
+                    reward_timeouts=scores.timeouts,
+                    observation_mask=out.observation_mask[rows_i],
+                    turns=out.turns[rows_i],
+                    tool_calls=int(out.tool_calls[rows_i].sum()),
+                    tool_errors=int(
+                        out.tool_errors["raised"][rows_i].sum()
+                        + out.tool_errors["invalid"][rows_i].sum()
+                    ),
+                    tool_timeouts=int(out.tool_errors["timeout"][rows_i].sum()),
+                    tool_seconds=float(out.tool_seconds[rows_i].sum()),
                 )
             )
         return rollouts

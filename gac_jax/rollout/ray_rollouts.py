@@ -29,6 +29,10 @@ version); `call_intervals()` gives each actor's busy spans on the wall clock.
 Ray's engine does the process management, the transport and the failure detection; there is
 no hand-written RPC and no polling of files for weights.
 
+Over 450 lines because the pool, its actor and its version board are one mechanism (calls
+bound to actors, weights by version, deaths and replacements, in-flight posts) whose parts
+only make sense together.
+
 Example::
 
     def factory():  # Runs inside each actor process; must be picklable (module-level).
@@ -287,9 +291,9 @@ class RayRolloutPool:
         self._local = threading.local()
         self._closed = False
         self._put_seconds: dict[int, float] = {}
-        self._board = None
         self._published = threading.Event()
         self._unsubscribe: Callable[[], None] | None = None
+        self._board = None
         if follow is not None:
             self._board = ray.remote(_VersionBoard).options(num_cpus=0).remote()
         self._actors: list[ray.actor.ActorHandle] = []
@@ -299,14 +303,17 @@ class RayRolloutPool:
             self._actors.append(actor)
             self._pid_refs.append(actor.pid.remote())
         if follow is not None:
-            self._store = follow
-            self._unsubscribe = follow.subscribe(lambda version: self._published.set())
-            self._poster = threading.Thread(
-                target=self._post_versions, name="RayRolloutPool.post", daemon=True
-            )
-            self._poster.start()
-            if follow.latest_version is not None:
-                self._published.set()
+            self._follow(follow)
+
+    def _follow(self, store: ParamStore) -> None:
+        """In-flight updates: every version `store` publishes is put and posted."""
+        self._store = store
+        self._unsubscribe = store.subscribe(lambda version: self._published.set())
+        threading.Thread(
+            target=self._post_versions, name="RayRolloutPool.post", daemon=True
+        ).start()
+        if store.latest_version is not None:
+            self._published.set()
 
     # ------------------------------------------------------------------------------ calling
 

@@ -34,6 +34,15 @@ class Rollout:
         as the run's `reward_guard.failure_score`).
       reward_timeouts: completions whose reward call timed out.
       created_at: `time.monotonic()` when the group was finished.
+      observation_mask: multi-turn episodes: [G, L] bool, True on the environment's
+        tokens, which sit between the policy's turns in `completion_tokens`: context for
+        the tokens after them, never trained on or counted (disjoint from
+        `completion_mask`); None for single-turn completions.
+      turns: multi-turn episodes: [G] int, the policy turns that ended in an environment
+        call.
+      tool_calls, tool_errors, tool_timeouts: environment steps of the group, those that
+        raised or returned no observation, those that timed out.
+      tool_seconds: summed latency of the steps that answered in time.
     """
 
     prompt_id: int
@@ -50,12 +59,21 @@ class Rollout:
     reward_failures: int = 0
     reward_timeouts: int = 0
     created_at: float = dataclasses.field(default_factory=time.monotonic)
+    observation_mask: np.ndarray | None = None
+    turns: np.ndarray | None = None
+    tool_calls: int = 0
+    tool_errors: int = 0
+    tool_timeouts: int = 0
+    tool_seconds: float = 0.0
 
     def __post_init__(self):
         g, l = np.shape(self.completion_tokens)
-        for name in ("completion_mask", "behaviour_logp") + (
-            ("token_versions",) if self.token_versions is not None else ()
-        ):
+        optional = tuple(
+            name
+            for name in ("token_versions", "observation_mask")
+            if getattr(self, name) is not None
+        )
+        for name in ("completion_mask", "behaviour_logp") + optional:
             if np.shape(getattr(self, name)) != (g, l):
                 raise ValueError(
                     f"Rollout.{name} has shape {np.shape(getattr(self, name))}, expected the "
@@ -64,6 +82,13 @@ class Rollout:
         if np.shape(self.rewards) != (g,):
             raise ValueError(
                 f"Rollout.rewards has shape {np.shape(self.rewards)}, expected {(g,)}."
+            )
+        if self.observation_mask is not None and np.any(
+            self.observation_mask & self.completion_mask
+        ):
+            raise ValueError(
+                "Rollout.observation_mask and completion_mask overlap: a token is either the "
+                "policy's or the environment's."
             )
         if self.policy_version < 0:
             raise ValueError(f"Rollout.policy_version={self.policy_version} must be >= 0.")

@@ -19,6 +19,9 @@ Example::
     builder = Countdown(config="n3_max20", data_dir="/tmp/tfds")
     test = prepare_source(builder, "test")
     test[0]  # e.g. {'numbers': array([3, 5, 7], dtype=int32), 'target': 22, 'solution': b'5*3+7'}
+
+Over 450 lines because it holds every embedded task's tfds builder (countdown,
+arithmetic, calculator, GSM8K), each small, on one shared local-builder base.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ from tensorflow_datasets.text.gsm8k import gsm8k as _tfds_gsm8k
 
 from gac_jax._locks import exclusive_lock
 from gac_jax._quiet import absl_records_dropped
-from gac_jax.tasks import arithmetic, countdown
+from gac_jax.tasks import arithmetic, calculator, countdown
 from gac_jax.tasks.gsm8k import GSM8K_FILES
 
 __all__ = [
@@ -327,6 +330,67 @@ class Arithmetic(_LocalBuilder):
             "b": problem.b,
             "answer": problem.answer,
             "scratchpad": arithmetic.scratchpad(problem.a, problem.op, problem.b),
+        }
+
+
+@dataclasses.dataclass(kw_only=True)
+class CalculatorConfig(tfds.core.BuilderConfig):
+    """Data size of the calculator task (`gac_jax.tasks.calculator`).
+
+    Attributes:
+      num_train: problems in the train split.
+      num_test: problems in the test split.
+      seed: seed of the problem stream.
+    """
+
+    num_train: int = 20_000
+    num_test: int = 1_000
+    seed: int = 0
+
+
+class Calculator(_LocalBuilder):
+    """``a*b+c`` / ``a*b-c`` problems answered with a calculator tool (multi-turn)."""
+
+    name = "calculator"
+    BUILDER_CONFIGS = [
+        CalculatorConfig(name="muladd", description="a*b+c or a*b-c with a calculator tool.")
+    ]
+
+    def _info(self) -> tfds.core.DatasetInfo:
+        return self.dataset_info_from_configs(
+            description=(
+                "a*b+c and a*b-c (a of 2-3 digits, b of 1-2, c of 1-3) for a policy with a "
+                "calculator tool. Generated locally and deterministically."
+            ),
+            features=tfds.features.FeaturesDict(
+                {
+                    "a": tfds.features.Scalar(dtype=np.int64),
+                    "b": tfds.features.Scalar(dtype=np.int64),
+                    "op": tfds.features.Text(),
+                    "c": tfds.features.Scalar(dtype=np.int64),
+                    "answer": tfds.features.Scalar(dtype=np.int64),
+                }
+            ),
+            supervised_keys=None,
+        )
+
+    def _problems(self) -> list[calculator.CalculatorProblem]:
+        config = self.builder_config
+        return _distinct_problems(
+            calculator.sample_problem,
+            lambda p: p,
+            config.num_train + config.num_test,
+            config.seed,
+            f"calculator/{config.name}",
+        )
+
+    def _example(self, problem: calculator.CalculatorProblem) -> dict:
+        return {
+            "a": problem.a,
+            "b": problem.b,
+            "op": problem.op,
+            "c": problem.c,
+            "answer": problem.answer,
         }
 
 

@@ -1,7 +1,8 @@
 """The task registry: every task by name, with its data, prompt and reward.
 
-`TASK_NAMES` is the only list of valid names: ``countdown/<config>`` and
-``arithmetic/<config>`` for each builder config, and ``gsm8k``. `TASK_FAMILIES` lists
+`TASK_NAMES` is the only list of valid names: ``countdown/<config>``,
+``arithmetic/<config>`` and ``calculator/<config>`` (multi-turn, with a tool) for each
+builder config, and ``gsm8k``. `TASK_FAMILIES` lists
 the names that take a parameter after their prefix: ``jsonl:TRAIN_PATH[,TEST_PATH]`` and
 ``hf:PATH[:TRAIN_SPLIT[,TEST_SPLIT]]`` (a researcher's own data, see
 `gac_jax.tasks.custom`). `get_task` rejects any other name with
@@ -30,8 +31,8 @@ from typing import Any
 
 import tensorflow_datasets as tfds
 
-from gac_jax.tasks import arithmetic, countdown, custom, gsm8k
-from gac_jax.tasks.builders import Arithmetic, Countdown, Gsm8k, prepare_source
+from gac_jax.tasks import arithmetic, calculator, countdown, custom, gsm8k
+from gac_jax.tasks.builders import Arithmetic, Calculator, Countdown, Gsm8k, prepare_source
 
 __all__ = ["TASK_FAMILIES", "TASK_NAMES", "Task", "get_task"]
 
@@ -66,6 +67,10 @@ class Task:
       messages: ``messages(example) -> [{"role": ..., "content": ...}, ...]``, the prompt
         as chat messages for a chat template (`gac_jax.tasks.chat`); None: one user
         message holding ``prompt(example)``.
+      environment: a multi-turn task's environment (`gac_jax.tasks.environments`), made
+        by calling this; None for single-answer tasks. Its `reward` scores the episode.
+      reference_turns: ``reference_turns(example) -> [(role, text), ...]``, a worked
+        multi-turn transcript (roles "policy" and "tool"), for the supervised warm start.
     """
 
     name: str
@@ -76,6 +81,8 @@ class Task:
     download_config: tfds.download.DownloadConfig | None = None
     source: Callable[..., Sequence[Mapping[str, Any]]] | None = None
     messages: Callable[[Mapping[str, Any]], list[dict[str, Any]]] | None = None
+    environment: Callable[[], Any] | None = None
+    reference_turns: Callable[[Mapping[str, Any]], list[tuple[str, str]]] | None = None
 
     def builder(self, data_dir: str | os.PathLike | None = None) -> tfds.core.DatasetBuilder:
         """The task's tfds builder (not prepared yet if it never was)."""
@@ -183,12 +190,29 @@ def _hf_task(spec: str, /) -> Task:
     )
 
 
+def _calculator_task(config_name: str, /) -> Task:
+    def reward(completion, example) -> float:  # The text after the prompt, tools included.
+        return calculator.calculator_reward(completion, int(example["answer"]))
+
+    return Task(
+        name=f"calculator/{config_name}",
+        make_builder=lambda data_dir: Calculator(config=config_name, data_dir=data_dir),
+        prompt=calculator.format_prompt,
+        reference_completion=lambda ex: "".join(t for _, t in calculator.reference_turns(ex)),
+        reward=reward,
+        environment=calculator.Calculator,
+        reference_turns=calculator.reference_turns,
+    )
+
+
 def _factories() -> dict[str, Callable[..., Task]]:
     factories: dict[str, Callable[..., Task]] = {}
     for config in Countdown.BUILDER_CONFIGS:
         factories[f"countdown/{config.name}"] = functools.partial(_countdown_task, config.name)
     for config in Arithmetic.BUILDER_CONFIGS:
         factories[f"arithmetic/{config.name}"] = functools.partial(_arithmetic_task, config.name)
+    for config in Calculator.BUILDER_CONFIGS:
+        factories[f"calculator/{config.name}"] = functools.partial(_calculator_task, config.name)
     factories["gsm8k"] = _gsm8k_task
     return factories
 

@@ -21,10 +21,12 @@ from gac_jax import models
 from gac_jax.learner import GRPOLearner, make_optimizer
 from gac_jax.models.hf_checkpoint import hf_model_config
 from gac_jax.rollout import TaskGroupGenerator, make_sampler
+from gac_jax.rollout.episodes import EpisodeRunner
 from gac_jax.rollout.placement import RolloutPlacement
 from gac_jax.tasks import get_task
 from gac_jax.tasks.chat import with_chat_template, with_system_prompt
 from gac_jax.tasks.custom import GuardedReward, resolve_reward
+from gac_jax.tasks.environments import resolve_environment
 from gac_jax.train import processes
 from gac_jax.train.config import TrainConfig, run_chat_template
 
@@ -169,7 +171,20 @@ def build_generator(
         placement=placement,
         latest_params=latest_params if config.rollout.inflight_updates else None,
         chunk_steps=config.rollout.inflight_chunk_steps,
+        episodes=build_episodes(config, task, sampler, tokenizer),
     )
+
+
+def build_episodes(config: TrainConfig, task, sampler, tokenizer) -> EpisodeRunner | None:
+    """The run's multi-turn `EpisodeRunner`: the environment of `config.env`, or the task's
+    own; None for a single-answer task."""
+    if config.env is not None:
+        environment, name = resolve_environment(config.env), config.env
+    elif task.environment is not None:
+        environment, name = task.environment(), f"{task.name} environment"
+    else:
+        return None
+    return EpisodeRunner(sampler, tokenizer, environment, config.episode, name, config.reward_guard)
 
 
 @dataclasses.dataclass(frozen=True)

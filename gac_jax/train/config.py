@@ -28,6 +28,7 @@ from gac_jax.learner import LearnerConfig, LossConfig, OptimizerConfig
 from gac_jax.models import ComputeConfig, LoraConfig, MeshConfig
 from gac_jax.rollout import BufferConfig, GenerationConfig, RolloutConfig
 from gac_jax.rollout.buffer import BATCHES_HELD, buffer_capacity
+from gac_jax.rollout.episodes import EpisodeConfig
 from gac_jax.rollout.placement import PlacementConfig
 from gac_jax.rollout.ray_cluster import RayConfig
 from gac_jax.tasks.custom import RewardGuardConfig
@@ -48,7 +49,15 @@ class TrainConfig:
         the task's own. Guarded by `reward_guard`.
       reward_guard: the timeout of each call of `reward`, the score of a call that
         fails or times out, and when so many fail that the run stops
-        (`gac_jax.tasks.custom.RewardGuardConfig`).
+        (`gac_jax.tasks.custom.RewardGuardConfig`); it guards a multi-turn
+        environment's reward too.
+      env: a multi-turn environment by import path, ``"package.module:Name"``
+        (`gac_jax.tasks.environments`), replacing the task's own (a task with an
+        environment, such as ``calculator/muladd``, runs episodes without it); None keeps
+        the task's. Settings in `episode`.
+      episode: multi-turn episodes: turn limit, observation length, tool timeout
+        (`gac_jax.rollout.episodes.EpisodeConfig`); the episode's token budget, policy and
+        observation tokens together, is `generation.max_new_tokens`.
       chat_template: "auto" renders prompts with the chat template of the `init` model
         directory when it has one (`gac_jax.tasks.chat`); None (``none`` on the command
         line) keeps raw prompts.
@@ -91,6 +100,7 @@ class TrainConfig:
 
     task: str = "countdown/n3_max20"
     reward: str | None = None
+    env: str | None = None
     reward_guard: RewardGuardConfig = dataclasses.field(default_factory=RewardGuardConfig)
     chat_template: str | None = "auto"
     system_prompt: str | None = None
@@ -119,6 +129,7 @@ class TrainConfig:
     lora: LoraConfig = dataclasses.field(default_factory=LoraConfig)
     generation: GenerationConfig = dataclasses.field(default_factory=GenerationConfig)
     rollout: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)
+    episode: EpisodeConfig = dataclasses.field(default_factory=EpisodeConfig)
     placement: PlacementConfig = dataclasses.field(default_factory=PlacementConfig)
     ray: RayConfig = dataclasses.field(default_factory=RayConfig)
     buffer: BufferConfig = dataclasses.field(default_factory=BufferConfig)
@@ -192,6 +203,10 @@ def _validate_run_fields(config: TrainConfig) -> None:
             resolve_reward(config.reward)
         except ValueError as error:
             raise ValueError(f"reward={config.reward!r}: {error}") from None
+    if config.env is not None:
+        from gac_jax.tasks.environments import resolve_environment
+
+        resolve_environment(config.env)  # Its errors name env= already.
     _validate_chat(config)
     _validate_init(config)
 

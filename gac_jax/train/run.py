@@ -129,6 +129,8 @@ class Run:
             )
         if self.config.reward is not None:  # The run's own reward: how often it failed.
             metrics.update(self._reward_failures(rollouts, step))
+        if rollouts[0].observation_mask is not None:
+            metrics.update(episode_metrics(rollouts))
         metrics.update(
             generated_tokens=float(tokens),
             generate_tokens_per_s=tokens / generate if generate > 0 else float("nan"),
@@ -160,6 +162,7 @@ class Run:
             num_samples=c.eval_samples,
             key=key,
             stop=c.generation.stop,
+            episodes=self.generator.episodes,
         )
         return {f"{prefix}{k}": v for k, v in scores.items()}
 
@@ -335,6 +338,33 @@ def evaluate_checkpoint(
 
 
 @jax.jit
+def episode_metrics(rollouts) -> dict[str, float]:
+    """Multi-turn telemetry of a batch: turns per episode, tool calls, errors, timeouts and
+    latency, observation vs policy tokens, and the span of policy versions in an episode."""
+    turns = np.concatenate([r.turns for r in rollouts])
+    calls = sum(r.tool_calls for r in rollouts)
+    answered = calls - sum(r.tool_errors + r.tool_timeouts for r in rollouts)
+    spans = []
+    for r in rollouts:
+        if r.token_versions is None:
+            spans += [0] * r.group_size
+            continue
+        for row_mask, row_versions in zip(r.completion_mask, r.token_versions, strict=True):
+            v = row_versions[row_mask]
+            spans.append(int(v.max() - v.min()) if v.size else 0)
+    return {
+        "episode/turns_mean": float(turns.mean()),
+        "episode/turns_max": float(turns.max()),
+        "episode/policy_tokens": float(sum(r.completion_mask.sum() for r in rollouts)),
+        "episode/observation_tokens": float(sum(r.observation_mask.sum() for r in rollouts)),
+        "episode/version_span_mean": float(np.mean(spans)),
+        "tools/calls": float(calls),
+        "tools/errors": float(sum(r.tool_errors for r in rollouts)),
+        "tools/timeouts": float(sum(r.tool_timeouts for r in rollouts)),
+        "tools/latency_ms": 1e3 * sum(r.tool_seconds for r in rollouts) / max(answered, 1),
+    }
+
+
 def _finite(leaves) -> jax.Array:
     # One program (one set of collectives on every process, not one per leaf), compiled
     # once per run's layout rather than at every checkpoint.

@@ -1,0 +1,275 @@
+"""Multi-turn rollouts: a task's environment answering the policy's turns, off the decode loop.
+
+`EpisodeConfig` holds a run's episode settings; `EpisodeRunner` samples one episode per
+row with `gac_jax.models.episodes.EpisodeSampler` (the run's one `Sampler`), calling the
+environment through `GuardedEnvironment` (each step in its own thread, with a timeout; an
+error becomes an observation), and scores each finished episode with the environment's
+`reward` under the run's reward guard (`score_group`'s deadline). `TaskGroupGenerator`
+uses it for tasks with an environment, so sync, lagged and async runs, in-flight updates
+and Ray actors all sample episodes the same way.
+
+What a row holds: its policy tokens (`completion_mask`, trained on, with behaviour
+log-probs and versions) and its observation tokens (`observation_mask`: in the context,
+never trained on, never counted), interleaved in the `max_new_tokens` columns.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from gac_jax._validation import check_int
+from gac_jax.models import left_pad
+from gac_jax.models.episodes import EpisodeSampler
+from gac_jax.models.tokenizers import Tokenizer, decode_completion
+from gac_jax.tasks.custom import GuardedReward, RewardGuardConfig
+from gac_jax.tasks.environments import ERROR_KINDS, Environment, GuardedEnvironment
+
+__all__ = ["EpisodeConfig", "EpisodeRunner", "EpisodeRows", "turn_end_ids"]
+
+
+@dataclasses.dataclass(frozen=True)
+class EpisodeConfig:
+    """Multi-turn episodes (tasks with an environment).
+
+    Attributes:
+      max_turns: an episode ends at the end of this many policy turns that called the
+        environment (the last one is not answered).
+      max_observation_tokens: an observation is cut to this many tokens (a tool that floods
+        its output); one observation is one prefill of this many positions.
+      tool_timeout: seconds an environment step may take; past it the step becomes the
+        observation "error: timeout" and the episode goes on.
+      max_observation_chars: an observation's text is cut to this many characters before
+        it is tokenised.
+    """
+
+    max_turns: int = 4
+    max_observation_tokens: int = 16
+    tool_timeout: float = 5.0
+    max_observation_chars: int = 256
+
+    def validate(self) -> None:
+        """Raises ValueError naming a bad field."""
+        check_int("max_turns", self.max_turns, 1)
+        check_int("max_observation_tokens", self.max_observation_tokens, 1)
+        check_int("max_observation_chars", self.max_observation_chars, 1)
+        if isinstance(self.tool_timeout, bool) or not (
+            isinstance(self.tool_timeout, int | float) and self.tool_timeout > 0
+        ):
+            raise ValueError(f"tool_timeout={self.tool_timeout!r} must be a number of seconds > 0.")
+
+
+def turn_end_ids(tokenizer: Tokenizer, turn_end: Sequence[str]) -> list[int]:
+    """The token id of each turn-end string; each must be exactly one token (the sampler
+    ends a turn on a token, not on text). Raises ValueError in one line otherwise."""
+    ids = []
+    for text in turn_end:
+        try:
+            encoded = tokenizer.encode(text, add_bos=False)
+        except ValueError:
+            encoded = []
+        if len(encoded) != 1:
+            raise ValueError(
+                f"turn_end string {text!r} is {len(encoded)} tokens for this tokenizer; "
+                "each must be exactly one token."
+            )
+        ids.append(int(encoded[0]))
+    return ids
+
+
+@dataclasses.dataclass
+class EpisodeRows:
+    """One call's episodes as host arrays (R rows of N columns) and their telemetry."""
+
+    tokens: np.ndarray  # int32 [R, N]: policy and observation tokens.
+    policy_mask: np.ndarray  # bool [R, N]
+    observation_mask: np.ndarray  # bool [R, N]
+    policy_logps: np.ndarray  # f32 [R, N]
+    token_versions: np.ndarray  # int32 [R, N], -1 off policy tokens.
+    turns: np.ndarray  # int [R]
+    transcripts: list[str]  # The context's text (policy and observations) of each row.
+    states: list[Any]  # Each row's environment state, for its reward.
+    tool_calls: np.ndarray  # int [R]
+    tool_errors: dict[str, np.ndarray]  # kind -> int [R]
+    tool_seconds: np.ndarray  # f [R]: summed latency of the steps that answered in time.
+    prefill_tokens: int
+
+
+class _Telemetry:
+    """Per row: environment steps, their errors by kind, and the latency of the ones that
+    answered in time (written from the environments' threads)."""
+
+    def __init__(self, rows: int):
+        self.calls = np.zeros(rows, np.int64)
+        self.errors = {kind: np.zeros(rows, np.int64) for kind in ERROR_KINDS}
+        self.seconds = np.zeros(rows)
+        self._lock = threading.Lock()
+
+    def count(self, row: int, kind: str | None, seconds: float) -> None:
+        with self._lock:
+            self.calls[row] += 1
+            if kind is None:
+                self.seconds[row] += seconds
+            else:
+                self.errors[kind][row] += 1
+
+
+class EpisodeRunner:
+    """Samples episodes for prompts of one task, its environment guarded.
+
+    Args:
+      sampler: the run's `Sampler`.
+      tokenizer: encodes observations, decodes turns.
+      environment: the task's environment (`gac_jax.tasks.environments.Environment`).
+      config: the run's `EpisodeConfig`.
+      name: what warnings call the environment.
+      reward_guard: how the environment's `reward` is guarded (`GuardedReward`).
+    """
+
+    def __init__(
+        self,
+        sampler,
+        tokenizer: Tokenizer,
+        environment: Environment,
+        config: EpisodeConfig,
+        name: str = "environment",
+        reward_guard: RewardGuardConfig | None = None,
+    ):
+        config.validate()
+        self.episodes = EpisodeSampler(sampler)
+        self.tokenizer = tokenizer
+        self.environment = environment
+        self.config = config
+        self.turn_end_ids = turn_end_ids(tokenizer, environment.turn_end)
+        self.guarded = GuardedEnvironment(
+            environment, name, config.tool_timeout, config.max_observation_chars
+        )
+
+        def reward(item, example):
+            state, transcript = item
+            return environment.reward(state, transcript, example)
+
+        self.reward = GuardedReward(reward, f"{name}.reward", reward_guard or RewardGuardConfig())
+
+    @property
+    def sampler(self):
+        return self.episodes.sampler
+
+    def sample(
+        self,
+        graphdef,
+        params_fn: Callable[[], tuple[Any, int]],
+        prompts: Sequence[Sequence[int]],
+        examples: Sequence[Mapping[str, Any]],
+        key,
+        *,
+        prompt_length: int,
+        sampling: Mapping[str, Any],
+        chunk_steps: int,
+        place_inputs=None,
+    ) -> EpisodeRows:
+        """One episode per prompt (`examples[i]` is prompt i's example)."""
+        rows = len(prompts)
+        states = [self.environment.start(example) for example in examples]
+        telemetry = _Telemetry(rows)
+        respond = self._responder(states, telemetry)
+        tokens, mask = left_pad(prompts, self.tokenizer.pad_id, prompt_length)
+        if place_inputs is not None:
+            tokens, mask = place_inputs(tokens, mask)
+        out = self.episodes.sample(
+            graphdef,
+            params_fn,
+            tokens,
+            mask,
+            key,
+            respond=respond,
+            turn_end_ids=self.turn_end_ids,
+            max_observation_tokens=self.config.max_observation_tokens,
+            chunk_steps=chunk_steps,
+            max_turns=self.config.max_turns,
+            **sampling,
+        )
+        return self._rows(out, states, telemetry)
+
+    def _rows(self, out, states, telemetry: _Telemetry) -> EpisodeRows:
+        """The sampler's output as host arrays, with each row's transcript text."""
+        host = jax.device_get(
+            (
+                out.tokens,
+                out.completion_mask,
+                out.observation_mask,
+                out.policy_logps,
+                out.token_versions,
+            )
+        )
+        all_tokens, policy, observed, logps, versions = (np.asarray(x) for x in host)
+        context = policy | observed
+        transcripts = [
+            decode_completion(self.tokenizer, row[keep])
+            for row, keep in zip(all_tokens, context, strict=True)
+        ]
+        return EpisodeRows(
+            tokens=all_tokens.astype(np.int32),
+            policy_mask=policy,
+            observation_mask=observed,
+            policy_logps=logps.astype(np.float32),
+            token_versions=versions.astype(np.int32),
+            turns=np.asarray(out.turns),
+            transcripts=transcripts,
+            states=states,
+            tool_calls=telemetry.calls,
+            tool_errors=telemetry.errors,
+            tool_seconds=telemetry.seconds,
+            prefill_tokens=out.prefill_tokens,
+        )
+
+    def _responder(self, states, telemetry: _Telemetry):
+        """`respond` for `EpisodeSampler.sample`: the turn's text to the guarded
+        environment; its observation's token ids (None if it ended the episode) back."""
+        turn_start = np.zeros(len(states), np.int64)  # Where each row's current turn began.
+
+        def respond(row: int, tokens: np.ndarray) -> concurrent.futures.Future:
+            turn = decode_completion(self.tokenizer, tokens[turn_start[row] :])
+            reply: concurrent.futures.Future = concurrent.futures.Future()
+            started = time.monotonic()
+
+            def answered(step: concurrent.futures.Future) -> None:
+                observation, kind = step.result()
+                telemetry.count(row, kind, time.monotonic() - started)
+                if observation.done:
+                    reply.set_result(None)
+                    return
+                ids = self._encode(observation.text)[: self.config.max_observation_tokens]
+                turn_start[row] = len(tokens) + len(ids)
+                reply.set_result(ids)
+
+            self.guarded.step(states[row], turn).add_done_callback(answered)
+            return reply
+
+        return respond
+
+    def scores(self, rows: EpisodeRows, row_slice: slice, example):
+        """The rewards of the episodes in `row_slice` (one group): the environment's
+        `reward`, guarded (one deadline per group, failures scored and counted)."""
+        items = list(zip(rows.states[row_slice], rows.transcripts[row_slice], strict=True))
+        return self.reward.score_group(items, example)
+
+    def _encode(self, text: str) -> list[int]:
+        """An observation's token ids; characters the tokenizer cannot encode are dropped."""
+        try:
+            return list(self.tokenizer.encode(text, add_bos=False))
+        except ValueError:
+            kept = []
+            for char in text:
+                try:
+                    kept += list(self.tokenizer.encode(char, add_bos=False))
+                except ValueError:
+                    continue
+            return kept

@@ -1,0 +1,189 @@
+"""Environments of multi-turn episodes: what answers a policy's turn, and how a run guards it.
+
+An episode starts from a task example; the policy writes a turn, which ends with one of the
+environment's `turn_end` strings (a tool call's closing tag) or with EOS (the episode's
+end). At each turn's end the environment answers with an `Observation` (a tool's output,
+feedback), which is appended to the context, or ends the episode (`done`). At the end,
+`reward` scores the whole transcript. Environments are plain Python objects::
+
+    class Calculator:
+        turn_end = (">",)
+
+        def start(self, example):          # An episode's own state (anything).
+            return {}
+
+        def step(self, state, turn):      # The turn's text, its turn_end included.
+            return Observation(str(evaluate(turn[turn.rindex("<") + 1 : -1])))
+
+        def reward(self, state, transcript, example):  # The text after the prompt.
+            return float(final_answer(transcript) == example["answer"])
+
+and are named by import path in a run (``env=package.module:Name``, like ``reward=``).
+
+`GuardedEnvironment` is how the rollout side calls one: each `step` runs in its own daemon
+thread against `timeout`, and a step that raises, hangs past the timeout, or returns
+something that is not an `Observation` or a string becomes the observation
+``"error: <kind>"`` (kinds: ``raised``, ``timeout``, ``invalid``) and is counted; an
+observation longer than `max_chars` is cut there (a tool that floods its output). Nothing a
+tool does stops the run or blocks the decode loop.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import importlib
+import logging
+import threading
+from collections.abc import Mapping
+from typing import Any, Protocol, runtime_checkable
+
+__all__ = [
+    "ERROR_KINDS",
+    "Environment",
+    "GuardedEnvironment",
+    "Observation",
+    "resolve_environment",
+]
+
+logger = logging.getLogger(__name__)
+
+ERROR_KINDS = ("raised", "timeout", "invalid")
+
+
+@dataclasses.dataclass(frozen=True)
+class Observation:
+    """An environment's answer to a turn: `text` goes into the context (never trained on);
+    `done` ends the episode instead (`text` is then ignored)."""
+
+    text: str = ""
+    done: bool = False
+
+
+@runtime_checkable
+class Environment(Protocol):
+    """What a multi-turn task's environment provides (see the module docstring)."""
+
+    turn_end: tuple[str, ...]
+
+    def start(self, example: Mapping[str, Any]) -> Any: ...
+
+    def step(self, state: Any, turn: str) -> Observation | str: ...
+
+    def reward(self, state: Any, transcript: str, example: Mapping[str, Any]) -> float: ...
+
+
+def resolve_environment(spec: str) -> Environment:
+    """An environment from ``"package.module:Name"`` (a class, instantiated with no
+    arguments, or an object). Raises ValueError in one line naming what is wrong."""
+    module_name, sep, attribute = spec.partition(":")
+    if not sep or not module_name or not attribute:
+        raise ValueError(f"env={spec!r} must be 'package.module:Name'.")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as error:
+        raise ValueError(f"env={spec!r}: cannot import {module_name!r} ({error}).") from None
+    try:
+        target = getattr(module, attribute)
+    except AttributeError:
+        raise ValueError(f"env={spec!r}: {module_name!r} has no {attribute!r}.") from None
+    env = target() if isinstance(target, type) else target
+    if not isinstance(env, Environment):
+        raise ValueError(
+            f"env={spec!r} is not an environment: it needs turn_end, start, step and reward."
+        )
+    check_turn_end(env.turn_end, spec)
+    return env
+
+
+def check_turn_end(turn_end, name: str) -> tuple[str, ...]:
+    """`turn_end` as a tuple of non-empty strings; ValueError naming `name` otherwise."""
+    if (
+        isinstance(turn_end, str)
+        or not turn_end
+        or not all(isinstance(s, str) and s for s in turn_end)
+    ):
+        raise ValueError(f"{name}: turn_end={turn_end!r} must be a list of non-empty strings.")
+    return tuple(turn_end)
+
+
+class GuardedEnvironment:
+    """Calls an environment's `step` off the caller's thread, with a timeout.
+
+    Args:
+      env: the environment.
+      name: what warnings call it.
+      timeout: seconds a step may take before it becomes ``"error: timeout"``.
+      max_chars: observations are cut to this many characters.
+    """
+
+    def __init__(self, env: Environment, name: str, timeout: float, max_chars: int):
+        if not timeout > 0:
+            raise ValueError(f"timeout={timeout!r} must be a number of seconds > 0.")
+        self.env = env
+        self.name = name
+        self.timeout = float(timeout)
+        self.max_chars = int(max_chars)
+        self._lock = threading.Lock()
+        self._warned: set[str] = set()
+
+    def step(self, state: Any, turn: str) -> concurrent.futures.Future:
+        """A future of `(observation, error kind or None)`: errors are already turned into
+        an observation, one longer than `max_chars` is cut; it completes within `timeout`
+        (plus scheduling) whatever the environment does."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+
+        def settle(observation: Observation, kind: str | None) -> None:
+            with self._lock:
+                if future.done():
+                    return
+                if len(observation.text) > self.max_chars:
+                    observation = dataclasses.replace(
+                        observation, text=observation.text[: self.max_chars]
+                    )
+                future.set_result((observation, kind))
+            if kind is not None:
+                self._warn(kind)
+
+        def call() -> None:
+            try:
+                value = self.env.step(state, turn)
+            except Exception as error:  # noqa: BLE001 - user code: an error observation
+                logger.debug("environment %s raised %r", self.name, error)
+                settle(_error("raised"), "raised")
+                return
+            if isinstance(value, str):
+                value = Observation(value)
+            if not isinstance(value, Observation) or not isinstance(value.text, str):
+                settle(_error("invalid"), "invalid")
+            else:
+                settle(value, None)
+
+        threading.Thread(target=call, daemon=True, name="gac_jax-env").start()
+        timer = threading.Timer(self.timeout, settle, (_error("timeout"), "timeout"))
+        timer.daemon = True
+        timer.start()
+        future.add_done_callback(lambda _: timer.cancel())
+        return future
+
+    def _warn(self, kind: str) -> None:
+        with self._lock:
+            first = kind not in self._warned
+            self._warned.add(kind)
+        if first:
+            logger.warning(
+                "environment %s: a step %s; it became the observation %r (later ones are "
+                "only counted in tools/%s)",
+                self.name,
+                {
+                    "raised": "raised",
+                    "timeout": f"took longer than {self.timeout:g} s",
+                    "invalid": "returned neither an Observation nor a string",
+                }[kind],
+                _error(kind).text,
+                kind,
+            )
+
+
+def _error(kind: str) -> Observation:
+    return Observation(f"error: {kind}")

@@ -93,8 +93,18 @@ def warm_start_directory(config: TrainConfig) -> Path:
     one (countdown/n3_max20 on `tiny` at 800 and 300 steps), else trained once and cached."""
     from gac_jax.train.warm_start import WarmStartConfig, ensure_warm_start
 
+    lengths = {}
+    if get_task(config.task).reference_turns is not None:  # Episodes are longer: the run's.
+        g = config.generation
+        lengths = dict(
+            max_length=1 + g.prompt_length + g.max_new_tokens,
+            prompt_length=g.prompt_length,
+            max_new_tokens=g.max_new_tokens,
+        )
     return ensure_warm_start(
-        WarmStartConfig(task=config.task, model=config.model, steps=config.warm_start_steps),
+        WarmStartConfig(
+            task=config.task, model=config.model, steps=config.warm_start_steps, **lengths
+        ),
         data_dir=config.data_dir,
     )
 

@@ -437,6 +437,27 @@ def _preset_qwen3_gsm8k(model: str, init: str, micro_batches: int) -> TrainConfi
     )
 
 
+def _preset_calculator() -> TrainConfig:
+    # Multi-turn tool use (issue #35): the calculator task from a 300-step supervised warm
+    # start on worked tool-using transcripts (greedy 0.52, pass@1 0.21 on 200 test problems).
+    return TrainConfig(
+        task="calculator/muladd",
+        warm_start_steps=300,
+        steps=100,
+        eval_every=25,
+        eval_size=128,
+        eval_at_start=True,
+        checkpoint_every=50,
+        optimizer=OptimizerConfig(learning_rate=CALCULATOR_LEARNING_RATE),
+        generation=GenerationConfig(group_size=8, prompt_length=16, max_new_tokens=48),
+        episode=EpisodeConfig(max_turns=4, max_observation_tokens=8),
+        rollout=RolloutConfig(mode="sync", groups_per_batch=16),
+    )
+
+
+CALCULATOR_LEARNING_RATE = 2e-4
+
+
 PRESETS: dict[str, Any] = {
     # The embedded default: countdown from the shipped warm start, async GRPO with GAC.
     "demo": _preset_demo,
@@ -451,6 +472,7 @@ PRESETS: dict[str, Any] = {
     ),
     "countdown_sweep": _preset_countdown_sweep,
     "lab": _preset_lab,
+    "calculator": _preset_calculator,
     # Real hardware: Qwen3 on GSM8K from a Hugging Face checkpoint (see README). Sized with
     # `gac-jax plan` to fit 8 devices of 80 GB, with half of it spare (README, "Will it fit?").
     # Micro-batches: 4 sequences a device at 0.6B, 2 at 1.7B (`gac-jax plan`: 34.4 and
@@ -471,6 +493,7 @@ PRESET_DESCRIPTIONS = {
     "countdown_lagged8": "countdown_sync with every batch 8 versions stale (lagged mode)",
     "countdown_sweep": "the older experiments' base: lagged naive GRPO, about 3 min a run",
     "lab": "experiments/lab.py's laboratory: countdown from the 300-step warm start",
+    "calculator": "multi-turn tool use: a*b+c with a calculator tool, sync GRPO on episodes",
     "qwen3_0_6b_gsm8k": "Qwen3-0.6B on GSM8K, FSDP over all devices (needs the HF checkpoint)",
     "qwen3_1_7b_gsm8k": "Qwen3-1.7B on GSM8K, FSDP over all devices (needs the HF checkpoint)",
 }

@@ -337,7 +337,6 @@ def evaluate_checkpoint(
     return scores
 
 
-@jax.jit
 def episode_metrics(rollouts) -> dict[str, float]:
     """Multi-turn telemetry of a batch: turns per episode, tool calls, errors, timeouts and
     latency, observation vs policy tokens, and the span of policy versions in an episode."""
@@ -365,6 +364,7 @@ def episode_metrics(rollouts) -> dict[str, float]:
     }
 
 
+@jax.jit
 def _finite(leaves) -> jax.Array:
     # One program (one set of collectives on every process, not one per leaf), compiled
     # once per run's layout rather than at every checkpoint.

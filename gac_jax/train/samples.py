@@ -7,7 +7,9 @@ table to TensorBoard's text tab (and W&B when on). A record answers "what does t
 write, how is it scored, and how stale was the policy that wrote it":
 
 ``{"step", "group_id", "prompt_id", "policy_version", "version_gap", "reward", "length",
-"prompt", "completion"}``
+"prompt", "completion"}`` (and, for a multi-turn episode, ``"turns"``: the transcript as
+``{"role": "policy" | "environment", "text"}`` runs; ``completion`` is then the whole
+transcript)
 
 `version_gap` is the learner's version at `step` (which is `step`) minus the version that
 sampled the group; `length` counts the completion's tokens (EOS included). Texts are the
@@ -46,24 +48,41 @@ def sample_records(
     records = []
     for rollout in rollouts:
         prompt = decode_completion(tokenizer, rollout.prompt_tokens)
-        rows = zip(rollout.completion_tokens, rollout.completion_mask, rollout.rewards, strict=True)
-        for tokens, mask, reward in rows:
+        observed = rollout.observation_mask
+        for row, (tokens, mask, reward) in enumerate(
+            zip(rollout.completion_tokens, rollout.completion_mask, rollout.rewards, strict=True)
+        ):
             if limit is not None and len(records) >= limit:
                 return records
-            records.append(
-                {
-                    "step": int(step),
-                    "group_id": int(rollout.group_id),
-                    "prompt_id": int(rollout.prompt_id),
-                    "policy_version": int(rollout.policy_version),
-                    "version_gap": rollout.staleness(step),
-                    "reward": to_json_scalar(reward, "reward"),
-                    "length": int(mask.sum()),
-                    "prompt": prompt,
-                    "completion": cut_at_stop(tokenizer, tokens, mask, stop)[0],
-                }
-            )
+            record = {
+                "step": int(step),
+                "group_id": int(rollout.group_id),
+                "prompt_id": int(rollout.prompt_id),
+                "policy_version": int(rollout.policy_version),
+                "version_gap": rollout.staleness(step),
+                "reward": to_json_scalar(reward, "reward"),
+                "length": int(mask.sum()),
+                "prompt": prompt,
+            }
+            if observed is None:
+                record["completion"] = cut_at_stop(tokenizer, tokens, mask, stop)[0]
+            else:  # An episode: the whole transcript, and each turn with its author.
+                context = mask | observed[row]
+                record["completion"] = decode_completion(tokenizer, tokens[context])
+                record["turns"] = _turns(tokenizer, tokens[context], observed[row][context])
+            records.append(record)
     return records
+
+
+def _turns(tokenizer, tokens, observed) -> list[dict[str, str]]:
+    """An episode's context cut into runs of policy and environment tokens."""
+    turns, start = [], 0
+    for end in range(1, len(tokens) + 1):
+        if end == len(tokens) or observed[end] != observed[start]:
+            role = "environment" if observed[start] else "policy"
+            turns.append({"role": role, "text": decode_completion(tokenizer, tokens[start:end])})
+            start = end
+    return turns
 
 
 class SampleLogger:

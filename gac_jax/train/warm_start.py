@@ -62,6 +62,7 @@ from gac_jax.models import (
     make_mesh,
     state_shardings,
 )
+from gac_jax.rollout.episodes import EpisodeConfig, EpisodeRunner
 from gac_jax.rollout.evaluation import evaluate_policy
 from gac_jax.rollout.generation import GenerationConfig, make_sampler
 from gac_jax.tasks import Task, get_task
@@ -183,19 +184,22 @@ class WarmStartConfig(SFTConfig):
 
 
 def encode_sft_batch(
-    tokenizer, prompts: Sequence[str], completions: Sequence[str], length: int
+    tokenizer, prompts: Sequence[str], completions: Sequence, length: int
 ) -> dict[str, np.ndarray]:
     """Right-padded ``<bos> prompt completion <eos>`` rows and their masks.
 
     Args:
       tokenizer: a `gac_jax.models.Tokenizer` with a BOS id.
       prompts: B prompt texts.
-      completions: B completion texts.
+      completions: B completion texts, or B multi-turn transcripts as lists of
+        ``(role, text)`` turns (`Task.reference_turns`): each turn is encoded on its own,
+        as the sampler lays an episode out, and only the "policy" turns (and the EOS) are
+        trained on; the "tool" turns are context.
       length: T, the padded length.
 
     Returns:
       ``{"tokens": int32 [B, T], "mask": bool [B, T] (real tokens),
-      "loss_mask": bool [B, T] (the completion and its EOS)}``.
+      "loss_mask": bool [B, T] (the completion's policy tokens and its EOS)}``.
 
     Raises:
       ValueError: if a row is longer than `length`.
@@ -208,7 +212,14 @@ def encode_sft_batch(
     loss_mask = np.zeros((batch, length), bool)
     for row, (prompt, completion) in enumerate(zip(prompts, completions, strict=True)):
         prompt_ids = tokenizer.encode(prompt, add_bos=True)
-        completion_ids = tokenizer.encode(completion, add_eos=True)
+        turns = [("policy", completion)] if isinstance(completion, str) else list(completion)
+        completion_ids, trained = [], []
+        for role, text in turns:
+            ids = tokenizer.encode(text)
+            completion_ids += ids
+            trained += [role == "policy"] * len(ids)
+        completion_ids.append(tokenizer.eos_id)
+        trained.append(True)
         n = len(prompt_ids) + len(completion_ids)
         if n > length:
             raise ValueError(
@@ -217,14 +228,17 @@ def encode_sft_batch(
             )
         tokens[row, :n] = prompt_ids + completion_ids
         mask[row, :n] = True
-        loss_mask[row, len(prompt_ids) : n] = True
+        loss_mask[row, len(prompt_ids) : n] = trained
     return {"tokens": tokens, "mask": mask, "loss_mask": loss_mask}
 
 
 def _task_texts(task: Task, examples, count: int = 0):
+    """The first `count` examples (0: all), their prompts and reference completions (the
+    worked transcripts' turns for a multi-turn task)."""
     count = len(examples) if count == 0 else min(count, len(examples))
     rows = [examples[i] for i in range(count)]
-    return rows, [task.prompt(ex) for ex in rows], [task.reference_completion(ex) for ex in rows]
+    reference = task.reference_turns or task.reference_completion
+    return rows, [task.prompt(ex) for ex in rows], [reference(ex) for ex in rows]
 
 
 @functools.lru_cache(maxsize=8)
@@ -352,6 +366,9 @@ def evaluate_warm_start(
     )
     sampler = make_sampler(model.config, tokenizer, generation)
     graphdef, state = nnx.split(model)
+    episodes = None
+    if task.environment is not None:  # Multi-turn: episodes with the task's environment.
+        episodes = EpisodeRunner(sampler, tokenizer, task.environment(), EpisodeConfig())
     metrics = evaluate_policy(
         graphdef,
         state,
@@ -364,6 +381,7 @@ def evaluate_warm_start(
         num_samples=config.eval_samples,
         key=jax.random.key(config.seed + 1),
         batch_rows=config.eval_batch_size,
+        episodes=episodes,
     )
     return {**metrics, "eval_problems": num_problems, "eval_samples": config.eval_samples}
 

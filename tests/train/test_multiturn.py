@@ -1,0 +1,138 @@
+"""Multi-turn episodes through the whole loop: the calculator task trains in sync, lagged and
+async modes and with in-flight updates, and a tool that hangs, raises or floods its output
+never stops a run.
+
+Random init keeps these fast: the character model still writes the calculator's turn end
+(``>``) now and then, so episodes have turns, observations and tool calls; the warm start
+and the learning itself are measured by the calculator preset's experiment, not here.
+"""
+
+import json
+import textwrap
+import time
+
+import numpy as np
+import pytest
+
+from gac_jax.train import loop
+from gac_jax.train import run as run_lib
+from gac_jax.train.config import get_preset
+from gac_jax.train.config_io import apply_overrides
+from gac_jax.train.metrics import read_metrics
+
+FAST = [
+    "init=random",
+    "steps=4",
+    "eval_every=0",
+    "checkpoint_every=0",
+    "samples_every=2",
+    "generation.group_size=4",
+    "generation.max_new_tokens=32",
+    "rollout.groups_per_batch=4",
+    "episode.max_observation_tokens=6",
+    "mesh.data=1",
+]
+# The calculator's turn ends with ">"; a random model at temperature 2 writes it often
+# enough for a few turns a batch.
+HOT = ["generation.temperature=2.0"]
+
+
+def _config(tmp_path, *overrides):
+    config = apply_overrides(get_preset("calculator"), [f"data_dir={tmp_path / 'tfds'}", *FAST])
+    return apply_overrides(config, [*HOT, *overrides])
+
+
+def _recording(monkeypatch):
+    consumed = []
+    real_collate = run_lib.collate
+
+    def recording_collate(rollouts, prompt_length):
+        consumed.append(list(rollouts))
+        return real_collate(rollouts, prompt_length)
+
+    monkeypatch.setattr(run_lib, "collate", recording_collate)
+    return consumed
+
+
+MODES = {
+    "sync": ["rollout.mode=sync"],
+    "lagged": ["rollout.mode=lagged", "rollout.lag=2"],
+    "async": ["rollout.mode=async", "buffer.max_staleness=1"],
+    "async in-flight": [
+        "rollout.mode=async",
+        "buffer.max_staleness=1",
+        "rollout.inflight_updates=true",
+        "rollout.inflight_chunk_steps=2",
+    ],
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", MODES)
+def test_the_calculator_trains_in_every_mode(tmp_path, monkeypatch, mode):
+    consumed = _recording(monkeypatch)
+    out = loop.train(_config(tmp_path, *MODES[mode]), tmp_path / "run")
+    records = read_metrics(out / "metrics.jsonl")
+    assert [r["step"] for r in records] == [0, 1, 2, 3]
+    assert all(np.isfinite(r["loss"]) for r in records)
+    groups = [r for batch in consumed for r in batch]
+    assert all(r.observation_mask is not None for r in groups)
+    observed = sum(int(r.observation_mask.sum()) for r in groups)
+    assert observed > 0 and sum(r["tools/calls"] for r in records) > 0
+    assert sum(r["episode/observation_tokens"] for r in records) == observed
+    for r in groups:
+        assert not (r.observation_mask & r.completion_mask).any()
+        if r.token_versions is not None:  # In-flight: versions across turns never go back.
+            for mask, versions in zip(r.completion_mask, r.token_versions, strict=True):
+                assert np.all(np.diff(versions[mask]) >= 0)
+    # Samples hold the whole transcript, turn by turn.
+    samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    with_turns = [s for s in samples if any(t["role"] == "environment" for t in s["turns"])]
+    assert with_turns
+    s = with_turns[0]
+    assert "".join(t["text"] for t in s["turns"]) == s["completion"]
+
+
+MISBEHAVING = textwrap.dedent(
+    '''
+    import time
+    from gac_jax.tasks.calculator import Calculator
+
+    class Misbehaving(Calculator):
+        """The calculator, but its first step of every episode hangs, raises or floods."""
+
+        calls = 0
+
+        def step(self, state, turn):
+            type(self).calls += 1
+            kind = type(self).calls % 3
+            if kind == 0:
+                time.sleep(60)
+            if kind == 1:
+                raise RuntimeError("the tool crashed")
+            return "9" * 10_000
+    '''
+)
+
+
+@pytest.mark.slow
+def test_a_misbehaving_tool_never_stops_the_run(tmp_path, monkeypatch):
+    (tmp_path / "flaky_tools.py").write_text(MISBEHAVING)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    config = _config(
+        tmp_path, "env=flaky_tools:Misbehaving", "episode.tool_timeout=0.5", "rollout.mode=sync"
+    )
+    started = time.monotonic()
+    out = loop.train(config, tmp_path / "run")
+    records = read_metrics(out / "metrics.jsonl")
+    assert [r["step"] for r in records] == [0, 1, 2, 3]
+    calls = sum(r["tools/calls"] for r in records)
+    assert calls >= 3
+    assert sum(r["tools/timeouts"] for r in records) >= 1
+    assert sum(r["tools/errors"] for r in records) >= 1
+    # Each hanging call cost at most its timeout, and they overlapped with decoding: far
+    # less than the 60 s a single hang would take.
+    assert time.monotonic() - started < 120
+    samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    said = [t["text"] for s in samples for t in s["turns"] if t["role"] == "environment"]
+    assert said and all(len(text) <= 6 for text in said)  # Floods cut to 6 tokens.

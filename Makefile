@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed-stamp
 # Two workers (xdist), each running whole files: the loop tests share runs within a file.
 PYTEST_ARGS ?= -n 2 --dist loadfile --durations=20
 
-.PHONY: install demo test lint bench bench-sampler bench-async bench-accelerator bench-tunix clean
+.PHONY: install demo test lint bench bench-sampler bench-async bench-tools bench-accelerator bench-tunix clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -41,6 +41,10 @@ bench-sampler: $(STAMP)
 # Sync vs async rollouts through the training loop, and the split layout simulated (about 3 minutes).
 bench-async: $(STAMP)
 	$(BIN)/python benchmarks/async_throughput.py
+
+# Multi-turn episodes with a slow tool (median 50 ms): sync vs async, measured and simulated.
+bench-tools: $(STAMP)
+	$(BIN)/python benchmarks/tool_episodes.py
 
 # The learner's MFU, the sampler against its bandwidth roofline and GAC + ESS against AdamW
 # on whatever backend JAX finds (a GPU or TPU: full shapes; see the script for the offline

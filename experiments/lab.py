@@ -19,7 +19,12 @@ The sweeps' lengths were cut to fit the whole set in about 2 hours on 2 cores, w
   buffer room for 32 batches), 1 seed, 200 steps; one process at a time (the worker and
   the learner share the cores).
 
-The lagged runs live in ``ROOT/lagged`` and the asynchronous ones in ``ROOT/async``. Run it
+- ``tools`` (issue #35): the `calculator` preset's multi-turn tool episodes: sync, naive,
+  VCPO and GAC at k=16 in laboratory v3's regime, and the preset as it is (synchronous
+  PPO-clip), 5 seeds, 100 steps.
+
+The lagged runs live in ``ROOT/lagged``, the asynchronous ones in ``ROOT/async`` and the
+tool task's in ``ROOT/tools``. Run it
 again to resume; a finished run made by
 other code is refused unless --rerun-stale or --allow-stale.
 
@@ -126,7 +131,27 @@ MAP_LOSSES = {
     "seq_is_dynamic": (*V3_REGIME, "rollout.dynamic_sampling=true"),
 }
 MAP_LAGS = (0, 4, 16, 64)
-SEEDS = {"sync": 5, "staleness": 1, "alignment": 1, "cures": 5, "async": 1, "cell": 5, "map": 3}
+# The tool task (issue #35): the `calculator` preset's multi-turn episodes in the v3 regime
+# at k=16, where the pilot's naive run fell to reward 0 by step 26 (sync: pass@1 0.19 ->
+# 0.275 after 100 steps); and the preset as it is (PPO-clip, lr 2e-4, synchronous).
+TOOL_LAG = 16
+TOOL_SIZE = ("steps=100", "eval_every=25", "checkpoint_every=50")
+TOOL_CELL = {
+    "sync": ("rollout.lag=0",),
+    "naive": (),
+    "vcpo": CELL["vcpo"],
+    "gac": GAC_MEASURED,
+}
+SEEDS = {
+    "sync": 5,
+    "staleness": 1,
+    "alignment": 1,
+    "cures": 5,
+    "async": 1,
+    "cell": 5,
+    "map": 3,
+    "tools": 5,
+}
 
 # --quick: the same sweeps, cut to a few short runs from the shipped warm start.
 QUICK_SETTINGS = (
@@ -262,6 +287,23 @@ def map_specs(seeds, quick=False):
     ]
 
 
+def tools_specs(seeds, quick=False):
+    """The tool task's cell (sync, naive, VCPO, GAC at k=16 in the v3 regime) and the
+    `calculator` preset's own synchronous runs, the seeds outermost."""
+    names = ("sync", "naive") if quick else tuple(TOOL_CELL)
+    size = () if quick else TOOL_SIZE
+    lag = QUICK["cure_lag"] if quick else TOOL_LAG
+    regime = ("rollout.mode=lagged", *V3_REGIME, *size, f"rollout.lag={lag}")
+    runs = []
+    for s in seeds:
+        runs += [
+            RunSpec(f"tools/{n}/k{0 if n == 'sync' else lag}", (*regime, *TOOL_CELL[n]), s)
+            for n in names
+        ]
+        runs.append(RunSpec("tools/preset/sync", size, s))
+    return runs
+
+
 SWEEPS = {
     "sync": sync_specs,
     "staleness": staleness_specs,
@@ -270,7 +312,10 @@ SWEEPS = {
     "async": async_specs,
     "cell": cell_specs,
     "map": map_specs,
+    "tools": tools_specs,
 }
+# Sweeps whose base is another preset than `lab` (--config), and their folder under --root.
+OWN_BASE = {"tools": "calculator"}
 
 
 def specs_of(names: Sequence[str], seeds: Sequence[int] | None, quick: bool) -> list[RunSpec]:
@@ -299,15 +344,18 @@ def main(argv: Sequence[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     if args.quick:
         args.set = [*QUICK_SETTINGS, *args.set]
-    base = base_config(args)
-    lagged = [n for n in args.only if n != "async"]
+    lagged = [n for n in args.only if n != "async" and n not in OWN_BASE]
     # Lagged runs side by side; the asynchronous ones alone (their worker needs a core).
     groups = [
-        (lagged, "lagged", args.jobs),
-        (["async"] if "async" in args.only else [], "async", 1),
+        (lagged, "lagged", args.jobs, base_config(args)),
+        (["async"] if "async" in args.only else [], "async", 1, base_config(args)),
     ]
+    for name, preset in OWN_BASE.items():
+        if name in args.only:
+            own = argparse.Namespace(**{**vars(args), "config": preset})
+            groups.append(([name], name, args.jobs, base_config(own)))
     try:
-        for names, folder, jobs in groups:
+        for names, folder, jobs, base in groups:
             if not names:
                 continue
             if args.shard is not None and set(names) != set(args.only):

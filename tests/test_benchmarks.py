@@ -79,3 +79,10 @@ def test_the_async_benchmark_runs_every_layout_in_its_smoke_form():
     assert "fed the costs measured on the shared fake devices" in out
     assert "fed the costs measured in the pinned split" in out
     assert "weights per version: put" in out
+
+
+@pytest.mark.slow
+def test_the_tool_episodes_benchmark_runs_its_smoke_form():
+    out = _run("tool_episodes.py", "--smoke")
+    assert "\n  sync " in out and "\n  async " in out
+    assert "predicted: sync" in out and "tool calls/episode" in out

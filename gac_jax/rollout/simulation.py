@@ -102,8 +102,14 @@ class _GroupCosts:
     def seconds(self, group_id: int) -> float:
         c = self._config
         while group_id >= len(self._seconds):
-            longest = c.lengths.sample(self._rng, (_CHUNK, c.group_size)).max(axis=1)
-            self._seconds.extend((c.group_overhead_seconds + c.token_seconds * longest).tolist())
+            rows = c.token_seconds * c.lengths.sample(self._rng, (_CHUNK, c.group_size))
+            if c.tool_calls:  # Each row waits for its own tools while the others decode.
+                latency = c.tool_latency_seconds * np.exp(
+                    c.tool_latency_sigma
+                    * self._rng.standard_normal((_CHUNK, c.group_size, c.tool_calls))
+                )
+                rows = rows + latency.sum(axis=2)
+            self._seconds.extend((c.group_overhead_seconds + rows.max(axis=1)).tolist())
         return self._seconds[group_id]
 
 

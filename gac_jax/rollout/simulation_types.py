@@ -91,6 +91,11 @@ class SimulationConfig:
       lengths: the completion length distribution.
       num_steps: learner steps to simulate.
       seed: seed of the length stream.
+      tool_calls: multi-turn episodes: environment calls per row; each waits a latency
+        drawn from a log-normal with median `tool_latency_seconds` and sigma
+        `tool_latency_sigma`. A row then takes `token_seconds` x its length plus its
+        calls' latencies (its slot waits while the other rows decode), and the group lasts
+        as long as its slowest row, plus `group_overhead_seconds`.
     """
 
     mode: str = "async"
@@ -106,6 +111,9 @@ class SimulationConfig:
     lengths: LengthDistribution = LengthDistribution()
     num_steps: int = 200
     seed: int = 0
+    tool_calls: int = 0
+    tool_latency_seconds: float = 0.0
+    tool_latency_sigma: float = 1.0
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -121,7 +129,14 @@ class SimulationConfig:
             raise ValueError(
                 f"capacity={self.capacity} must be >= groups_per_batch={self.groups_per_batch}."
             )
-        for name in ("token_seconds", "group_overhead_seconds", "train_seconds"):
+        for name in (
+            "token_seconds",
+            "group_overhead_seconds",
+            "train_seconds",
+            "tool_calls",
+            "tool_latency_seconds",
+            "tool_latency_sigma",
+        ):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 0.")
         if not self.group_overhead_seconds + self.token_seconds * self.lengths.min_tokens > 0:

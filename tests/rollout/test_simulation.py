@@ -283,3 +283,29 @@ def test_table_and_validation():
         SimulationConfig(token_seconds=0.0)
     with pytest.raises(ValueError, match="mode"):
         SimulationConfig(mode="lagged")
+
+
+def test_tool_latency_adds_to_each_row_and_the_group_waits_for_its_slowest_row():
+    # Constant lengths and latencies: a group takes 0.25 s of overhead + 1 s of decoding + 2
+    # calls of 0.25 s = 1.75 s; sync then trains 0.5 s, so a step is 2.25 s.
+    tools = SimulationConfig(
+        mode="sync",
+        groups_per_batch=1,
+        token_seconds=0.1,
+        group_overhead_seconds=0.25,
+        lengths=constant(10),
+        train_seconds=0.5,
+        num_steps=2,
+        tool_calls=2,
+        tool_latency_seconds=0.25,
+        tool_latency_sigma=0.0,
+    )
+    assert simulate(tools).step_end_times == pytest.approx((2.25, 4.5))
+    # Heavy-tailed latencies slow every step; asynchrony never makes it worse.
+    heavy = dataclasses.replace(BASE, tool_calls=2, tool_latency_seconds=0.05, num_steps=300)
+    plain = dataclasses.replace(BASE, num_steps=300)
+    slower = simulate(dataclasses.replace(heavy, mode="sync"))
+    assert (
+        slower.steps_per_second < simulate(dataclasses.replace(plain, mode="sync")).steps_per_second
+    )
+    assert compare_async_to_sync(heavy, (2,), (1,))[(1, 2)].speedup >= 1.0

@@ -136,3 +136,59 @@ def test_a_misbehaving_tool_never_stops_the_run(tmp_path, monkeypatch):
     samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
     said = [t["text"] for s in samples for t in s["turns"] if t["role"] == "environment"]
     assert said and all(len(text) <= 6 for text in said)  # Floods cut to 6 tokens.
+
+
+@pytest.mark.slow
+def test_the_readmes_multiturn_commands_run(tmp_path):
+    """Every command of the README's "Multi-turn and tools" block, shortened to two steps
+    from random weights, with the README's own `Echo` environment as `my_tools.py`."""
+    import re
+    import shlex
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    section = readme[readme.index("### Multi-turn and tools") :]
+    bash = re.search(r"```bash\n(.*?)```", section, re.S)[1]
+    python = re.search(r"```python\n(.*?)```", section, re.S)[1]
+    echo = re.search(r"^class Echo:.*?(?=\n\n\n)", python, re.S | re.M)[0]
+    (tmp_path / "my_tools.py").write_text(
+        "from gac_jax.tasks.environments import Observation\n\n\n" + echo + "\n"
+    )
+    commands = [
+        c for c in bash.replace("\\\n", " ").splitlines() if c.strip() and not c.startswith("#")
+    ]
+    assert len(commands) == 3
+    short = [
+        "init=random",
+        "steps=2",
+        "eval_every=0",
+        "checkpoint_every=0",
+        "samples_every=0",
+        "generation.group_size=2",
+        "rollout.groups_per_batch=2",
+        "mesh.data=1",
+        f"data_dir={tmp_path / 'tfds'}",
+    ]
+    gac_jax_cli = str(Path(sys.executable).parent / "gac-jax")
+    for command in commands:
+        words = shlex.split(command.split("#")[0])
+        env = dict(__import__("os").environ)
+        while "=" in words[0] and not words[0].startswith("-"):
+            name, value = words.pop(0).split("=", 1)
+            env[name] = value
+        words[0] = gac_jax_cli
+        if "--set" in words:
+            at = words.index("--set") + 1
+            words[at:at] = short
+        else:
+            words += ["--set", *short]
+        out = words.index("--out") + 1
+        words[out] = str(tmp_path / Path(words[out]).name)
+        done = subprocess.run(
+            words, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
+        )
+        assert done.returncode == 0, (command, done.stderr[-2000:])
+        records = read_metrics(Path(words[out]) / "metrics.jsonl")
+        assert [r["step"] for r in records] == [0, 1] and "tools/calls" in records[0]

@@ -126,3 +126,43 @@ def test_ray_backend_trains_within_the_bound(tmp_path, ray_cluster, monkeypatch)
             logp = r.behaviour_logp[r.completion_mask]
             assert r.completion_mask.any() and np.all(r.completion_tokens < vocab)
             assert np.all(np.isfinite(logp)) and np.all(logp <= 0)
+
+
+@pytest.mark.slow
+def test_ray_actors_run_tool_episodes_with_inflight_updates(tmp_path, ray_cluster, monkeypatch):
+    """The calculator's multi-turn episodes in a Ray actor process (its own environment),
+    taking in-flight updates: observations are masked, versions never go back in a row."""
+    from gac_jax.train.config import get_preset
+
+    consumed = _recording(monkeypatch)
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
+    config = apply_overrides(
+        get_preset("calculator"),
+        [
+            f"data_dir={tmp_path / 'tfds'}",
+            "init=random",
+            "steps=3",
+            "eval_every=0",
+            "checkpoint_every=0",
+            "mesh.data=1",
+            "generation.group_size=2",
+            "generation.max_new_tokens=24",
+            "generation.temperature=2.0",
+            "rollout.groups_per_batch=4",
+            "rollout.mode=async",
+            "rollout.backend=ray",
+            "rollout.inflight_updates=true",
+            "rollout.inflight_chunk_steps=2",
+            "buffer.max_staleness=1",
+        ],
+    )
+    run_dir = loop.train(config, tmp_path / "run")
+    records = read_metrics(run_dir / "metrics.jsonl")
+    assert [r["step"] for r in records] == [0, 1, 2]
+    groups = [r for batch in consumed for r in batch]
+    assert all(r.observation_mask is not None and r.token_versions is not None for r in groups)
+    assert sum(int(r.observation_mask.sum()) for r in groups) > 0
+    for r in groups:
+        assert not (r.observation_mask & r.completion_mask).any()
+        for mask, versions in zip(r.completion_mask, r.token_versions, strict=True):
+            assert np.all(np.diff(versions[mask]) >= 0)

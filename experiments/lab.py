@@ -291,7 +291,8 @@ def tools_specs(seeds, quick=False):
     """The tool task's cell (sync, naive, VCPO, GAC at k=16 in the v3 regime) and the
     `calculator` preset's own synchronous runs, the seeds outermost."""
     names = ("sync", "naive") if quick else tuple(TOOL_CELL)
-    size = () if quick else TOOL_SIZE
+    # --quick: the plumbing, from random weights (the calculator's warm start would train).
+    size = ("init=random",) if quick else TOOL_SIZE
     lag = QUICK["cure_lag"] if quick else TOOL_LAG
     regime = ("rollout.mode=lagged", *V3_REGIME, *size, f"rollout.lag={lag}")
     runs = []

@@ -94,10 +94,10 @@ def test_the_quick_subset_trains_every_sweep_once(quick_lab):
     expected = {(s.label, s.seed) for s in lab.specs_of(list(lab.SWEEPS), None, quick=True)}
     found = {
         (str(p.parent.parent.relative_to(folder)), int(p.parent.name.removeprefix("seed")))
-        for folder in (runs / "lagged", runs / "async")
+        for folder in (runs / "lagged", runs / "async", runs / "tools")
         for p in folder.glob("**/summary.json")
     }
-    assert found == expected and len(expected) == 16
+    assert found == expected and len(expected) == 19
 
 
 def test_the_report_tables_are_the_runs_numbers(quick_lab):
@@ -131,6 +131,25 @@ def test_the_report_tables_are_the_runs_numbers(quick_lab):
     assert _row(_block(text, "v3_map"), "ppo", "2")[3] == f"{ppo['final_accuracy']:.3f}"
     for png in ("sync_curve", "staleness", "alignment", "cures", "async_gaps", "v3_cell"):
         assert (out / f"{png}.png").stat().st_size > 1000
+
+
+def test_the_tool_table_is_the_runs_numbers(quick_lab):
+    runs, out, _ = quick_lab
+    results = out / "RESULTS.md"
+    _script(
+        "report_tools.py",
+        "--root",
+        str(runs / "tools"),
+        "--out",
+        str(out),
+        "--results-md",
+        str(results),
+    )
+    block = _block(results.read_text(), "tools_cell")
+    naive = _summary(runs / "tools", "tools/naive/k2")
+    row = _row(block, "v3 regime, naive k=2")
+    assert row[1] == "1" and f"{naive['final_accuracy']:.3f}" in row
+    assert (out / "tools_cell.png").stat().st_size > 1000
 
 
 def test_an_edited_summary_changes_the_table(quick_lab, tmp_path):

@@ -141,6 +141,9 @@ TOOL_CELL = {
     "naive": (),
     "vcpo": CELL["vcpo"],
     "gac": GAC_MEASURED,
+    # The step-size control of VCPO's ESS scaling (on countdown, naive at half the step
+    # matched VCPO's per-step KL).
+    f"naive_lr{V3_LR / 2:g}": (f"optimizer.learning_rate={V3_LR / 2}",),
 }
 SEEDS = {
     "sync": 5,

@@ -50,6 +50,9 @@ RECORD_KEYS = (
     "gac_cosine_after",
     "gac_regime",
     "groups_filtered",
+    # The tool task (report_tools.py).
+    "episode/turns_mean",
+    "tools/calls",
 )
 
 

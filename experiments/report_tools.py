@@ -5,7 +5,8 @@
 
 Block ``tools_cell`` of RESULTS.md: for each method (the `calculator` preset's episodes in
 laboratory v3's regime at k=16, and the preset as it is), held-out pass@1 before training
-and after each evaluation (mean of the seeds, 95% Student-t interval), runs collapsed (the
+and after each evaluation (mean of the seeds, 95% Student-t interval), the gain from the
+first evaluation to the last paired by seed (mean and 95% interval), runs collapsed (the
 lab's rule), the median over steps of turns per episode, tool calls per episode and the
 ESS ratio, and whether the final pass@1 separates from synchronous training's and from
 naive asynchrony's (the intervals do not overlap). Figure: ``tools_cell.png``.
@@ -28,7 +29,8 @@ from report_v3 import _evals_at, _separation
 from gac_jax.lab.sweeps import load_summaries
 from gac_jax.train.metrics import markdown_table, read_metrics
 
-METHODS = ("preset", "sync", "naive", "vcpo", "gac")  # Table order; labels tools/<m>/...
+# Table order; labels tools/<method>/...
+METHODS = ("preset", "sync", "naive", "naive_lr0.00025", "vcpo", "gac")
 
 
 def _method(label: str) -> str:
@@ -76,11 +78,14 @@ def tools_cell(runs: dict, root: Path, out: Path) -> dict[str, str]:
             else "-"
             for method in ("sync", "naive")
         }
+        start, end = evals[label].get(steps[0], []), evals[label].get(steps[-1], [])
+        gain = [b - a for a, b in zip(start, end, strict=True)] if len(start) == len(end) else []
         rows.append(
             (
                 _name(label),
                 len(seeds),
                 *(ci_cell(evals[label][s]) if evals[label].get(s) else "-" for s in steps),
+                ci_cell(gain) if gain else "-",
                 sum(bool(s["collapsed"]) for s in seeds),
                 f"{np.mean(turns):.2f}" if turns else "-",
                 f"{np.mean(calls) / np.mean(episodes):.2f}" if calls else "-",
@@ -93,6 +98,7 @@ def tools_cell(runs: dict, root: Path, out: Path) -> dict[str, str]:
         "method",
         "seeds",
         *(f"pass@1 after {s}" for s in steps),
+        "gain (paired)",
         "collapsed",
         "turns / episode",
         "tool calls / episode",

@@ -29,6 +29,9 @@ behind its loops:
   asks for the newest published params, so a long row is finished by newer weights
   instead of holding its batch on the old ones; each token records the version that
   sampled it (`InflightSampleOutput`).
+* `gac_jax.models.episodes.EpisodeSampler` (multi-turn episodes) runs the same chunks:
+  a slot whose turn ends on a turn-end token waits (`_SlotState.waiting_b`), writing and
+  decoding nothing, until the host appends its environment's observation to its cache.
 
 Temperature, top-k, top-p and each row's length limit are array arguments (one value per
 row, or one for all), so changing them does not recompile; `(graphdef, state)` are jit

@@ -18,6 +18,7 @@ from gac_jax.rollout.buffer import (
     RolloutBufferClosed,
     RolloutWorkerError,
 )
+from gac_jax.rollout.episodes import EpisodeConfig, EpisodeRunner
 from gac_jax.rollout.evaluation import evaluate_policy, pass_at_k
 from gac_jax.rollout.generation import (
     GenerationConfig,
@@ -46,6 +47,8 @@ from gac_jax.rollout.worker import (
 )
 
 __all__ = [
+    "EpisodeConfig",
+    "EpisodeRunner",
     "LocalRayCluster",
     "PlacementConfig",
     "RayConfig",

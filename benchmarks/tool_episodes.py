@@ -8,8 +8,11 @@ the tool of `slow_tools.py`: each call waits a latency drawn from a log-normal (
 
   sync   rollout.mode=sync: sample the step's 16 groups of 8 episodes in one call (the
          tools of all 128 episodes overlap with each other and with decoding), then train.
-  async  rollout.mode=async, one worker thread on the same devices, staleness <= 2: it
-         samples group by group while the learner trains, so tool waits overlap training.
+  async-group  rollout.mode=async, one worker thread on the same devices, staleness <= 2,
+         one group (8 episodes) a sampler call: tool waits overlap training, but only 8
+         episodes wait for their tools at a time.
+  async-batch  the same with the step's 16 groups in one sampler call
+         (`rollout.groups_per_call=16`), as many episodes in flight as sync.
 
 Steps are the loop's own (`Run.step`): one compiling step, `--steps` untimed, then
 `--rounds` rounds of `--steps` timed steps. Per round: episodes trained per second and
@@ -21,7 +24,9 @@ measured here: the learner step (median of the sync steps), a group's generation
 tool latency (calls of one group with the tool's wait turned off, fitted as a fixed part
 plus a part per policy token of its longest episode), the episode lengths (a log-normal
 fitted to the sync run's policy tokens per episode), the measured tool calls per episode
-(rounded) and the tool's latency distribution.
+(rounded) and the tool's latency distribution. It predicts both granularities: a call of
+one group (async-group), and a call of the whole batch as one group of 128 episodes (sync
+and async-batch).
 """
 
 from __future__ import annotations
@@ -47,9 +52,11 @@ from gac_jax.train.config_io import apply_overrides
 from gac_jax.train.run import build_run
 
 COMMON = ["env=slow_tools:SlowCalculator", "eval_every=0", "checkpoint_every=0", "samples_every=0"]
-LAYOUTS = {
+ASYNC = ["rollout.mode=async", "buffer.max_staleness=2", "rollout.num_workers=1"]
+LAYOUTS = {  # "async-batch" also samples the step's groups in one call (see main).
     "sync": ["rollout.mode=sync"],
-    "async": ["rollout.mode=async", "buffer.max_staleness=2", "rollout.num_workers=1"],
+    "async-group": ASYNC,
+    "async-batch": ASYNC,
 }
 STALENESS = 2
 SMOKE = ["rollout.groups_per_batch=2", "generation.group_size=2", "init=random"]
@@ -123,7 +130,7 @@ def calibrate(run, calls: int) -> tuple[float, float]:
         slow_tools.SlowCalculator.latency = True
 
 
-def simulate(sync: dict, config, sim_steps: int) -> float:
+def simulate(sync: dict, config, sim_steps: int) -> None:
     per_token, fixed = sync["fit"]
     logs = np.log(np.maximum(sync["lengths"], 1))
     lengths = LengthDistribution(
@@ -133,32 +140,42 @@ def simulate(sync: dict, config, sim_steps: int) -> float:
         max_tokens=config.generation.max_new_tokens,
     )
     calls = int(round(statistics.mean(sync["turns"])))
-    base = SimulationConfig(
-        groups_per_batch=config.rollout.groups_per_batch,
-        group_size=config.generation.group_size,
-        token_seconds=per_token,
-        group_overhead_seconds=fixed,
-        train_seconds=sync["learner"],
-        lengths=lengths,
-        num_steps=sim_steps,
-        tool_calls=calls,
-        tool_latency_seconds=slow_tools.MEDIAN_SECONDS,
-        tool_latency_sigma=slow_tools.SIGMA,
-    )
-    cell = compare_async_to_sync(base, (STALENESS,), (1,))[(1, STALENESS)]
+    groups, size = config.rollout.groups_per_batch, config.generation.group_size
     print(
         f"\nSimulated (gac_jax.rollout.simulation): a group {1e3 * fixed:.1f} ms + "
         f"{1e3 * per_token:.2f} ms per policy token of its longest episode, learner step "
         f"{1e3 * sync['learner']:.0f} ms, lengths {lengths.describe()}, {calls} tool calls "
         f"an episode of {1e3 * slow_tools.MEDIAN_SECONDS:.0f} ms median latency"
     )
-    episodes = config.rollout.groups_per_batch * config.generation.group_size
-    print(
-        f"  predicted: sync {cell.sync.steps_per_second * episodes:.1f} episodes/s, async "
-        f"{cell.async_.steps_per_second * episodes:.1f}, async / sync {cell.speedup:.2f}x "
-        "(its sync samples group by group; the real sync samples the batch in one call)"
+    # A call of one group (async-group), and a call of the whole batch as one group of
+    # groups x size episodes (sync and async-batch).
+    for name, batch, group in (
+        ("a group a call", groups, size),
+        ("a batch a call", 1, groups * size),
+    ):
+        _predict(name, per_token, fixed, sync["learner"], lengths, calls, batch, group, sim_steps)
+
+
+def _predict(name, per_token, fixed, train, lengths, calls, groups, size, sim_steps) -> None:
+    base = SimulationConfig(
+        groups_per_batch=groups,
+        group_size=size,
+        token_seconds=per_token,
+        group_overhead_seconds=fixed,
+        train_seconds=train,
+        lengths=lengths,
+        num_steps=sim_steps,
+        tool_calls=calls,
+        tool_latency_seconds=slow_tools.MEDIAN_SECONDS,
+        tool_latency_sigma=slow_tools.SIGMA,
+        capacity=2 * groups,
     )
-    return cell.speedup
+    cell = compare_async_to_sync(base, (STALENESS,), (1,))[(1, STALENESS)]
+    episodes = groups * size
+    print(
+        f"  predicted, {name}: sync {cell.sync.steps_per_second * episodes:.1f} episodes/s, "
+        f"async {cell.async_.steps_per_second * episodes:.1f}, async / sync {cell.speedup:.2f}x"
+    )
 
 
 def main(argv=None) -> None:
@@ -178,17 +195,21 @@ def main(argv=None) -> None:
         f"{slow_tools.MAX_SECONDS:g} s); {args.rounds} rounds of {args.steps} steps",
         flush=True,
     )
-    results = {name: measure(name, [*o, *extra], args) for name, o in LAYOUTS.items()}
+    config = apply_overrides(get_preset("calculator"), [*COMMON, *extra])
+    batch = [f"rollout.groups_per_call={config.rollout.groups_per_batch}"]
+    results = {
+        name: measure(name, [*o, *extra, *(batch if name == "async-batch" else [])], args)
+        for name, o in LAYOUTS.items()
+    }
     print(f"\nMedians over {args.rounds} rounds of {args.steps} steps")
     sync = results["sync"]["medians"]
     for name, r in results.items():
         m = r["medians"]
         print(
-            f"  {name:<5} {m['episodes_per_s']:6.1f} episodes/s  {m['policy_tokens_per_s']:6.0f} "
+            f"  {name:<11} {m['episodes_per_s']:6.1f} episodes/s  {m['policy_tokens_per_s']:6.0f} "
             f"policy tokens/s  {m['episodes_per_s'] / sync['episodes_per_s']:.2f}x sync  "
             f"tool calls/episode {m['calls_per_episode']:.2f}  staleness {m['staleness']:.2f}"
         )
-    config = apply_overrides(get_preset("calculator"), [*COMMON, *extra])
     simulate(results["sync"], config, 50 if args.smoke else 2_000)
     print(f"\nbenchmark wall time {time.perf_counter() - started:.0f} s")
 

@@ -208,7 +208,7 @@ def _options_learner(config, options):
     return GRPOLearner(model, tx, models.make_mesh(), trainable=trainable, **kwargs)
 
 
-def bench_options(config, rounds, name="10M"):
+def bench_options(config, rounds, label="10M"):
     """Step times {option: [seconds]}, interleaved round by round."""
     learners = {name: _options_learner(config, o) for name, o in OPTIONS.items()}
     batches = [fake_batch(config, seed=s, version=0) for s in range(NUM_BATCHES)]
@@ -222,7 +222,7 @@ def bench_options(config, rounds, name="10M"):
             learner.step(batches[r % NUM_BATCHES], 2 + r)
             times[name].append(time.perf_counter() - start)
     base = statistics.median(times["plain"])
-    print(f"\noptions on {name}, plain chain: step time, and ratio to the plain step")
+    print(f"\noptions on {label}, plain chain: step time, and ratio to the plain step")
     for name, t in times.items():
         median = statistics.median(t)
         ratios = [a / b for a, b in zip(t, times["plain"], strict=True)]

@@ -59,7 +59,7 @@ LAYOUTS = {  # "async-batch" also samples the step's groups in one call (see mai
     "async-batch": ASYNC,
 }
 STALENESS = 2
-SMOKE = ["rollout.groups_per_batch=2", "generation.group_size=2", "init=random"]
+SMOKE = ["rollout.groups_per_batch=2", "generation.group_size=2", "init=random", "mesh.data=1"]
 
 
 def measure(name: str, overrides: list[str], args) -> dict:

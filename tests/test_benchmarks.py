@@ -85,4 +85,5 @@ def test_the_async_benchmark_runs_every_layout_in_its_smoke_form():
 def test_the_tool_episodes_benchmark_runs_its_smoke_form():
     out = _run("tool_episodes.py", "--smoke")
     assert "\n  sync " in out and "\n  async-group " in out and "\n  async-batch " in out
-    assert "predicted: sync" in out and "tool calls/episode" in out
+    assert "predicted, a group a call: sync" in out and "predicted, a batch a call: sync" in out
+    assert "tool calls/episode" in out

@@ -98,9 +98,14 @@ def evaluate(expression: str) -> str:
 
 
 def calculator_reward(transcript: str, answer: int) -> float:
-    """1.0 if the transcript ends with ``=N`` and N == answer, else 0.0."""
+    """1.0 if the transcript ends with ``=N`` and N == answer, else 0.0. N is compared as
+    digits (leading zeros dropped), never converted: a number of any length is scored."""
     match = _FINAL.search(transcript)
-    return float(match is not None and int(match[1]) == int(answer))
+    if match is None:
+        return 0.0
+    negative, digits = match[1].startswith("-"), match[1].lstrip("-").lstrip("0") or "0"
+    written = "-" + digits if negative and digits != "0" else digits
+    return float(written == str(int(answer)))
 
 
 class Calculator:

@@ -145,3 +145,10 @@ def test_the_calculator_data_prepares_offline_with_distinct_problems(tmp_path):
         int(example["c"]) if example["op"] in ("+", b"+") else -int(example["c"])
     )
     assert np.all([len(task.prompt(train[i])) <= 12 for i in range(100)])
+
+
+def test_the_reward_scores_numbers_of_any_length_and_leading_zeros():
+    assert calculator_reward("=" + "9" * 10_000, 12) == 0.0  # int() would refuse it.
+    assert calculator_reward("=0012", 12) == 1.0
+    assert calculator_reward("=-0", 0) == 1.0
+    assert calculator_reward("=-12", -12) == 1.0 and calculator_reward("=12", -12) == 0.0

@@ -27,6 +27,7 @@ _EXAMPLES = {
     "countdown": {"numbers": [3, 5, 7], "target": 22, "solution": "5*3+7"},
     "arithmetic": {"a": 37, "op": "+", "b": 48, "answer": 85, "scratchpad": "7+8=15;3+4+1=8;85"},
     "gsm8k": {"question": "q", "answer": "2*540=1080\n#### 1,080", "short_answer": "1,080"},
+    "calculator": {"a": 347, "b": 29, "op": "+", "c": 18, "answer": 10081},
 }
 _TASKS = [get_task(name) for name in TASK_NAMES]
 _FAMILIES = {family: [t for t in _TASKS if t.name.split("/")[0] == family] for family in _EXAMPLES}

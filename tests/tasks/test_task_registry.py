@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from gac_jax.tasks import TASK_NAMES, Task, get_task
-from gac_jax.tasks.builders import Arithmetic, Countdown
+from gac_jax.tasks.builders import Arithmetic, Calculator, Countdown
 from gac_jax.tasks.countdown import format_prompt, sample_problem
 
 # The characters of the tiny models' character tokenizer that the embedded tasks may use.
@@ -17,6 +17,7 @@ _CHAR_VOCAB = set(string.digits + "+-*/=() " + string.ascii_letters + ",.:;?!<>_
 def test_names_come_from_the_builder_configs():
     expected = {f"countdown/{c.name}" for c in Countdown.BUILDER_CONFIGS}
     expected |= {f"arithmetic/{c.name}" for c in Arithmetic.BUILDER_CONFIGS}
+    expected |= {f"calculator/{c.name}" for c in Calculator.BUILDER_CONFIGS}
     expected.add("gsm8k")
     assert set(TASK_NAMES) == expected
     assert list(TASK_NAMES) == sorted(TASK_NAMES)

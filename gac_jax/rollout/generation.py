@@ -228,9 +228,7 @@ class TaskGroupGenerator:
             key,
             prompt_length=self.prompt_length,
             sampling=self.sampling,
-            # Without in-flight updates the host need not look between turns: the decode
-            # loop comes back at every turn's end anyway.
-            chunk_steps=self.chunk_steps if inflight else self.sampler.max_new_tokens,
+            chunk_steps=self.chunk_steps,
             place_inputs=None if self.placement is None else self.placement.place_inputs,
         )
         generate_seconds = (time.monotonic() - start) / len(requests)

@@ -11,8 +11,8 @@ the caller's threads), so a slow tool stalls only its own slot. When the future 
 its observation tokens are fed through the model into that slot's cache at the slot's
 next positions (one prefill of at most `max_observation_tokens` tokens, the observation
 only), written into the row as observation tokens (`observation_mask`, never sampled, with
-log-prob 0 and version -1), and the slot decodes again; a reply of None ends the episode
-(the slot takes the next waiting row, as after EOS). EOS and the row's token budget end an
+log-prob 0 and version -1), and the slot decodes again (an empty reply appends nothing);
+a reply of None ends the episode (the slot takes the next waiting row, as after EOS). EOS and the row's token budget end an
 episode too; an observation that would leave no room for one more policy token ends it.
 
 The decode loop is the sampler's own (`Sampler._decode_loop` / `_decode_step`: refill,
@@ -303,8 +303,11 @@ class _HostLoop:
             del self.pending[slot]
             reply = future.result()
             tokens = None if reply is None else np.asarray(reply, np.int32)[:k]
+            if tokens is not None and len(tokens) == 0:  # Nothing to append: decode on.
+                st = dataclasses.replace(st, waiting_b=st.waiting_b.at[slot].set(False))
+                continue
             room = int(self.limits[row]) - int(step_b[slot]) - 1  # One policy token at least.
-            if tokens is None or len(tokens) == 0 or len(tokens) > room:
+            if tokens is None or len(tokens) > room:
                 st = e._end(self.graphdef, state, st, jnp.int32(slot), *self.inputs[:2])
                 continue
             block = np.full(k, e.sampler.pad_id, np.int32)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import logging
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -33,6 +34,8 @@ from gac_jax.tasks.custom import GuardedReward, RewardGuardConfig
 from gac_jax.tasks.environments import ERROR_KINDS, Environment, GuardedEnvironment
 
 __all__ = ["EpisodeConfig", "EpisodeRunner", "EpisodeRows", "turn_end_ids"]
+
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -241,14 +244,19 @@ class EpisodeRunner:
             started = time.monotonic()
 
             def answered(step: concurrent.futures.Future) -> None:
-                observation, kind = step.result()
-                telemetry.count(row, kind, time.monotonic() - started)
-                if observation.done:
-                    reply.set_result(None)
-                    return
-                ids = self._encode(observation.text)[: self.config.max_observation_tokens]
-                turn_start[row] = len(tokens) + len(ids)
-                reply.set_result(ids)
+                try:
+                    observation, kind = step.result()
+                    telemetry.count(row, kind, time.monotonic() - started)
+                    if observation.done:
+                        reply.set_result(None)
+                        return
+                    ids = self._encode(observation.text)[: self.config.max_observation_tokens]
+                    turn_start[row] = len(tokens) + len(ids)
+                    reply.set_result(ids)
+                except Exception:  # noqa: BLE001 - e.g. a tokenizer failing: end the episode
+                    logger.exception("observation of row %d could not be encoded", row)
+                    if not reply.done():
+                        reply.set_result(None)
 
             self.guarded.step(states[row], turn).add_done_callback(answered)
             return reply

@@ -161,7 +161,7 @@ class _RolloutActor:
         if version == self._version:
             return
         start = time.perf_counter()
-        self._params = None  # Let the old version's device buffers go first.
+        self._params, self._version = None, None  # A failed fetch leaves no stale version.
         self._params = jax.block_until_ready(self._place(ray.get(wrapped_ref[0])))
         self._version = version
         self._transfers.append((version, time.perf_counter() - start))
@@ -365,6 +365,8 @@ class RayRolloutPool:
         with self._put_lock:
             ref = self._refs.get(version)
             if ref is None:
+                if self._closed:
+                    raise RolloutPoolClosed("the RayRolloutPool is closed.")
                 start = time.perf_counter()
                 ref = self._refs[version] = ray.put(jax.device_get(params))
                 self._put_seconds[version] = time.perf_counter() - start

@@ -129,6 +129,8 @@ class SimulationConfig:
             raise ValueError(
                 f"capacity={self.capacity} must be >= groups_per_batch={self.groups_per_batch}."
             )
+        if isinstance(self.tool_calls, bool) or not isinstance(self.tool_calls, int):
+            raise ValueError(f"tool_calls={self.tool_calls!r} must be an int >= 0.")
         for name in (
             "token_seconds",
             "group_overhead_seconds",

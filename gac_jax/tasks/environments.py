@@ -81,13 +81,21 @@ def resolve_environment(spec: str) -> Environment:
         raise ValueError(f"env={spec!r} must be 'package.module:Name'.")
     try:
         module = importlib.import_module(module_name)
-    except ImportError as error:
-        raise ValueError(f"env={spec!r}: cannot import {module_name!r} ({error}).") from None
+    except Exception as error:  # noqa: BLE001 - user code: ImportError, SyntaxError, ...
+        raise ValueError(
+            f"env={spec!r}: cannot import {module_name!r} ({type(error).__name__}: {error})."
+        ) from None
     try:
         target = getattr(module, attribute)
     except AttributeError:
         raise ValueError(f"env={spec!r}: {module_name!r} has no {attribute!r}.") from None
-    env = target() if isinstance(target, type) else target
+    try:
+        env = target() if isinstance(target, type) else target
+    except Exception as error:  # noqa: BLE001 - user code
+        raise ValueError(
+            f"env={spec!r}: {attribute}() raised {type(error).__name__}: {error} (an "
+            "environment class is built with no arguments)."
+        ) from None
     if not isinstance(env, Environment):
         raise ValueError(
             f"env={spec!r} is not an environment: it needs turn_end, start, step and reward."
@@ -100,6 +108,7 @@ def check_turn_end(turn_end, name: str) -> tuple[str, ...]:
     """`turn_end` as a tuple of non-empty strings; ValueError naming `name` otherwise."""
     if (
         isinstance(turn_end, str)
+        or not isinstance(turn_end, tuple | list)
         or not turn_end
         or not all(isinstance(s, str) and s for s in turn_end)
     ):
@@ -117,15 +126,19 @@ class GuardedEnvironment:
       max_chars: observations are cut to this many characters.
     """
 
-    def __init__(self, env: Environment, name: str, timeout: float, max_chars: int):
+    def __init__(
+        self, env: Environment, name: str, timeout: float, max_chars: int, max_abandoned=256
+    ):
         if not timeout > 0:
             raise ValueError(f"timeout={timeout!r} must be a number of seconds > 0.")
         self.env = env
         self.name = name
         self.timeout = float(timeout)
         self.max_chars = int(max_chars)
+        self.max_abandoned = int(max_abandoned)
         self._lock = threading.Lock()
         self._warned: set[str] = set()
+        self._abandoned = 0  # Steps past their timeout whose thread still runs.
 
     def step(self, state: Any, turn: str) -> concurrent.futures.Future:
         """A future of `(observation, error kind or None)`: errors are already turned into
@@ -145,22 +158,42 @@ class GuardedEnvironment:
             if kind is not None:
                 self._warn(kind)
 
+        flags = {"finished": False, "abandoned": False}
+
         def call() -> None:
             try:
                 value = self.env.step(state, turn)
             except Exception as error:  # noqa: BLE001 - user code: an error observation
                 logger.debug("environment %s raised %r", self.name, error)
+                value = error
+            finally:
+                with self._lock:
+                    flags["finished"] = True
+                    if flags["abandoned"]:  # It had timed out: no longer abandoned.
+                        self._abandoned -= 1
+            if isinstance(value, Exception):
                 settle(_error("raised"), "raised")
-                return
-            if isinstance(value, str):
-                value = Observation(value)
-            if not isinstance(value, Observation) or not isinstance(value.text, str):
+            elif isinstance(value, str):
+                settle(Observation(value), None)
+            elif not isinstance(value, Observation) or not isinstance(value.text, str):
                 settle(_error("invalid"), "invalid")
             else:
                 settle(value, None)
 
+        def time_out() -> None:
+            with self._lock:
+                if not future.done() and not flags["finished"]:
+                    flags["abandoned"] = True
+                    self._abandoned += 1
+            settle(_error("timeout"), "timeout")
+
+        with self._lock:
+            full = self._abandoned >= self.max_abandoned
+        if full:  # Too many hung steps still running: this one times out at once.
+            settle(_error("timeout"), "timeout")
+            return future
         threading.Thread(target=call, daemon=True, name="gac_jax-env").start()
-        timer = threading.Timer(self.timeout, settle, (_error("timeout"), "timeout"))
+        timer = threading.Timer(self.timeout, time_out)
         timer.daemon = True
         timer.start()
         future.add_done_callback(lambda _: timer.cancel())

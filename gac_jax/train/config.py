@@ -207,6 +207,11 @@ def _validate_run_fields(config: TrainConfig) -> None:
         from gac_jax.tasks.environments import resolve_environment
 
         resolve_environment(config.env)  # Its errors name env= already.
+    if config.reward is not None and (config.env or get_task(config.task).environment):
+        raise ValueError(
+            f"reward={config.reward!r} does not apply to a multi-turn task: its "
+            "environment's reward scores the episodes (set env= to change it)."
+        )
     _validate_chat(config)
     _validate_init(config)
 

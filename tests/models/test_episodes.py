@@ -254,3 +254,27 @@ def test_bad_arguments_raise_one_line(model, episodes):
             turn_end_ids=[],
             max_observation_tokens=K,
         )
+
+
+def test_an_empty_observation_appends_nothing_and_the_episode_goes_on(model, episodes):
+    prompt_tokens, prompt_mask = _prompts(seed=11)
+    graphdef, state = nnx.split(model)
+
+    def silent(row, transcript):
+        future = concurrent.futures.Future()
+        future.set_result([])
+        return future
+
+    out = episodes.sample(
+        graphdef,
+        lambda: (state, 0),
+        prompt_tokens,
+        prompt_mask,
+        jax.random.key(6),
+        respond=silent,
+        turn_end_ids=TURN_END,
+        max_observation_tokens=K,
+        chunk_steps=4,
+    )
+    assert not np.asarray(out.observation_mask).any()
+    assert (out.turns >= 2).any(), out.turns  # Turns went on after an empty reply.

@@ -152,3 +152,35 @@ def test_the_reward_scores_numbers_of_any_length_and_leading_zeros():
     assert calculator_reward("=0012", 12) == 1.0
     assert calculator_reward("=-0", 0) == 1.0
     assert calculator_reward("=-12", -12) == 1.0 and calculator_reward("=12", -12) == 0.0
+
+
+def test_hung_steps_past_the_bound_time_out_at_once_without_a_thread():
+    guarded = GuardedEnvironment(
+        Misbehaving(), "misbehaving", timeout=0.2, max_chars=64, max_abandoned=3
+    )
+    first = [guarded.step(None, "<hang>") for _ in range(3)]
+    assert all(f.result(timeout=5)[1] == "timeout" for f in first)
+    started = time.monotonic()
+    more = guarded.step(None, "<x>")  # Three hung threads still run: no fourth starts.
+    assert more.done() and more.result() == (Observation("error: timeout"), "timeout")
+    assert time.monotonic() - started < 0.1
+
+
+def test_environments_that_fail_to_import_or_build_are_one_line_errors(tmp_path, monkeypatch):
+    (tmp_path / "broken_env.py").write_text("def (:\n")
+    (tmp_path / "needs_args.py").write_text(
+        "class Env:\n    turn_end = ('>',)\n    def __init__(self, x):\n        pass\n"
+    )
+    (tmp_path / "bad_turn_end.py").write_text(
+        "class Env:\n    turn_end = 5\n    def start(self, e): pass\n"
+        "    def step(self, s, t): pass\n    def reward(self, s, t, e): return 0.0\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for spec, message in [
+        ("broken_env:Env", "SyntaxError"),
+        ("needs_args:Env", "built with no arguments"),
+        ("bad_turn_end:Env", "must be a list of non-empty strings"),
+    ]:
+        with pytest.raises(ValueError, match=message) as error:
+            resolve_environment(spec)
+        assert "\n" not in str(error.value)

@@ -192,3 +192,9 @@ def test_the_readmes_multiturn_commands_run(tmp_path):
         assert done.returncode == 0, (command, done.stderr[-2000:])
         records = read_metrics(Path(words[out]) / "metrics.jsonl")
         assert [r["step"] for r in records] == [0, 1] and "tools/calls" in records[0]
+
+
+def test_a_run_reward_on_a_multiturn_task_is_refused_in_one_line(tmp_path):
+    with pytest.raises(ValueError, match="does not apply to a multi-turn task") as error:
+        apply_overrides(get_preset("calculator"), ["reward=boxed"]).validate()
+    assert "\n" not in str(error.value)

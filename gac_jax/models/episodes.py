@@ -12,8 +12,9 @@ its observation tokens are fed through the model into that slot's cache at the s
 next positions (one prefill of at most `max_observation_tokens` tokens, the observation
 only), written into the row as observation tokens (`observation_mask`, never sampled, with
 log-prob 0 and version -1), and the slot decodes again (an empty reply appends nothing);
-a reply of None ends the episode (the slot takes the next waiting row, as after EOS). EOS and the row's token budget end an
-episode too; an observation that would leave no room for one more policy token ends it.
+a reply of None ends the episode (the slot takes the next waiting row, as after EOS).
+EOS and the row's token budget end an episode too; an observation that would leave no room
+for one more policy token ends it.
 
 The decode loop is the sampler's own (`Sampler._decode_loop` / `_decode_step`: refill,
 per-row keys, versions), run in chunks of at most `chunk_steps` decode steps as

@@ -44,9 +44,7 @@ from gac_jax._validation import check_int
 from gac_jax.models.sampler import (
     InflightSampleOutput,
     Sampler,
-    _Inputs,
     _published,
-    _row_keys,
     _SlotState,
 )
 
@@ -82,7 +80,8 @@ class EpisodeSampler:
     def __init__(self, sampler: Sampler):
         self.sampler = sampler
         self._start = jax.jit(self._start_program)
-        self._chunk = jax.jit(self._chunk_program, donate_argnames="s")
+        # The in-flight sampler's chunk program, stopping where a slot starts waiting.
+        self._chunk = jax.jit(sampler._chunk_program, donate_argnames="s")
         self._observe = jax.jit(self._observe_program, donate_argnames="s")
         self._end = jax.jit(self._end_program, donate_argnames="s")
 
@@ -160,31 +159,6 @@ class EpisodeSampler:
             observed_rn=jnp.zeros(s.tokens_rn.shape, bool),
         )
 
-    def _chunk_program(
-        self,
-        graphdef,
-        state,
-        s,
-        prompt_tokens,
-        prompt_mask,
-        key,
-        per_row,
-        turn_ids,
-        version,
-        budget,
-        refresh,
-    ):
-        """At most `budget` decode steps (fewer if a slot starts waiting), with `state`
-        (fed again to the busy slots first if `refresh`); returns the state and the steps
-        run."""
-        rows = prompt_tokens.shape[0]
-        inputs = _Inputs(prompt_tokens, prompt_mask, _row_keys(key, rows), per_row, turn_ids)
-        model = nnx.merge(graphdef, state)
-        s = jax.lax.cond(
-            refresh, lambda s: self.sampler._fed_again(model, s, prompt_tokens), lambda s: s, s
-        )
-        return self.sampler._decode_loop(graphdef, state, s, inputs, budget, version)
-
     def _observe_program(self, graphdef, state, s: _SlotState, slot, block_k, length):
         """Feeds the first `length` tokens of `block_k` into `slot`'s cache at its next
         positions (one prefill of K tokens, the rest masked), writes them into its row as
@@ -252,11 +226,17 @@ class _HostLoop:
         state, version = _published(self.params_fn)
         st = e._start(graphdef, state, *self.inputs[:2])
         width = st.row_b.shape[0]
-        remaining, refresh = chunk_steps, False
+        remaining, refresh, ran = chunk_steps, False, jnp.zeros((), jnp.int32)
         while True:
-            row_b, waiting_b, step_b = (
-                np.asarray(x) for x in jax.device_get((st.row_b, st.waiting_b, st.step_b))
+            # One read-back a chunk: the slots' rows, waits and steps, and the steps it ran.
+            row_b, waiting_b, step_b, steps = (
+                np.asarray(x) for x in jax.device_get((st.row_b, st.waiting_b, st.step_b, ran))
             )
+            remaining -= int(steps)
+            if remaining <= 0:
+                new_state, new_version = _published(self.params_fn)
+                refresh = new_version != version
+                state, version, remaining = new_state, new_version, chunk_steps
             self._ask(st, row_b, waiting_b, step_b)
             decoding = int(np.sum((row_b < self.rows) & ~waiting_b))
             if not decoding and not self.pending:
@@ -267,20 +247,17 @@ class _HostLoop:
                     return_when=concurrent.futures.FIRST_COMPLETED,
                 )
             st = self._answer(st, state, step_b)
-            st, steps = e._chunk(
+            st, progress = e._chunk(
                 graphdef,
                 state,
                 st,
-                *self.inputs,
+                *self.inputs[:4],
                 jnp.int32(version),
                 jnp.int32(remaining),
                 jnp.asarray(refresh),
+                turn_end_ids=self.inputs[4],
             )
-            refresh, remaining = False, remaining - int(steps)
-            if remaining <= 0:
-                new_state, new_version = _published(self.params_fn)
-                refresh = new_version != version
-                state, version, remaining = new_state, new_version, chunk_steps
+            ran, refresh = progress[0], False
         return self._output(st, width)
 
     def _ask(self, st, row_b, waiting_b, step_b) -> None:

@@ -580,12 +580,15 @@ class Sampler:
         version,
         budget,
         refresh,
+        turn_end_ids=None,
     ):
         """At most `budget` decode steps of `__call__`'s loop at the state's width, with
         `state` (version `version`, fed again to the busy slots first if `refresh`);
-        stops early where `__call__` would compact. Returns the new state and
+        stops early where `__call__` would compact (or, for episodes, where a slot starts
+        waiting for its environment: `turn_end_ids`). Returns the new state and
         `_progress`."""
-        inputs = _Inputs(prompt_tokens, prompt_mask, _row_keys(key, len(prompt_tokens)), per_row)
+        row_keys = _row_keys(key, len(prompt_tokens))
+        inputs = _Inputs(prompt_tokens, prompt_mask, row_keys, per_row, turn_end_ids)
 
         def refreshed(s: _SlotState) -> _SlotState:
             return self._fed_again(nnx.merge(graphdef, state), s, prompt_tokens)

@@ -6,6 +6,7 @@ import pytest
 
 from gac_jax.tasks import get_task
 from gac_jax.train import build
+from gac_jax.train import run as run_lib
 
 
 def digit_share(completion: str, example) -> float:
@@ -20,3 +21,18 @@ def digit_task(monkeypatch):
     fake = dataclasses.replace(get_task("arithmetic/add2"), reward=digit_share)
     monkeypatch.setattr(build, "get_task", lambda name: fake)
     return fake
+
+
+@pytest.fixture
+def consumed(monkeypatch):
+    """Every batch of rollouts the runs in the test train on, in order (recorded where the
+    loop collates them)."""
+    batches = []
+    real_collate = run_lib.collate
+
+    def recording_collate(rollouts, prompt_length):
+        batches.append(list(rollouts))
+        return real_collate(rollouts, prompt_length)
+
+    monkeypatch.setattr(run_lib, "collate", recording_collate)
+    return batches

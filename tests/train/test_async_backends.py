@@ -29,21 +29,10 @@ def _config(tmp_path, steps, *overrides):
     return apply_overrides(config, ["buffer.max_staleness=1", "mesh.data=1", *overrides])
 
 
-def _recording(monkeypatch):
-    consumed = []
-    real_collate = run_lib.collate
-
-    def recording_collate(rollouts, prompt_length):
-        consumed.append(list(rollouts))
-        return real_collate(rollouts, prompt_length)
-
-    monkeypatch.setattr(run_lib, "collate", recording_collate)
-    return consumed
-
-
 @pytest.mark.slow
-def test_inflight_updates_tag_each_token_with_its_version(tmp_path, digit_task, monkeypatch):
-    consumed = _recording(monkeypatch)
+def test_inflight_updates_tag_each_token_with_its_version(
+    tmp_path, digit_task, monkeypatch, consumed
+):
     # A slow sampler (each look at the newest version between decode steps takes 50 ms)
     # and a learner that spends 0.2 s a step: the learner publishes while a worker is
     # still decoding, so some groups mix versions.
@@ -101,8 +90,7 @@ def ray_cluster():
 
 
 @pytest.mark.slow
-def test_ray_backend_trains_within_the_bound(tmp_path, ray_cluster, monkeypatch):
-    consumed = _recording(monkeypatch)
+def test_ray_backend_trains_within_the_bound(tmp_path, ray_cluster, monkeypatch, consumed):
     monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
     config = _config(
         tmp_path,
@@ -129,12 +117,13 @@ def test_ray_backend_trains_within_the_bound(tmp_path, ray_cluster, monkeypatch)
 
 
 @pytest.mark.slow
-def test_ray_actors_run_tool_episodes_with_inflight_updates(tmp_path, ray_cluster, monkeypatch):
+def test_ray_actors_run_tool_episodes_with_inflight_updates(
+    tmp_path, ray_cluster, monkeypatch, consumed
+):
     """The calculator's multi-turn episodes in a Ray actor process (its own environment),
     taking in-flight updates: observations are masked, versions never go back in a row."""
     from gac_jax.train.config import get_preset
 
-    consumed = _recording(monkeypatch)
     monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
     config = apply_overrides(
         get_preset("calculator"),

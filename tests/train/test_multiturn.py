@@ -15,7 +15,6 @@ import numpy as np
 import pytest
 
 from gac_jax.train import loop
-from gac_jax.train import run as run_lib
 from gac_jax.train.config import get_preset
 from gac_jax.train.config_io import apply_overrides
 from gac_jax.train.metrics import read_metrics
@@ -42,18 +41,6 @@ def _config(tmp_path, *overrides):
     return apply_overrides(config, [*HOT, *overrides])
 
 
-def _recording(monkeypatch):
-    consumed = []
-    real_collate = run_lib.collate
-
-    def recording_collate(rollouts, prompt_length):
-        consumed.append(list(rollouts))
-        return real_collate(rollouts, prompt_length)
-
-    monkeypatch.setattr(run_lib, "collate", recording_collate)
-    return consumed
-
-
 MODES = {
     "sync": ["rollout.mode=sync"],
     "lagged": ["rollout.mode=lagged", "rollout.lag=2"],
@@ -69,8 +56,7 @@ MODES = {
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", MODES)
-def test_the_calculator_trains_in_every_mode(tmp_path, monkeypatch, mode):
-    consumed = _recording(monkeypatch)
+def test_the_calculator_trains_in_every_mode(tmp_path, consumed, mode):
     out = loop.train(_config(tmp_path, *MODES[mode]), tmp_path / "run")
     records = read_metrics(out / "metrics.jsonl")
     assert [r["step"] for r in records] == [0, 1, 2, 3]

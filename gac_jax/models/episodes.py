@@ -112,7 +112,9 @@ class EpisodeSampler:
           params_fn: `() -> (state, version)`, asked before the first prefill and every
             `chunk_steps` decode steps (`lambda: (state, 0)` for fixed params).
           respond: see `Respond`; called from this thread, it must not block.
-          turn_end_ids: token ids that end a policy turn (EOS ends the episode).
+          turn_end_ids: token ids that end a policy turn. Other EOS ids end the episode;
+            an id that is both (a chat template's end of turn, ``<|im_end|>``) ends the
+            turn, and `respond` ends the episode by answering None.
           max_observation_tokens: K, the longest observation; a longer one is cut to K.
           chunk_steps: decode steps between two looks at `params_fn`.
           max_turns: an episode whose turn count reaches this ends at that turn's end
@@ -128,11 +130,6 @@ class EpisodeSampler:
         turn_ids = np.asarray(turn_end_ids, np.int32).reshape(-1)
         if turn_ids.size == 0:
             raise ValueError("turn_end_ids is empty; give the token ids that end a turn.")
-        if np.isin(turn_ids, sampler.eos_ids).any():
-            raise ValueError(
-                f"turn_end_ids={turn_ids.tolist()} overlap eos_ids={list(sampler.eos_ids)}: "
-                "EOS ends the episode, not a turn."
-            )
         prompt_tokens, prompt_mask, per_row = sampler._prepared(
             prompt_tokens, prompt_mask, temperature, top_k, top_p, max_new_tokens
         )

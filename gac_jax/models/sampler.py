@@ -659,10 +659,15 @@ class Sampler:
             return buffer.at[written_b, s.step_b].set(values_b, mode="drop")
 
         eos = jnp.asarray(self.eos_ids, jnp.int32)
-        ends = jnp.any(tokens[:, None] == eos[None, :], axis=1) | (s.step_b + 1 >= limit)
+        eos_b = jnp.any(tokens[:, None] == eos[None, :], axis=1)
+        full_b = s.step_b + 1 >= limit
         if s.waiting_b is not None:  # A turn ends: the slot waits for its environment.
+            # A turn-end token that is also EOS (a chat template's end of turn) ends the
+            # turn; the environment then says whether the episode ends.
             turn_b = jnp.any(tokens[:, None] == inputs.turn_end_ids[None, :], axis=1)
-            s = dataclasses.replace(s, waiting_b=s.waiting_b | (busy_b & turn_b & ~ends))
+            eos_b = eos_b & ~turn_b
+            s = dataclasses.replace(s, waiting_b=s.waiting_b | (busy_b & turn_b & ~full_b))
+        ends = eos_b | full_b
         logits_bv, cache = _feed(model, tokens, s.positions_b, busy_b, s.cache)
         advance = busy_b.astype(jnp.int32)  # An idle slot stays where it is.
         s = dataclasses.replace(

@@ -11,6 +11,13 @@ and Ray actors all sample episodes the same way.
 What a row holds: its policy tokens (`completion_mask`, trained on, with behaviour
 log-probs and versions) and its observation tokens (`observation_mask`: in the context,
 never trained on, never counted), interleaved in the `max_new_tokens` columns.
+
+With a chat template (`chat`, a `ChatTurns`), a turn also ends on the template's end of an
+assistant message (``<|im_end|>``, which is EOS too: the environment decides whether the
+episode ends), and an observation is the text the template writes after the turn: the
+observation as a message of its role (``tool``) and the next assistant turn opened. An
+observation too long for `max_observation_tokens` has its content cut, never the
+template's frame around it.
 """
 
 from __future__ import annotations
@@ -30,8 +37,15 @@ from gac_jax._validation import check_int
 from gac_jax.models import left_pad
 from gac_jax.models.episodes import EpisodeSampler
 from gac_jax.models.tokenizers import Tokenizer, decode_completion
+from gac_jax.tasks.chat_turns import ChatTurns
 from gac_jax.tasks.custom import GuardedReward, RewardGuardConfig
-from gac_jax.tasks.environments import ERROR_KINDS, Environment, GuardedEnvironment
+from gac_jax.tasks.environments import (
+    ERROR_KINDS,
+    Environment,
+    GuardedEnvironment,
+    Observation,
+    check_turn_end,
+)
 
 __all__ = ["EpisodeConfig", "EpisodeRunner", "EpisodeRows", "turn_end_ids"]
 
@@ -134,6 +148,8 @@ class EpisodeRunner:
       config: the run's `EpisodeConfig`.
       name: what warnings call the environment.
       reward_guard: how the environment's `reward` is guarded (`GuardedReward`).
+      chat: the run's chat template's turns (`ChatTurns`), or None (observations are
+        appended as plain text).
     """
 
     def __init__(
@@ -144,13 +160,22 @@ class EpisodeRunner:
         config: EpisodeConfig,
         name: str = "environment",
         reward_guard: RewardGuardConfig | None = None,
+        chat: ChatTurns | None = None,
     ):
         config.validate()
         self.episodes = EpisodeSampler(sampler)
         self.tokenizer = tokenizer
         self.environment = environment
         self.config = config
-        self.turn_end_ids = turn_end_ids(tokenizer, environment.turn_end)
+        self.chat = chat
+        self.turn_end_ids = turn_end_ids(tokenizer, check_turn_end(environment.turn_end, name))
+        if chat is not None:
+            self._check_chat(name)
+        if not self.turn_end_ids:
+            raise ValueError(
+                f"{name} has no turn_end and the run renders no chat template: no token "
+                "would end a policy's turn (give turn_end, or a model with a chat template)."
+            )
         self.guarded = GuardedEnvironment(
             environment, name, config.tool_timeout, config.max_observation_chars
         )
@@ -250,7 +275,7 @@ class EpisodeRunner:
                     if observation.done:
                         reply.set_result(None)
                         return
-                    ids = self._encode(observation.text)[: self.config.max_observation_tokens]
+                    ids = self._observation_ids(observation, int(tokens[-1]))
                     turn_start[row] = len(tokens) + len(ids)
                     reply.set_result(ids)
                 except Exception:  # noqa: BLE001 - e.g. a tokenizer failing: end the episode
@@ -268,6 +293,48 @@ class EpisodeRunner:
         `reward`, guarded (one deadline per group, failures scored and counted)."""
         items = list(zip(rows.states[row_slice], rows.transcripts[row_slice], strict=True))
         return self.reward.score_group(items, example)
+
+    def _check_chat(self, name: str) -> None:
+        """The template's end of turn becomes a turn end; its frame around a tool's result
+        must leave room for the result within `max_observation_tokens`."""
+        end_id = self._encode(self.chat.assistant_end)[:1]
+        end_text = self.tokenizer.decode(end_id, skip_special_tokens=False)
+        if not end_id or not self.chat.assistant_end.startswith(end_text):
+            raise ValueError(
+                f"the chat template ends an assistant message with "
+                f"{self.chat.assistant_end!r}, which starts with no whole token of this "
+                "tokenizer: a policy's turn could not end on it."
+            )
+        if end_id[0] not in self.turn_end_ids:
+            self.turn_end_ids.append(end_id[0])
+        frame = len(self._encode(self.chat.after_turn([{"role": "tool", "content": ""}], end_text)))
+        if frame >= self.config.max_observation_tokens:
+            raise ValueError(
+                f"episode.max_observation_tokens={self.config.max_observation_tokens} leaves "
+                f"no room for a tool's result: the chat template writes {frame} tokens around "
+                f"it; raise it above {frame}."
+            )
+
+    def _observation_ids(self, observation: Observation, last_token: int) -> list[int]:
+        """An observation's token ids, at most `max_observation_tokens`: its text, or with
+        a chat template the template's text around it (`ChatTurns.after_turn`), the
+        content cut to fit."""
+        k = self.config.max_observation_tokens
+        if self.chat is None:
+            return self._encode(observation.text)[:k]
+        ended_with = self.tokenizer.decode([last_token], skip_special_tokens=False)
+
+        def rendered(content: str) -> list[int]:
+            message = {"role": observation.role, "content": content}
+            return self._encode(self.chat.after_turn([message], ended_with))
+
+        ids = rendered(observation.text)
+        content = self._encode(observation.text)
+        keep = len(content)
+        while len(ids) > k and keep > 0:  # Cut the content, never the template's frame.
+            keep = max(0, keep - (len(ids) - k))
+            ids = rendered(self.tokenizer.decode(content[:keep]))
+        return ids[:k]
 
     def _encode(self, text: str) -> list[int]:
         """An observation's token ids; characters the tokenizer cannot encode are dropped."""

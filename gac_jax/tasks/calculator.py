@@ -12,6 +12,11 @@ with the value; the policy writes the final answer after ``=`` and ends the epis
     calculator   10081
     policy        =10081<eos>
 
+With a chat model, `CalculatorTool` is the same calculator as a chat tool: its schema goes
+into the prompt through the chat template, the model calls it in the template's format
+(``<tool_call>{"name": "calculator", "arguments": {"expression": "347*29"}}</tool_call>``)
+and reads the value as a ``tool`` message (``env=gac_jax.tasks.calculator:CalculatorTool``).
+
 `reference_turns` gives that transcript as (role, text) turns, for the supervised warm
 start on tool-using transcripts. The reward is 1 when the text ends with ``=N`` and N is the
 answer, else 0: calling the tool is never rewarded by itself.
@@ -25,10 +30,12 @@ from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 from gac_jax.tasks.environments import Observation
+from gac_jax.tasks.tool_calls import ToolEnvironment, function_schema
 
 __all__ = [
     "Calculator",
     "CalculatorProblem",
+    "CalculatorTool",
     "calculator_reward",
     "evaluate",
     "format_prompt",
@@ -123,3 +130,24 @@ class Calculator:
 
     def reward(self, state: None, transcript: str, example: Mapping[str, Any]) -> float:
         return calculator_reward(transcript, _problem(example).answer)
+
+
+class CalculatorTool(ToolEnvironment):
+    """The calculator as a chat model's tool (`gac_jax.tasks.tool_calls`): one function,
+    ``calculator(expression)``; the episode ends at a turn without a call, and the reward
+    is `calculator_reward` of the transcript (its final ``=N``)."""
+
+    def __init__(self):
+        super().__init__(
+            {"calculator": evaluate},
+            tools=[
+                function_schema(
+                    "calculator",
+                    "Evaluates one integer operation a+b, a-b or a*b exactly.",
+                    {"expression": "the operation, for example 347*29"},
+                )
+            ],
+            reward=lambda transcript, example: calculator_reward(
+                transcript, _problem(example).answer
+            ),
+        )

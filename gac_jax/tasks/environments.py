@@ -43,6 +43,7 @@ __all__ = [
     "Environment",
     "GuardedEnvironment",
     "Observation",
+    "environment_tools",
     "resolve_environment",
 ]
 
@@ -54,15 +55,25 @@ ERROR_KINDS = ("raised", "timeout", "invalid")
 @dataclasses.dataclass(frozen=True)
 class Observation:
     """An environment's answer to a turn: `text` goes into the context (never trained on);
-    `done` ends the episode instead (`text` is then ignored)."""
+    `done` ends the episode instead (`text` is then ignored). With a chat template, `text`
+    is the content of a message of `role` (``"tool"``: a tool's result; ``"user"``:
+    feedback), rendered by the template (`gac_jax.tasks.chat_turns`); without one, `text`
+    is appended as it is."""
 
     text: str = ""
     done: bool = False
+    role: str = "tool"
 
 
 @runtime_checkable
 class Environment(Protocol):
-    """What a multi-turn task's environment provides (see the module docstring)."""
+    """What a multi-turn task's environment provides (see the module docstring).
+
+    It may also have `tools`: the JSON schemas of its tools (``tools=`` of transformers'
+    ``apply_chat_template``), which a chat template writes into the prompt. With a chat
+    template, a turn also ends on the template's end of an assistant message
+    (``<|im_end|>``), so a chat environment's `turn_end` may be empty.
+    """
 
     turn_end: tuple[str, ...]
 
@@ -101,19 +112,33 @@ def resolve_environment(spec: str) -> Environment:
             f"env={spec!r} is not an environment: it needs turn_end, start, step and reward."
         )
     check_turn_end(env.turn_end, spec)
+    environment_tools(env, spec)
     return env
 
 
 def check_turn_end(turn_end, name: str) -> tuple[str, ...]:
-    """`turn_end` as a tuple of non-empty strings; ValueError naming `name` otherwise."""
+    """`turn_end` as a tuple of non-empty strings (empty: only a chat template's end of
+    turn ends a turn); ValueError naming `name` otherwise."""
     if (
         isinstance(turn_end, str)
         or not isinstance(turn_end, tuple | list)
-        or not turn_end
         or not all(isinstance(s, str) and s for s in turn_end)
     ):
         raise ValueError(f"{name}: turn_end={turn_end!r} must be a list of non-empty strings.")
     return tuple(turn_end)
+
+
+def environment_tools(env, name: str) -> list[dict[str, Any]] | None:
+    """The environment's `tools` (JSON schemas for a chat template), or None; ValueError
+    naming `name` if they are not a list of dicts."""
+    tools = getattr(env, "tools", None)
+    if tools is None:
+        return None
+    if isinstance(tools, Mapping) or not isinstance(tools, tuple | list):
+        raise ValueError(f"{name}: tools={tools!r} must be a list of JSON schemas (dicts).")
+    if not all(isinstance(tool, Mapping) for tool in tools):
+        raise ValueError(f"{name}: tools must be a list of JSON schemas (dicts), got {tools!r}.")
+    return [dict(tool) for tool in tools]
 
 
 class GuardedEnvironment:
@@ -175,7 +200,7 @@ class GuardedEnvironment:
                 settle(_error("raised"), "raised")
             elif isinstance(value, str):
                 settle(Observation(value), None)
-            elif not isinstance(value, Observation) or not isinstance(value.text, str):
+            elif not _valid(value):
                 settle(_error("invalid"), "invalid")
             else:
                 settle(value, None)
@@ -216,6 +241,15 @@ class GuardedEnvironment:
                 _error(kind).text,
                 kind,
             )
+
+
+def _valid(value) -> bool:
+    return (
+        isinstance(value, Observation)
+        and isinstance(value.text, str)
+        and isinstance(value.role, str)
+        and bool(value.role)
+    )
 
 
 def _error(kind: str) -> Observation:

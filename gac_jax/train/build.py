@@ -25,8 +25,9 @@ from gac_jax.rollout.episodes import EpisodeRunner
 from gac_jax.rollout.placement import RolloutPlacement
 from gac_jax.tasks import get_task
 from gac_jax.tasks.chat import with_chat_template, with_system_prompt
+from gac_jax.tasks.chat_turns import ChatTurns
 from gac_jax.tasks.custom import GuardedReward, resolve_reward
-from gac_jax.tasks.environments import resolve_environment
+from gac_jax.tasks.environments import environment_tools, resolve_environment
 from gac_jax.train import processes
 from gac_jax.train.config import TrainConfig, run_chat_template
 
@@ -128,20 +129,25 @@ def build_learner(config: TrainConfig, model, mesh) -> GRPOLearner:
 
 def build_task(config: TrainConfig):
     """The run's task: `config.task` with `config.reward` (if set) as its reward, guarded
-    by `config.reward_guard` (timeouts, failures scored and counted), and its prompts in the
-    chat template of the `init` model directory (`config.chat_template`)."""
+    by `config.reward_guard` (timeouts, failures scored and counted), `config.env` (if
+    set) as its environment, and its prompts in the chat template of the `init` model
+    directory (`config.chat_template`), with the environment's tools listed."""
     task = get_task(config.task)
     if config.reward is not None:
         reward = GuardedReward(resolve_reward(config.reward), config.reward, config.reward_guard)
         task = dataclasses.replace(task, reward=reward)
+    if config.env is not None:
+        environment = resolve_environment(config.env)
+        task = dataclasses.replace(task, environment=lambda: environment)
     template = run_chat_template(config)
     if template is not None:
-        thinking = (
-            {} if config.enable_thinking is None else {"enable_thinking": config.enable_thinking}
-        )
         # The generator adds the tokenizer's BOS id itself, so the template's text goes.
         task = with_chat_template(
-            task, template, system=config.system_prompt, strip_bos=True, **thinking
+            task,
+            template,
+            system=config.system_prompt,
+            strip_bos=True,
+            **_template_variables(config, task),
         )
     elif config.system_prompt is not None:
         task = with_system_prompt(task, config.system_prompt)
@@ -185,16 +191,34 @@ def build_generator(
     )
 
 
+def _template_variables(config: TrainConfig, task) -> dict[str, Any]:
+    """The chat template's variables: `enable_thinking` if set, the environment's tools."""
+    variables: dict[str, Any] = {}
+    if config.enable_thinking is not None:
+        variables["enable_thinking"] = config.enable_thinking
+    if task.environment is not None:
+        name = config.env or f"{task.name} environment"
+        tools = environment_tools(task.environment(), name)
+        if tools is not None:
+            variables["tools"] = tools
+    return variables
+
+
 def build_episodes(config: TrainConfig, task, sampler, tokenizer) -> EpisodeRunner | None:
-    """The run's multi-turn `EpisodeRunner`: the environment of `config.env`, or the task's
-    own; None for a single-answer task."""
-    if config.env is not None:
-        environment, name = resolve_environment(config.env), config.env
-    elif task.environment is not None:
-        environment, name = task.environment(), f"{task.name} environment"
-    else:
+    """The run's multi-turn `EpisodeRunner` (`build_task` made `config.env` the task's
+    environment); None for a single-answer task. With a chat template, observations are
+    rendered in its roles (`ChatTurns`)."""
+    if task.environment is None:
         return None
-    return EpisodeRunner(sampler, tokenizer, environment, config.episode, name, config.reward_guard)
+    environment = task.environment()
+    name = config.env or f"{task.name} environment"
+    template = run_chat_template(config)
+    chat = None
+    if template is not None:
+        chat = ChatTurns(template, **_template_variables(config, task))
+    return EpisodeRunner(
+        sampler, tokenizer, environment, config.episode, name, config.reward_guard, chat
+    )
 
 
 @dataclasses.dataclass(frozen=True)

@@ -229,20 +229,51 @@ def test_the_turn_limit_ends_episodes_without_asking_the_environment(model, epis
     np.testing.assert_array_equal(per_row, np.minimum(out.turns, 1))
 
 
+def test_a_turn_end_that_is_also_eos_ends_the_turn_and_the_environment_ends_the_episode(
+    model,
+):
+    """A chat template's end of turn (Qwen3's ``<|im_end|>``) is EOS too: it ends a turn,
+    and the episode ends only when `respond` says None (here at the second turn)."""
+    chat_eos = [i for i in range(3, 128) if i % 4 == 0]
+    sampler = Sampler(model.config, max_new_tokens=BUDGET, eos_ids=chat_eos, pad_id=PAD, slots=2)
+    prompt_tokens, prompt_mask = _prompts(seed=3)
+    graphdef, state = nnx.split(model)
+    seen = {}
+
+    def respond(row, transcript):
+        seen[row] = seen.get(row, 0) + 1
+        future = concurrent.futures.Future()
+        future.set_result([50, 51] if seen[row] == 1 else None)
+        return future
+
+    out = EpisodeSampler(sampler).sample(
+        graphdef,
+        lambda: (state, 0),
+        prompt_tokens,
+        prompt_mask,
+        jax.random.key(8),
+        respond=respond,
+        turn_end_ids=chat_eos,
+        max_observation_tokens=K,
+    )
+    tokens, policy = np.asarray(out.tokens), np.asarray(out.completion_mask)
+    observed = np.asarray(out.observation_mask)
+    two_turns = 0
+    for row in range(ROWS):
+        ends = [c for c in np.flatnonzero(policy[row]) if tokens[row, c] in chat_eos]
+        if out.turns[row] == 2:  # Ended by the environment at the second end of turn.
+            two_turns += 1
+            assert len(ends) == 2 and ends[1] == np.flatnonzero(policy[row] | observed[row])[-1]
+            np.testing.assert_array_equal(tokens[row, ends[0] + 1 : ends[0] + 3], [50, 51])
+            assert observed[row, ends[0] + 1 : ends[0] + 3].all()
+        else:  # The token budget ran out first.
+            assert out.turns[row] < 2 and len(ends) == out.turns[row]
+    assert two_turns >= ROWS // 2, out.turns
+
+
 def test_bad_arguments_raise_one_line(model, episodes):
     prompt_tokens, prompt_mask = _prompts()
     graphdef, state = nnx.split(model)
-    with pytest.raises(ValueError, match="overlap eos_ids"):
-        episodes.sample(
-            graphdef,
-            lambda: (state, 0),
-            prompt_tokens,
-            prompt_mask,
-            jax.random.key(0),
-            respond=Environment(),
-            turn_end_ids=[EOS, 5],
-            max_observation_tokens=K,
-        )
     with pytest.raises(ValueError, match="turn_end_ids is empty"):
         episodes.sample(
             graphdef,

@@ -184,3 +184,104 @@ def test_a_run_reward_on_a_multiturn_task_is_refused_in_one_line(tmp_path):
     with pytest.raises(ValueError, match="does not apply to a multi-turn task") as error:
         apply_overrides(get_preset("calculator"), ["reward=boxed"]).validate()
     assert "\n" not in str(error.value)
+
+
+CHAT_TOOL = textwrap.dedent(
+    '''
+    from gac_jax.tasks.calculator import CalculatorTool
+    from gac_jax.tasks.environments import Observation
+
+    class AlwaysCalls(CalculatorTool):
+        """The chat calculator, answering a random policy's first two turns as calls."""
+
+        def start(self, example):
+            return {"turns": 0}
+
+        def step(self, state, turn):
+            state["turns"] += 1
+            if state["turns"] > 2:
+                return Observation(done=True)
+            return Observation("10063", role="tool")
+    '''
+)
+
+
+def _chat_model_dir(path):
+    """A tiny Qwen3 saved by transformers, a BPE tokenizer, and a ChatML template with
+    tool roles (tests/tasks/tool_templates.py) in its tokenizer_config.json."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    tokenizers = pytest.importorskip("tokenizers")
+    from tokenizers import AddedToken, decoders, models, pre_tokenizers, trainers
+
+    from gac_jax.tasks import calculator
+    from gac_jax.tasks.chat import ChatTemplate
+    from tests.tasks.tool_templates import CHATML_SPECIAL, CHATML_TOOLS
+
+    template = ChatTemplate(CHATML_TOOLS, CHATML_SPECIAL)
+    system = template.render(
+        [{"role": "user", "content": "1*2+3?"}], tools=calculator.CalculatorTool().tools
+    )
+    tok = tokenizers.Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    special = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<unk>"]
+    trainer = trainers.BpeTrainer(vocab_size=120, special_tokens=special)
+    tok.train_from_iterator([system + "0123456789+-*=?"] * 20, trainer)
+    tags = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")
+    tok.add_tokens([AddedToken(t, special=False) for t in tags])
+    path.mkdir()
+    tok.save(str(path / "tokenizer.json"))
+    config = {"chat_template": CHATML_TOOLS, **CHATML_SPECIAL, "bos_token": None}
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    torch.manual_seed(0)
+    hf_config = transformers.Qwen3Config(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=96,
+        vocab_size=128,
+        head_dim=16,
+        tie_word_embeddings=True,
+        eos_token_id=tok.token_to_id("<|im_end|>"),
+        max_position_embeddings=1024,
+    )
+    model = transformers.Qwen3ForCausalLM(hf_config)
+    with torch.no_grad():  # The end of turn sampled often: episodes of several turns.
+        model.model.embed_tokens.weight[hf_config.eos_token_id] *= 20.0
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.mark.slow
+def test_a_chat_model_runs_tool_episodes_in_its_templates_roles(tmp_path, monkeypatch):
+    """`init=` a chat model directory: the prompt lists the environment's tools, a turn
+    ends on the template's <|im_end|> (its EOS too) without ending the episode, and each
+    tool result enters the context as the template's tool message."""
+    model = _chat_model_dir(tmp_path / "model")
+    (tmp_path / "chat_tools.py").write_text(CHAT_TOOL)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    config = _config(
+        tmp_path,
+        f"init={model}",
+        "env=chat_tools:AlwaysCalls",
+        "generation.prompt_length=256",
+        "generation.max_new_tokens=96",
+        "episode.max_observation_tokens=32",
+        "rollout.mode=sync",
+        "steps=2",
+    )
+    out = loop.train(config, tmp_path / "run")
+    records = read_metrics(out / "metrics.jsonl")
+    assert [r["step"] for r in records] == [0, 1]
+    assert sum(r["tools/calls"] for r in records) > 0
+    samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    assert samples and all('"name": "calculator"' in s["prompt"] for s in samples)
+    said = [t["text"] for s in samples for t in s["turns"] if t["role"] == "environment"]
+    # <|im_start|> is a special token (samples skip it); the tool role's frame is there.
+    assert said and all(
+        "user\n<tool_response>\n10063\n</tool_response>\nassistant\n" in text for text in said
+    )
+    two_turns = [s for s in samples if sum(t["role"] == "environment" for t in s["turns"]) == 2]
+    assert two_turns, "no episode went on after a turn ended on <|im_end|>"

@@ -1,0 +1,164 @@
+"""Tool calls in a chat model's turn, and an environment of Python functions that answers them.
+
+Chat models whose template lists ``tools`` (Qwen2.5, Qwen3, Hermes and others) write a call
+as the template writes an assistant message's ``tool_calls``::
+
+    <tool_call>
+    {"name": "calculator", "arguments": {"expression": "347*29"}}
+    </tool_call>
+
+`parse_tool_calls` reads the calls of a turn back; a call that is not a JSON object with a
+string ``name`` and an object ``arguments`` is a `MalformedCall` (answered with an error,
+never raised). `ToolEnvironment` is an environment (`gac_jax.tasks.environments`) whose
+tools are Python functions: it answers each call of a turn with its function's result as a
+``tool`` message (rendered by the run's chat template), and ends the episode at a turn that
+calls none. Its turns end where the chat template ends an assistant message, so its
+`turn_end` is empty.
+
+Example::
+
+    def calculator(expression: str) -> str: ...
+
+    env = ToolEnvironment(
+        {"calculator": calculator},
+        tools=[function_schema("calculator", "Evaluates a + b, a - b or a * b.",
+                               {"expression": "the operation, e.g. 347*29"})],
+        reward=lambda transcript, example: float(transcript.endswith(example["answer"])),
+    )
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from gac_jax.tasks.environments import Observation
+
+__all__ = [
+    "MalformedCall",
+    "ToolCall",
+    "ToolEnvironment",
+    "function_schema",
+    "parse_tool_calls",
+]
+
+_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+
+
+@dataclasses.dataclass(frozen=True)
+class ToolCall:
+    """One call: the tool's name and its arguments."""
+
+    name: str
+    arguments: dict[str, Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class MalformedCall:
+    """A ``<tool_call>`` block that is not a call, and why."""
+
+    text: str
+    reason: str
+
+
+def parse_tool_calls(turn: str) -> list[ToolCall | MalformedCall]:
+    """The calls of `turn`, in order: each ``<tool_call>...</tool_call>`` block holding a
+    JSON object ``{"name": str, "arguments": object}`` (``arguments`` may also be a JSON
+    string of an object, as some templates write it). Never raises."""
+    calls: list[ToolCall | MalformedCall] = []
+    for match in _CALL.finditer(turn):
+        text = match.group(1).strip()
+        try:
+            value = json.loads(text)
+        except ValueError:
+            calls.append(MalformedCall(text, "not JSON"))
+            continue
+        if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+            calls.append(MalformedCall(text, "no name"))
+            continue
+        arguments = value.get("arguments", {})
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except ValueError:
+                arguments = None
+        if not isinstance(arguments, dict):
+            calls.append(MalformedCall(text, "arguments are not an object"))
+            continue
+        calls.append(ToolCall(value["name"], arguments))
+    return calls
+
+
+def function_schema(name: str, description: str, parameters: Mapping[str, str]) -> dict:
+    """The JSON schema of a function whose parameters are all required strings
+    (`parameters`: name -> description), in the form chat templates take as ``tools``."""
+    return {
+        "type": "function",
+        "function": {
+            "name": name,
+            "description": description,
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    key: {"type": "string", "description": text} for key, text in parameters.items()
+                },
+                "required": list(parameters),
+            },
+        },
+    }
+
+
+class ToolEnvironment:
+    """An environment whose tools are Python functions, called by a chat model.
+
+    Args:
+      functions: tool name -> function called with the call's arguments as keywords; its
+        result is the tool message's content (``str(result)``).
+      tools: the tools' JSON schemas for the chat template (`function_schema`).
+      reward: ``reward(transcript, example) -> float`` of a finished episode.
+
+    A turn's calls are answered in order, each result on its own line; a call that names
+    no function, has arguments the function refuses, or raises is answered
+    ``error: <what>`` (the episode goes on). A turn without a call ends the episode.
+    """
+
+    turn_end: tuple[str, ...] = ()
+
+    def __init__(
+        self,
+        functions: Mapping[str, Callable[..., Any]],
+        tools: Sequence[Mapping[str, Any]],
+        reward: Callable[[str, Mapping[str, Any]], float],
+    ):
+        self.functions = dict(functions)
+        self.tools = [dict(tool) for tool in tools]
+        self._reward = reward
+
+    def start(self, example: Mapping[str, Any]) -> None:
+        return None
+
+    def step(self, state: None, turn: str) -> Observation:
+        calls = parse_tool_calls(turn)
+        if not calls:
+            return Observation(done=True)
+        return Observation("\n".join(self.answer(call) for call in calls), role="tool")
+
+    def answer(self, call: ToolCall | MalformedCall) -> str:
+        """One call's result, or ``error: ...``."""
+        if isinstance(call, MalformedCall):
+            return f"error: malformed call ({call.reason})"
+        function = self.functions.get(call.name)
+        if function is None:
+            return f"error: no tool {call.name!r}"
+        try:
+            return str(function(**call.arguments))
+        except TypeError as error:
+            return f"error: bad arguments ({error})"
+        except Exception as error:  # noqa: BLE001 - the tool's own failure, as its answer
+            return f"error: {type(error).__name__}"
+
+    def reward(self, state: None, transcript: str, example: Mapping[str, Any]) -> float:
+        return self._reward(transcript, example)

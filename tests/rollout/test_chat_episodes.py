@@ -1,0 +1,125 @@
+"""Episodes of a chat model: observations rendered in the chat template's tool role, turns
+ending on the template's end of turn (which is EOS too), checked against transformers'
+`apply_chat_template` of the conversation the episode held."""
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from gac_jax import models
+from gac_jax.rollout import EpisodeConfig, EpisodeRunner, GenerationConfig, make_sampler
+from gac_jax.tasks.chat import ChatTemplate
+from gac_jax.tasks.chat_turns import ChatTurns
+from gac_jax.tasks.environments import Observation
+from tests.tasks.tool_templates import CHATML_SPECIAL, CHATML_TOOLS
+
+END = "<|im_end|>"
+TURN_END = ("7", "9")  # The environment's own turn ends, beside the template's.
+K = 20
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    tokenizers = pytest.importorskip("tokenizers")
+    from tokenizers import AddedToken, decoders, pre_tokenizers, trainers
+    from tokenizers import models as bpe
+
+    tok = tokenizers.Tokenizer(bpe.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=110, special_tokens=["<|endoftext|>", "<|im_start|>", END, "<unk>"]
+    )
+    corpus = ["user\n347*29+18? assistant\n=10081 result 10063 tool_response"] * 20
+    tok.train_from_iterator(corpus, trainer)
+    tok.add_tokens([AddedToken(t, special=False) for t in ("<tool_response>", "</tool_response>")])
+    return models.HFTokenizer(tok, eos_token=END, pad_token="<|endoftext|>")
+
+
+class Counter:
+    """Answers the first two turns with a tool result, then ends the episode."""
+
+    turn_end = TURN_END
+
+    def start(self, example):
+        return {"turns": []}
+
+    def step(self, state, turn):
+        state["turns"].append(turn)
+        if len(state["turns"]) > 2:
+            return Observation(done=True)
+        return Observation(f"result {len(state['turns'])}", role="tool")
+
+    def reward(self, state, transcript, example):
+        return 0.0
+
+
+def _model(tokenizer):
+    """A random tiny model that samples the end of turn often."""
+    config = models.get_config("tiny")
+    assert tokenizer.vocab_size <= config.vocab_size
+    model = models.create_model(config, seed=0)
+    state = nnx.state(model)
+    end = tokenizer.encode(END)[0]
+    state["embedding_vd"][...] = state["embedding_vd"][...].at[end].multiply(12.0)
+    nnx.update(model, state)
+    return model
+
+
+def test_chat_episodes_hold_the_conversation_transformers_renders(tokenizer):
+    transformers = pytest.importorskip("transformers")
+    template = ChatTemplate(CHATML_TOOLS, CHATML_SPECIAL)
+    chat = ChatTurns(template)
+    model = _model(tokenizer)
+    generation = GenerationConfig(max_new_tokens=96, prompt_length=24, slots=4)
+    sampler = make_sampler(model.config, tokenizer, generation)
+    config = EpisodeConfig(max_turns=4, max_observation_tokens=K)
+    runner = EpisodeRunner(sampler, tokenizer, Counter(), config, "counter", chat=chat)
+    end_id = tokenizer.encode(END)[0]
+    assert end_id in runner.turn_end_ids and end_id in sampler.eos_ids
+    questions = [f"{a}*29+18?" for a in (347, 12, 9, 71, 3, 88)]
+    prompts = [template.render([{"role": "user", "content": q}]) for q in questions]
+    graphdef, state = nnx.split(model)
+    rows = runner.sample(
+        graphdef,
+        lambda: (state, 0),
+        [tokenizer.encode(p) for p in prompts],
+        [{} for _ in prompts],
+        jax.random.key(0),
+        prompt_length=generation.prompt_length,
+        sampling=dict(temperature=1.0, max_new_tokens=generation.max_new_tokens),
+        chunk_steps=8,
+    )
+    hf = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer._tokenizer, **CHATML_SPECIAL
+    )
+    hf.chat_template = CHATML_TOOLS
+    endings = set()
+    for row, (question, env_state) in enumerate(zip(questions, rows.states, strict=True)):
+        context = rows.policy_mask[row] | rows.observation_mask[row]
+        columns = np.flatnonzero(context)
+        runs = np.split(columns, np.flatnonzero(np.diff(rows.observation_mask[row][columns])) + 1)
+        conversation = [{"role": "user", "content": question}]
+        for run in runs:
+            text = tokenizer.decode(rows.tokens[row, run], skip_special_tokens=False)
+            if rows.policy_mask[row, run[0]]:
+                ended = tokenizer.decode(rows.tokens[row, run[-1:]], skip_special_tokens=False)
+                endings.add(ended if ended == END else "own")
+                content = text[: -len(END)] if ended == END else text
+                conversation.append({"role": "assistant", "content": content})
+            else:  # An observation: exactly the template's text after that turn.
+                result = f"result {sum(m['role'] == 'tool' for m in conversation) + 1}"
+                expected = chat.after_turn([{"role": "tool", "content": result}], ended)
+                assert rows.tokens[row, run].tolist() == tokenizer.encode(expected)
+                conversation.append({"role": "tool", "content": result})
+        assert rows.turns[row] == len(env_state["turns"]) + (rows.turns[row] == config.max_turns)
+        # The episode's whole context is the conversation as transformers renders it (up
+        # to where the episode stopped: the end of the last assistant message).
+        whole = hf.apply_chat_template(conversation, tokenize=False)
+        episode = prompts[row] + tokenizer.decode(
+            rows.tokens[row, columns], skip_special_tokens=False
+        )
+        assert whole.startswith(episode) and whole[len(episode) :] in ("", "\n", END + "\n")
+    assert endings == {END, "own"}, endings  # Both kinds of turn end were exercised.
+    assert (rows.turns >= 3).sum() >= 2, rows.turns

@@ -56,11 +56,8 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
 # ruff: noqa: E402  (JAX must see the flags above before it is imported)
 import argparse
 import dataclasses
-import json
 import statistics
-import subprocess
 import sys
-import tempfile
 import textwrap
 import time
 from pathlib import Path
@@ -69,6 +66,7 @@ import jax
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import pinned_split
 from async_workload import (
     BASE,
     GROUP_SIZE,
@@ -100,7 +98,6 @@ VARIANTS = {
     "async split": SPLIT,
     "async in-flight": SPLIT + INFLIGHT,
 }
-PINNED = Path(__file__).resolve().parent / "pinned_split.py"
 
 
 @dataclasses.dataclass
@@ -268,31 +265,6 @@ def predict(sync: Measured, sim_steps: int, lengths: LengthDistribution) -> None
     )
 
 
-def run_pinned(args) -> dict[str, dict]:
-    """Each layout of `pinned_split.py` in its own process; their JSON results."""
-    out = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        for layout in ("sync", "split", "split-inflight"):
-            path = Path(tmp) / f"{layout}.json"
-            command = [sys.executable, str(PINNED), "--layout", layout, "--json", str(path)]
-            command += ["--rounds", str(args.rounds), "--steps", str(args.steps)]
-            command += ["--smoke"] if args.smoke else []
-            done = subprocess.run(
-                command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-            )
-            # Ray's and XLA's chatter stays out; the layout's own lines are printed.
-            lines = [
-                line
-                for line in done.stdout.splitlines()
-                if line.startswith(("[", "  ")) or done.returncode
-            ]
-            print("\n".join(lines), flush=True)
-            if done.returncode:
-                raise SystemExit(f"pinned_split.py --layout {layout} failed ({done.returncode})")
-            out[layout] = json.loads(path.read_text())
-    return out
-
-
 def print_pinned(results: dict[str, dict], sim_steps: int) -> None:
     sync = results["sync"]["medians"]["trained_per_s"]
     header = ["layout", "trained tok/s", "vs sync", "steps/s", "wait s/step", "overlap"]
@@ -401,7 +373,7 @@ def main(argv=None) -> None:
             "\nReal split on two cores (benchmarks/pinned_split.py, one process per layout)",
             flush=True,
         )
-        pinned = run_pinned(args)
+        pinned = pinned_split.run_layouts("arithmetic", args.rounds, args.steps, args.smoke)
         print(f"\nTwo cores: medians over {args.rounds} round(s) of {args.steps} steps")
         print_pinned(pinned, sim_steps)
     print(f"\nbenchmark wall time {time.perf_counter() - started:.0f} s")

@@ -1,12 +1,16 @@
 """Generation and training side by side on this machine's two real cores, against
 synchronous training on the same two cores.
 
-    python benchmarks/pinned_split.py --layout {sync,split,split-inflight} [--rounds 3]
-        [--steps 8] [--smoke] [--json PATH]
+    python benchmarks/pinned_split.py --layout {sync,split,split-inflight}
+        [--workload {arithmetic,tools}] [--rounds 3] [--steps 8] [--smoke] [--json PATH]
 
-One layout per process (`async_throughput.py` starts one process per layout), the workload
-of `async_workload.py` (tiny random model, `arithmetic/add2`, 6 groups of 8, heavy-tailed
-lengths drawn per row, staleness bound 2), on one JAX CPU device (no fake devices):
+One layout per process (`async_throughput.py` and `tool_episodes.py` start one process per
+layout), on one JAX CPU device (no fake devices). Workloads: `arithmetic`, that of
+`async_workload.py` (tiny random model, `arithmetic/add2`, 6 groups of 8, heavy-tailed
+lengths drawn per row, staleness bound 2); `tools`, the multi-turn episodes of
+`tool_episodes.py` (the `calculator` preset, its 16 groups of 8 episodes sampled in one
+call, the slow calculator of `slow_tools.py`: log-normal latency, median 50 ms), staleness
+bound 2. Layouts:
 
   sync            rollout.mode=sync in one process that may use both cores: generate the
                   step's batch, then train on it, XLA's thread pool over both cores.
@@ -38,7 +42,9 @@ import dataclasses
 import json
 import os
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -59,6 +65,20 @@ LAYOUTS = {
     ],
 }
 LEARNER_CORE, ACTOR_CORE = 0, 1
+BENCHMARKS = Path(__file__).resolve().parent
+TOOLS = [  # Over the calculator preset; rollout.groups_per_call is set to the batch's groups.
+    "env=slow_tools:SlowCalculator",
+    "eval_every=0",
+    "checkpoint_every=0",
+    "samples_every=0",
+    "buffer.max_staleness=2",
+]
+TOOLS_SMOKE = [
+    "rollout.groups_per_batch=2",
+    "generation.group_size=2",
+    "init=random",
+    "generation.max_new_tokens=16",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,21 +94,24 @@ class PinnedActor:
     def __call__(self):
         workload.pin(self.cores)
         generator, place = self.inner()
-        generator.sampler = workload.HeavyTailedLengths(generator.sampler, self.lengths, self.seed)
+        if self.lengths is not None:
+            sampler = workload.HeavyTailedLengths(generator.sampler, self.lengths, self.seed)
+            generator.sampler = sampler
         return generator, place
 
 
-class TimedLearner:
-    """Records the wall-clock span of every learner update."""
+class TimedCalls:
+    """Replaces `owner.<name>` (a method) by itself and records each call's wall-clock
+    span: the learner's updates, the sync layout's episode sampling."""
 
-    def __init__(self, learner):
-        self._step = learner.step
+    def __init__(self, owner, name: str):
+        self._call = getattr(owner, name)
         self.spans: list[tuple[float, float]] = []
-        learner.step = self
+        setattr(owner, name, self)
 
     def __call__(self, *args, **kwargs):
         start = time.time()
-        out = self._step(*args, **kwargs)  # Returns host metrics: the update has finished.
+        out = self._call(*args, **kwargs)  # Returns host values: the work has finished.
         self.spans.append((start, time.time()))
         return out
 
@@ -96,6 +119,7 @@ class TimedLearner:
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layout", choices=sorted(LAYOUTS), required=True)
+    parser.add_argument("--workload", choices=("arithmetic", "tools"), default="arithmetic")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--smoke", action="store_true", help="8-token completions, any sizes")
@@ -111,6 +135,9 @@ def main(argv=None) -> dict:
     )
     split = args.layout != "sync"
     cluster = None
+    if args.workload == "tools":  # The actor imports the slow calculator by its path.
+        path = os.environ.get("PYTHONPATH")
+        os.environ["PYTHONPATH"] = os.pathsep.join([str(BENCHMARKS), *([path] if path else [])])
     if split:  # Ray's processes first, unpinned; then this process onto the learner's core.
         from gac_jax.rollout.ray_cluster import LocalRayCluster
 
@@ -134,28 +161,39 @@ def _measure(args, split: bool) -> dict:
     import jax
 
     from gac_jax.train.build import ActorGenerator
-    from gac_jax.train.config import TrainConfig
+    from gac_jax.train.config import TrainConfig, get_preset
     from gac_jax.train.config_io import apply_overrides
     from gac_jax.train.run import build_run
 
-    lengths = workload.SMOKE_LENGTHS if args.smoke else workload.LENGTHS
-    overrides = workload.BASE + LAYOUTS[args.layout] + (workload.SMOKE if args.smoke else [])
-    overrides += args.set
     settle = 2 * args.steps
-    config = apply_overrides(TrainConfig(steps=1 + settle + args.rounds * args.steps), overrides)
+    steps = f"steps={1 + settle + args.rounds * args.steps}"
+    if args.workload == "tools":
+        lengths, base = None, get_preset("calculator")
+        overrides = TOOLS + LAYOUTS[args.layout] + (TOOLS_SMOKE if args.smoke else [])
+        groups = apply_overrides(base, [*overrides, *args.set]).rollout.groups_per_batch
+        overrides.append(f"rollout.groups_per_call={groups}")
+    else:
+        lengths, base = workload.SMOKE_LENGTHS if args.smoke else workload.LENGTHS, TrainConfig()
+        overrides = workload.BASE + LAYOUTS[args.layout] + (workload.SMOKE if args.smoke else [])
+    config = apply_overrides(base, [*overrides, *args.set, steps])
     config.validate()
     run = build_run(config)
-    learner = TimedLearner(run.learner)
-    factory = None
+    learner = TimedCalls(run.learner, "step")
+    factory, sampling = None, None
     if split:
         factory = PinnedActor(ActorGenerator(config), (ACTOR_CORE,), lengths, config.seed)
+    elif lengths is None:  # Episodes: time the runner's calls.
+        sampling = TimedCalls(run.generator.episodes, "sample")
     else:
         run.generator.sampler = workload.HeavyTailedLengths(
             run.generator.sampler, lengths, config.seed
         )
+        sampling = run.generator.sampler
+    episodes_per_step = config.rollout.groups_per_batch * config.generation.group_size
     print(
-        f"[{args.layout}] cores {sorted(os.sched_getaffinity(0))}, {jax.device_count()} "
-        f"{jax.default_backend()} device(s), lengths {lengths.describe()}",
+        f"[{args.layout}, {args.workload}] cores {sorted(os.sched_getaffinity(0))}, "
+        f"{jax.device_count()} {jax.default_backend()} device(s), lengths "
+        f"{'the policy' + chr(39) + 's own' if lengths is None else lengths.describe()}",
         flush=True,
     )
     run.start(actor_factory=factory)
@@ -181,11 +219,12 @@ def _measure(args, split: bool) -> dict:
             t1 = time.time()
             busy = {
                 "learner": workload.union_seconds(learner.spans, t0, t1),
-                "sampler": workload.union_seconds(_sampler_spans(run), t0, t1),
+                "sampler": workload.union_seconds(_sampler_spans(run, sampling), t0, t1),
             }
             wall = t1 - t0
             row = {
                 "trained_per_s": sum(m["generated_tokens"] for m in metrics) / wall,
+                "episodes_per_s": args.steps * episodes_per_step / wall,
                 "steps_per_s": args.steps / wall,
                 "wait_seconds": statistics.mean(m["wait_seconds"] for m in metrics),
                 "staleness": statistics.mean(m["version_gap_mean"] for m in metrics),
@@ -196,7 +235,8 @@ def _measure(args, split: bool) -> dict:
             }
             rounds.append(row)
             print(
-                f"  round {r}: trained {row['trained_per_s']:.0f} tok/s, "
+                f"  round {r}: trained {row['trained_per_s']:.0f} tok/s "
+                f"({row['episodes_per_s']:.1f} episodes/s), "
                 f"{row['steps_per_s']:.2f} steps/s, wait {row['wait_seconds']:.3f} s/step, "
                 f"overlap {row['overlap']:.2f}, busy learner {row['learner_busy']:.2f} "
                 f"sampler {row['sampler_busy']:.2f}, staleness {row['staleness']:.2f}",
@@ -216,7 +256,8 @@ def _measure(args, split: bool) -> dict:
         "learner_step_seconds": statistics.median(b - a for a, b in timed),
         "group_fit": {"per_decode_step": token_seconds, "fixed": overhead},
         "transfer": transfer,
-        "lengths": dataclasses.asdict(lengths),
+        "lengths": None if lengths is None else dataclasses.asdict(lengths),
+        "workload": args.workload,
     }
     print(f"  staleness histogram (gap: groups) {result['staleness_histogram']}")
     if transfer:
@@ -230,11 +271,38 @@ def _measure(args, split: bool) -> dict:
     return result
 
 
-def _sampler_spans(run) -> list[tuple[float, float]]:
+def run_layouts(workload_name: str, rounds: int, steps: int, smoke: bool) -> dict[str, dict]:
+    """Each layout in its own process (this script), one after the other; their JSON
+    results. Only the layouts' own lines are printed (not Ray's or XLA's chatter)."""
+    out = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for layout in LAYOUTS:
+            path = Path(tmp) / f"{layout}.json"
+            command = [sys.executable, __file__, "--layout", layout, "--json", str(path)]
+            command += ["--workload", workload_name, "--rounds", str(rounds)]
+            command += ["--steps", str(steps), *(["--smoke"] if smoke else [])]
+            done = subprocess.run(
+                command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+            )
+            lines = [
+                line
+                for line in done.stdout.splitlines()
+                if line.startswith(("[", "  ")) or done.returncode
+            ]
+            print("\n".join(lines), flush=True)
+            if done.returncode:
+                raise SystemExit(f"pinned_split.py --layout {layout} failed ({done.returncode})")
+            out[layout] = json.loads(path.read_text())
+    return out
+
+
+def _sampler_spans(run, sampling) -> list[tuple[float, float]]:
     """The sampler's busy spans: the actor's calls (Ray), or the sampler's own (sync)."""
     if run.rollout_pool is not None:
         return [span for spans in run.rollout_pool.call_intervals() for span in spans]
-    return [(c.start, c.end) for c in run.generator.sampler.calls]
+    if isinstance(sampling, TimedCalls):
+        return sampling.spans
+    return [(c.start, c.end) for c in sampling.calls]
 
 
 def _transfer(run) -> dict:

@@ -1,6 +1,6 @@
 """Multi-turn episodes with a slow tool: sync vs async episodes/s, measured and simulated.
 
-    python benchmarks/tool_episodes.py [--rounds 3] [--steps 6] [--smoke]
+    python benchmarks/tool_episodes.py [--rounds 3] [--steps 6] [--smoke] [--no-pinned]
 
 The `calculator` preset (its warm start calls the calculator about twice an episode), with
 the tool of `slow_tools.py`: each call waits a latency drawn from a log-normal (median
@@ -18,6 +18,13 @@ Steps are the loop's own (`Run.step`): one compiling step, `--steps` untimed, th
 `--rounds` rounds of `--steps` timed steps. Per round: episodes trained per second and
 policy tokens trained per second (observation tokens excluded), tool calls per episode and
 the tools' mean latency. The medians over rounds are printed, with async / sync.
+
+Shared cores above: worker and learner take turns on the same two cores, so only the tools'
+waiting can overlap an update. Then the same episodes on the two real cores split
+(`pinned_split.py --workload tools`, one process per layout): `sync` on both cores; `split`,
+the learner pinned to core 0 and one Ray rollout actor on core 1 sampling the step's 16
+groups in one call; `split-inflight`, the same with in-flight updates (a new version can
+land between two turns of an episode). Skipped with `--no-pinned`.
 
 Then the simulation (`gac_jax.rollout.simulation`, with `tool_calls`) is fed the costs
 measured here: the learner step (median of the sync steps), a group's generation without
@@ -42,6 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 # ruff: noqa: E402  (the benchmarks' folder is importable first: the env lives there)
 import jax
 import numpy as np
+import pinned_split
 import slow_tools
 from async_workload import fit_line
 
@@ -178,11 +186,31 @@ def _predict(name, per_token, fixed, train, lengths, calls, groups, size, sim_st
     )
 
 
+def print_pinned(results: dict[str, dict], args) -> None:
+    sync = results["sync"]["medians"]["episodes_per_s"]
+    print(f"\nTwo cores: medians over {args.rounds} round(s) of {args.steps} steps")
+    print(
+        f"  {'layout':<15}{'episodes/s':>11}{'policy tok/s':>14}{'vs sync':>9}"
+        f"{'wait s/step':>13}{'overlap':>9}{'busy learner':>14}{'busy sampler':>14}"
+        f"{'staleness':>11}"
+    )
+    for layout, result in results.items():
+        m = result["medians"]
+        print(
+            f"  {layout:<15}{m['episodes_per_s']:>11.1f}{m['trained_per_s']:>14.0f}"
+            f"{m['episodes_per_s'] / sync:>8.2f}x{m['wait_seconds']:>13.3f}{m['overlap']:>9.2f}"
+            f"{m['learner_busy']:>14.2f}{m['sampler_busy']:>14.2f}{m['staleness']:>11.2f}"
+        )
+    for layout, result in results.items():
+        print(f"  {layout}: staleness histogram (gap: groups) {result['staleness_histogram']}")
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--smoke", action="store_true", help="every path once, tiny sizes")
+    parser.add_argument("--no-pinned", action="store_true", help="skip the two-core split")
     args = parser.parse_args(argv)
     extra = SMOKE if args.smoke else []
     if args.smoke:
@@ -211,6 +239,10 @@ def main(argv=None) -> None:
             f"tool calls/episode {m['calls_per_episode']:.2f}  staleness {m['staleness']:.2f}"
         )
     simulate(results["sync"], config, 50 if args.smoke else 2_000)
+    if not args.no_pinned:
+        print("\nTwo real cores (benchmarks/pinned_split.py --workload tools)", flush=True)
+        pinned = pinned_split.run_layouts("tools", args.rounds, args.steps, args.smoke)
+        print_pinned(pinned, args)
     print(f"\nbenchmark wall time {time.perf_counter() - started:.0f} s")
 
 

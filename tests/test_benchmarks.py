@@ -83,7 +83,31 @@ def test_the_async_benchmark_runs_every_layout_in_its_smoke_form():
 
 @pytest.mark.slow
 def test_the_tool_episodes_benchmark_runs_its_smoke_form():
-    out = _run("tool_episodes.py", "--smoke")
+    # The two-core part's split layout is run below (each layout is a minute of Ray start).
+    out = _run("tool_episodes.py", "--smoke", "--no-pinned")
     assert "\n  sync " in out and "\n  async-group " in out and "\n  async-batch " in out
     assert "predicted, a group a call: sync" in out and "predicted, a batch a call: sync" in out
     assert "tool calls/episode" in out
+
+
+@pytest.mark.slow
+def test_tool_episodes_run_on_the_pinned_split(tmp_path):
+    """A Ray actor pinned to one core samples the slow calculator's episodes (imported
+    by its path in the actor) while the learner trains on the other."""
+    out = _run(
+        "pinned_split.py",
+        "--workload",
+        "tools",
+        "--layout",
+        "split",
+        "--smoke",
+        "--rounds",
+        "1",
+        "--steps",
+        "1",
+        "--json",
+        str(tmp_path / "split.json"),
+    )
+    result = json.loads((tmp_path / "split.json").read_text())
+    assert result["workload"] == "tools" and result["medians"]["episodes_per_s"] > 0
+    assert "weight transfer per version" in out

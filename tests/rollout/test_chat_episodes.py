@@ -123,3 +123,37 @@ def test_chat_episodes_hold_the_conversation_transformers_renders(tokenizer):
         assert whole.startswith(episode) and whole[len(episode) :] in ("", "\n", END + "\n")
     assert endings == {END, "own"}, endings  # Both kinds of turn end were exercised.
     assert (rows.turns >= 3).sum() >= 2, rows.turns
+
+
+def test_runners_that_no_turn_could_end_or_no_result_fits_are_one_line_errors(tokenizer):
+    model = models.create_model(models.get_config("tiny"), seed=0)
+    sampler = make_sampler(model.config, tokenizer, GenerationConfig(max_new_tokens=32))
+    silent = type("Silent", (Counter,), {"turn_end": ()})()
+    chat = ChatTurns(ChatTemplate(CHATML_TOOLS, CHATML_SPECIAL))
+    runner = EpisodeRunner(sampler, tokenizer, silent, EpisodeConfig(), "silent", chat=chat)
+    assert runner.turn_end_ids == tokenizer.encode(END)  # The template's end of turn only.
+    for kwargs, message in [
+        (dict(chat=None), "silent has no turn_end and the run renders no chat template"),
+        (
+            dict(chat=chat, config=EpisodeConfig(max_observation_tokens=4)),
+            r"max_observation_tokens=4 leaves no room .*writes \d+ tokens around it",
+        ),
+    ]:
+        arguments = dict(config=EpisodeConfig(), name="silent") | kwargs
+        with pytest.raises(ValueError, match=message) as error:
+            EpisodeRunner(sampler, tokenizer, silent, **arguments)
+        assert "\n" not in str(error.value)
+
+
+def test_a_long_result_is_cut_inside_the_templates_frame(tokenizer):
+    model = models.create_model(models.get_config("tiny"), seed=0)
+    sampler = make_sampler(model.config, tokenizer, GenerationConfig(max_new_tokens=32))
+    chat = ChatTurns(ChatTemplate(CHATML_TOOLS, CHATML_SPECIAL))
+    runner = EpisodeRunner(
+        sampler, tokenizer, Counter(), EpisodeConfig(max_observation_tokens=K), chat=chat
+    )
+    end_id = tokenizer.encode(END)[0]
+    ids = runner._observation_ids(Observation("10063 " * 50, role="tool"), end_id)
+    text = tokenizer.decode(ids, skip_special_tokens=False)
+    assert len(ids) <= K and text.startswith("\n<|im_start|>user\n<tool_response>\n10063")
+    assert text.endswith("\n</tool_response><|im_end|>\n<|im_start|>assistant\n")

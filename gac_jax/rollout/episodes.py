@@ -317,23 +317,24 @@ class EpisodeRunner:
 
     def _observation_ids(self, observation: Observation, last_token: int) -> list[int]:
         """An observation's token ids, at most `max_observation_tokens`: its text, or with
-        a chat template the template's text around it (`ChatTurns.after_turn`), the
-        content cut to fit."""
+        a chat template the template's text around its messages (`ChatTurns.after_turn`),
+        the longest content cut first until it fits (never the template's frame)."""
         k = self.config.max_observation_tokens
         if self.chat is None:
-            return self._encode(observation.text)[:k]
+            return self._encode(observation.joined)[:k]
         ended_with = self.tokenizer.decode([last_token], skip_special_tokens=False)
+        contents = [self._encode(text) for text in observation.texts]
 
-        def rendered(content: str) -> list[int]:
-            message = {"role": observation.role, "content": content}
-            return self._encode(self.chat.after_turn([message], ended_with))
+        def rendered(texts) -> list[int]:
+            messages = [{"role": observation.role, "content": text} for text in texts]
+            return self._encode(self.chat.after_turn(messages, ended_with))
 
-        ids = rendered(observation.text)
-        content = self._encode(observation.text)
-        keep = len(content)
-        while len(ids) > k and keep > 0:  # Cut the content, never the template's frame.
-            keep = max(0, keep - (len(ids) - k))
-            ids = rendered(self.tokenizer.decode(content[:keep]))
+        ids = rendered(observation.texts)
+        while len(ids) > k and any(contents):
+            longest = max(range(len(contents)), key=lambda i: len(contents[i]))
+            cut = max(0, len(contents[longest]) - (len(ids) - k))
+            contents[longest] = contents[longest][:cut]
+            ids = rendered([self.tokenizer.decode(c) for c in contents])
         return ids[:k]
 
     def _encode(self, text: str) -> list[int]:

@@ -57,12 +57,23 @@ class Observation:
     """An environment's answer to a turn: `text` goes into the context (never trained on);
     `done` ends the episode instead (`text` is then ignored). With a chat template, `text`
     is the content of a message of `role` (``"tool"``: a tool's result; ``"user"``:
-    feedback), rendered by the template (`gac_jax.tasks.chat_turns`); without one, `text`
-    is appended as it is."""
+    feedback), rendered by the template (`gac_jax.tasks.chat_turns`); a tuple of texts is
+    one message each (the results of a turn's several tool calls, as transformers renders
+    them). Without a template, the text is appended as it is (a tuple's, one a line)."""
 
-    text: str = ""
+    text: str | tuple[str, ...] = ""
     done: bool = False
     role: str = "tool"
+
+    @property
+    def texts(self) -> tuple[str, ...]:
+        """The messages' contents: `text` as a tuple (an empty tuple: one empty text)."""
+        return (self.text,) if isinstance(self.text, str) else tuple(self.text) or ("",)
+
+    @property
+    def joined(self) -> str:
+        """The plain text appended without a chat template."""
+        return "\n".join(self.texts)
 
 
 @runtime_checkable
@@ -175,10 +186,7 @@ class GuardedEnvironment:
             with self._lock:
                 if future.done():
                     return
-                if len(observation.text) > self.max_chars:
-                    observation = dataclasses.replace(
-                        observation, text=observation.text[: self.max_chars]
-                    )
+                observation = _cut(observation, self.max_chars)
                 future.set_result((observation, kind))
             if kind is not None:
                 self._warn(kind)
@@ -244,12 +252,24 @@ class GuardedEnvironment:
 
 
 def _valid(value) -> bool:
-    return (
-        isinstance(value, Observation)
-        and isinstance(value.text, str)
-        and isinstance(value.role, str)
-        and bool(value.role)
+    if not isinstance(value, Observation) or not (isinstance(value.role, str) and value.role):
+        return False
+    text = value.text
+    return isinstance(text, str) or (
+        isinstance(text, tuple | list) and all(isinstance(t, str) for t in text)
     )
+
+
+def _cut(observation: Observation, max_chars: int) -> Observation:
+    """`observation` with at most `max_chars` characters of text in all (a tuple's texts
+    cut in order: the first ones are kept whole)."""
+    if isinstance(observation.text, str):
+        return dataclasses.replace(observation, text=observation.text[:max_chars])
+    kept, room = [], max_chars
+    for text in observation.text:
+        kept.append(text[:room])
+        room -= len(kept[-1])
+    return dataclasses.replace(observation, text=tuple(kept))
 
 
 def _error(kind: str) -> Observation:

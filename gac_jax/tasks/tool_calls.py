@@ -120,9 +120,9 @@ class ToolEnvironment:
       tools: the tools' JSON schemas for the chat template (`function_schema`).
       reward: ``reward(transcript, example) -> float`` of a finished episode.
 
-    A turn's calls are answered in order, each result on its own line; a call that names
-    no function, has arguments the function refuses, or raises is answered
-    ``error: <what>`` (the episode goes on). A turn without a call ends the episode.
+    A turn's calls are answered in order, one ``tool`` message each; a call that names no
+    function, has arguments the function refuses, or raises is answered ``error: <what>``
+    (the episode goes on). A turn without a call ends the episode.
     """
 
     turn_end: tuple[str, ...] = ()
@@ -144,7 +144,7 @@ class ToolEnvironment:
         calls = parse_tool_calls(turn)
         if not calls:
             return Observation(done=True)
-        return Observation("\n".join(self.answer(call) for call in calls), role="tool")
+        return Observation(tuple(self.answer(call) for call in calls), role="tool")
 
     def answer(self, call: ToolCall | MalformedCall) -> str:
         """One call's result, or ``error: ...``."""

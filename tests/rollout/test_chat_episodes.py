@@ -16,7 +16,7 @@ from tests.tasks.tool_templates import CHATML_SPECIAL, CHATML_TOOLS
 
 END = "<|im_end|>"
 TURN_END = ("7", "9")  # The environment's own turn ends, beside the template's.
-K = 20
+K = 28
 
 
 @pytest.fixture(scope="module")
@@ -157,3 +157,8 @@ def test_a_long_result_is_cut_inside_the_templates_frame(tokenizer):
     text = tokenizer.decode(ids, skip_special_tokens=False)
     assert len(ids) <= K and text.startswith("\n<|im_start|>user\n<tool_response>\n10063")
     assert text.endswith("\n</tool_response><|im_end|>\n<|im_start|>assistant\n")
+    # Several results: the longest is cut first, the short one kept whole.
+    two = runner._observation_ids(Observation(("10063 " * 50, "7"), role="tool"), end_id)
+    text = tokenizer.decode(two, skip_special_tokens=False)
+    assert len(two) <= K and text.count("<tool_response>") == 2
+    assert "\n<tool_response>\n7\n</tool_response>" in text and "10063" in text

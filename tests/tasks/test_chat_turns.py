@@ -188,13 +188,34 @@ def test_malformed_calls_are_answered_with_errors_and_a_turn_without_calls_ends(
     ]
     observation = env.step(None, turn)
     assert observation.role == "tool" and not observation.done
-    lines = observation.text.split("\n")
-    assert lines[:4] == [
+    lines = observation.texts  # One tool message a call.
+    assert lines[:4] == (
         "error: malformed call (not JSON)",
         "error: malformed call (no name)",
         "42",
         "error: malformed call (arguments are not an object)",
-    ]
+    )
     assert lines[4] == "error: no tool 'search'" and lines[5].startswith("error: bad arguments")
     assert env.step(None, "=42") == Observation(done=True)
     assert env.reward(None, "... =10081", {"a": 347, "b": 29, "op": "+", "c": 18}) == 1.0
+
+
+def test_a_turns_several_calls_are_answered_one_tool_message_each_as_transformers_renders():
+    reference = _reference(CHATML_TOOLS, CHATML_SPECIAL)
+    turns = ChatTurns(ChatTemplate(CHATML_TOOLS, CHATML_SPECIAL))
+    written = _written("6*7", CHATML_TOOLS) + "\n" + _written("2+2", CHATML_TOOLS)
+    observation = CalculatorTool().step(None, written)
+    assert observation.texts == ("42", "4")
+    messages = [{"role": observation.role, "content": t} for t in observation.texts]
+    conversation = [
+        {"role": "user", "content": "q"},
+        {"role": "assistant", "content": "", "tool_calls": [_call("6*7"), _call("2+2")]},
+        *messages,
+    ]
+    expected = reference.apply_chat_template(
+        conversation, tokenize=False, add_generation_prompt=True
+    )
+    after = turns.after_turn(messages, "<|im_end|>")
+    assert expected.endswith(written + "<|im_end|>" + after)
+    assert after.count("<tool_response>") == 2 and after.count("<|im_start|>user") == 1
+    assert Observation(("42", "4")).joined == "42\n4" and Observation(()).texts == ("",)

@@ -76,6 +76,10 @@ class Misbehaving:
             return 12.5
         if "flood" in turn:
             return "9" * 100_000
+        if "calls" in turn:  # Several results: a flood in the second, garbage in a third.
+            return Observation(("1" * 40, "2" * 40, "3"), role="tool")
+        if "mixed" in turn:
+            return Observation(("ok", 7))
         if "done" in turn:
             return Observation(done=True)
         return "ok"
@@ -92,6 +96,8 @@ class Misbehaving:
         ("<garbage>", "error: invalid", "invalid"),
         ("<flood>", "9" * 64, None),
         ("<x>", "ok", None),
+        ("<calls>", ("1" * 40, "2" * 24, ""), None),  # 64 characters in all, in order.
+        ("<mixed>", "error: invalid", "invalid"),
     ],
 )
 def test_a_misbehaving_tool_becomes_an_observation_within_its_timeout(turn, text, kind, caplog):
@@ -99,7 +105,8 @@ def test_a_misbehaving_tool_becomes_an_observation_within_its_timeout(turn, text
     started = time.monotonic()
     observation, error = guarded.step(None, turn).result(timeout=5)
     assert time.monotonic() - started < 2.0
-    assert observation == Observation(text) and error == kind
+    role = "tool"
+    assert observation == Observation(text, role=role) and error == kind
 
 
 def test_many_hanging_steps_time_out_together_not_one_after_another():

@@ -307,6 +307,7 @@ class EpisodeRunner:
             )
         if end_id[0] not in self.turn_end_ids:
             self.turn_end_ids.append(end_id[0])
+        self._chat_end = (end_id[0], end_text)
         frame = len(self._encode(self.chat.after_turn([{"role": "tool", "content": ""}], end_text)))
         if frame >= self.config.max_observation_tokens:
             raise ValueError(
@@ -322,7 +323,8 @@ class EpisodeRunner:
         k = self.config.max_observation_tokens
         if self.chat is None:
             return self._encode(observation.joined)[:k]
-        ended_with = self.tokenizer.decode([last_token], skip_special_tokens=False)
+        # A turn that ended on the template's own end token wrote that much of its close.
+        ended_with = self._chat_end[1] if last_token == self._chat_end[0] else ""
         contents = [self._encode(text) for text in observation.texts]
 
         def rendered(texts) -> list[int]:

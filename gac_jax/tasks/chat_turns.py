@@ -13,10 +13,10 @@ Only what follows the policy's last turn is rendered; earlier turns stay as the 
 wrote them. A template that rewrites its history (Qwen3 drops the reasoning of earlier
 assistant turns) would otherwise change the context the policy's tokens were sampled in.
 
-A turn ends on a token. When it is the token the template ends an assistant message with
-(`end_of_turn`, ``<|im_end|>``: the policy wrote it), the observation starts after it;
-when a turn ends on an environment's own turn end (``</tool_call>``), the observation
-starts with the template's whole end of the assistant message.
+A turn ends on a token. When it is the token the template's end of an assistant message
+(`assistant_end`) starts with (``<|im_end|>``: the policy wrote it), the observation starts
+after it (`after_turn`'s `ended_with`); when a turn ends on an environment's own turn end
+(``</tool_call>``), the observation starts with the template's whole `assistant_end`.
 
 Example::
 
@@ -73,8 +73,8 @@ class ChatTurns:
 
     def after_turn(self, messages: Sequence[Mapping[str, Any]], ended_with: str = "") -> str:
         """The text that follows a policy's turn: the rest of the assistant message after
-        `ended_with` (the text of the token the turn ended on), `messages` in their roles,
-        and the next assistant turn opened.
+        `ended_with` (the text of the template's end token when the turn ended on it, else
+        ""), `messages` in their roles, and the next assistant turn opened.
 
         Raises:
           ValueError: in one line, if the template cannot render `messages` there.

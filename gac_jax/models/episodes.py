@@ -3,18 +3,19 @@ answer is appended to the slot's cache and decoding goes on, without re-running 
 
 An episode is one row of the sampler: its prompt, then policy turns and observations
 interleaved in the row's N = `max_new_tokens` columns (the episode's token budget). A
-policy turn ends when it samples one of `turn_end_ids` (a tool call's closing token, say);
-its slot then *waits* (`_SlotState.waiting_b`): it neither decodes nor takes another row,
-while the other slots go on decoding. The host hands the row's tokens so far to `respond`,
-which returns a `concurrent.futures.Future`; the environment runs off the decode loop (in
-the caller's threads), so a slow tool stalls only its own slot. When the future is done,
-its observation tokens are fed through the model into that slot's cache at the slot's
-next positions (one prefill of at most `max_observation_tokens` tokens, the observation
-only), written into the row as observation tokens (`observation_mask`, never sampled, with
-log-prob 0 and version -1), and the slot decodes again (an empty reply appends nothing);
-a reply of None ends the episode (the slot takes the next waiting row, as after EOS).
-EOS and the row's token budget end an episode too; an observation that would leave no room
-for one more policy token ends it.
+policy turn ends when it samples one of `turn_end_ids` (a tool call's closing token,
+say, or the last token of a sequence of them); its slot then *waits*
+(`_SlotState.waiting_b`): it neither decodes nor takes another row, while the other
+slots go on decoding. The host hands the row's tokens so far to `respond`, which returns
+a `concurrent.futures.Future`; the environment runs off the decode loop (in the caller's
+threads), so a slow tool stalls only its own slot. When the future is done, its
+observation tokens are fed through the model into that slot's cache at the slot's next
+positions (one prefill of at most `max_observation_tokens` tokens, the observation
+only), written into the row as observation tokens (`observation_mask`, never sampled,
+with log-prob 0 and version -1), and the slot decodes again (an empty reply appends
+nothing); a reply of None ends the episode (the slot takes the next waiting row, as
+after EOS). EOS and the row's token budget end an episode too; an observation that would
+leave no room for one more policy token ends it.
 
 The decode loop is the sampler's own (`Sampler._decode_loop` / `_decode_step`: refill,
 per-row keys, versions), run in chunks of at most `chunk_steps` decode steps as
@@ -94,7 +95,7 @@ class EpisodeSampler:
         key: jax.Array,
         *,
         respond: Respond,
-        turn_end_ids: Sequence[int],
+        turn_end_ids: Sequence[int | Sequence[int]],
         max_observation_tokens: int,
         chunk_steps: int = 16,
         max_turns: int | None = None,
@@ -112,9 +113,11 @@ class EpisodeSampler:
           params_fn: `() -> (state, version)`, asked before the first prefill and every
             `chunk_steps` decode steps (`lambda: (state, 0)` for fixed params).
           respond: see `Respond`; called from this thread, it must not block.
-          turn_end_ids: token ids that end a policy turn. Other EOS ids end the episode;
-            an id that is both (a chat template's end of turn, ``<|im_end|>``) ends the
-            turn, and `respond` ends the episode by answering None.
+          turn_end_ids: what ends a policy turn: token ids, or sequences of ids (a stop
+            string of several tokens: the turn ends when the policy's latest tokens are
+            that sequence). Other EOS ids end the episode; an id that is both (a chat
+            template's end of turn, ``<|im_end|>``) ends the turn, and `respond` ends the
+            episode by answering None.
           max_observation_tokens: K, the longest observation; a longer one is cut to K.
           chunk_steps: decode steps between two looks at `params_fn`.
           max_turns: an episode whose turn count reaches this ends at that turn's end
@@ -127,9 +130,7 @@ class EpisodeSampler:
         check_int("max_observation_tokens", max_observation_tokens, 1)
         check_int("max_turns", max_turns, 1, allow_none=True)
         sampler = self.sampler
-        turn_ids = np.asarray(turn_end_ids, np.int32).reshape(-1)
-        if turn_ids.size == 0:
-            raise ValueError("turn_end_ids is empty; give the token ids that end a turn.")
+        turn_ids = _turn_end_table(turn_end_ids)
         prompt_tokens, prompt_mask, per_row = sampler._prepared(
             prompt_tokens, prompt_mask, temperature, top_k, top_p, max_new_tokens
         )
@@ -307,6 +308,20 @@ class _HostLoop:
             turns=self.turns,
             prefill_tokens=started * self.prompt_len + self.observed_blocks * self.k,
         )
+
+
+def _turn_end_table(turn_end_ids) -> np.ndarray:
+    """int32 [T, L]: each turn end (an id, or a sequence of ids) right-aligned, -1 before a
+    shorter one. Raises ValueError in one line for an empty list or sequence."""
+    sequences = [[t] if isinstance(t, int | np.integer) else list(t) for t in turn_end_ids]
+    if not sequences:
+        raise ValueError("turn_end_ids is empty; give the token ids that end a turn.")
+    if not all(sequences):
+        raise ValueError(f"turn_end_ids={turn_end_ids!r} holds an empty sequence.")
+    table = np.full((len(sequences), max(map(len, sequences))), -1, np.int32)
+    for i, sequence in enumerate(sequences):
+        table[i, table.shape[1] - len(sequence) :] = sequence
+    return table
 
 
 def _done(value) -> concurrent.futures.Future:

@@ -128,9 +128,25 @@ class _Inputs:
     prompt_mask: jax.Array  # bool [R, P]
     row_keys: jax.Array  # [R] keys: row r's is fold_in(key, r).
     per_row: tuple  # [R] arrays (temperature f32, top_k i32, top_p f32, max_new_tokens i32).
-    # Episodes only: int32 [K], token ids that end a policy turn (the slot then waits for
-    # its environment, `_SlotState.waiting_b`).
+    # Episodes only: int32 [T, L], the token sequences that end a policy turn (the slot then
+    # waits for its environment, `_SlotState.waiting_b`), right-aligned, -1 before a
+    # sequence shorter than L.
     turn_end_ids: jax.Array | None = None
+
+
+def _turn_ended(s: _SlotState, tokens_b, row_b, turn_tl) -> jax.Array:
+    """bool [B]: whether each slot's policy tokens end, with this step's `tokens_b`, in one
+    of the sequences `turn_tl` (int32 [T, L], right-aligned, -1 padding). Earlier tokens
+    are read from the slot's row; a sequence never spans an observation."""
+    back = jnp.arange(turn_tl.shape[1] - 1, 0, -1, dtype=jnp.int32)  # L-1 .. 1 steps back.
+    columns_bl = s.step_b[:, None] - back[None, :]
+    rows_bl = row_b[:, None]
+    at_bl = jnp.maximum(columns_bl, 0)
+    policy_bl = s.mask_rn[rows_bl, at_bl] & (columns_bl >= 0)
+    before_bl = jnp.where(policy_bl, s.tokens_rn[rows_bl, at_bl], -2)
+    window_bl = jnp.concatenate([before_bl, tokens_b[:, None]], axis=1)
+    match_btl = (window_bl[:, None, :] == turn_tl[None]) | (turn_tl[None] < 0)
+    return jnp.any(jnp.all(match_btl, axis=2), axis=1)
 
 
 def filter_logits(
@@ -664,7 +680,7 @@ class Sampler:
         if s.waiting_b is not None:  # A turn ends: the slot waits for its environment.
             # A turn-end token that is also EOS (a chat template's end of turn) ends the
             # turn; the environment then says whether the episode ends.
-            turn_b = jnp.any(tokens[:, None] == inputs.turn_end_ids[None, :], axis=1)
+            turn_b = _turn_ended(s, tokens, row_b, inputs.turn_end_ids)
             eos_b = eos_b & ~turn_b
             s = dataclasses.replace(s, waiting_b=s.waiting_b | (busy_b & turn_b & ~full_b))
         ends = eos_b | full_b

@@ -83,21 +83,19 @@ class EpisodeConfig:
             raise ValueError(f"tool_timeout={self.tool_timeout!r} must be a number of seconds > 0.")
 
 
-def turn_end_ids(tokenizer: Tokenizer, turn_end: Sequence[str]) -> list[int]:
-    """The token id of each turn-end string; each must be exactly one token (the sampler
-    ends a turn on a token, not on text). Raises ValueError in one line otherwise."""
+def turn_end_ids(tokenizer: Tokenizer, turn_end: Sequence[str]) -> list[list[int]]:
+    """The token ids of each turn-end string: one token, or several (the turn then ends
+    when the policy writes exactly those tokens, the string's tokenization on its own).
+    Raises ValueError in one line for a string the tokenizer cannot encode."""
     ids = []
     for text in turn_end:
         try:
             encoded = tokenizer.encode(text, add_bos=False)
         except ValueError:
             encoded = []
-        if len(encoded) != 1:
-            raise ValueError(
-                f"turn_end string {text!r} is {len(encoded)} tokens for this tokenizer; "
-                "each must be exactly one token."
-            )
-        ids.append(int(encoded[0]))
+        if not encoded:
+            raise ValueError(f"turn_end string {text!r} cannot be encoded by this tokenizer.")
+        ids.append([int(i) for i in encoded])
     return ids
 
 
@@ -305,8 +303,8 @@ class EpisodeRunner:
                 f"{self.chat.assistant_end!r}, which starts with no whole token of this "
                 "tokenizer: a policy's turn could not end on it."
             )
-        if end_id[0] not in self.turn_end_ids:
-            self.turn_end_ids.append(end_id[0])
+        if [end_id[0]] not in self.turn_end_ids:
+            self.turn_end_ids.append([end_id[0]])
         self._chat_end = (end_id[0], end_text)
         frame = len(self._encode(self.chat.after_turn([{"role": "tool", "content": ""}], end_text)))
         if frame >= self.config.max_observation_tokens:

@@ -309,3 +309,42 @@ def test_an_empty_observation_appends_nothing_and_the_episode_goes_on(model, epi
     )
     assert not np.asarray(out.observation_mask).any()
     assert (out.turns >= 2).any(), out.turns  # Turns went on after an empty reply.
+
+
+def test_a_turn_ends_where_the_policy_writes_a_turn_end_sequence(model, episodes):
+    """Turn ends of two tokens (every pair of multiples of 3) beside one of one token (4):
+    each turn ends at the first place its policy tokens end with one of them, never before,
+    and a pair never spans an observation."""
+    pairs = [[a, b] for a in range(3, 128, 3) for b in range(3, 128, 3)]
+    prompt_tokens, prompt_mask = _prompts(seed=4)
+    graphdef, state = nnx.split(model)
+    out = episodes.sample(
+        graphdef,
+        lambda: (state, 0),
+        prompt_tokens,
+        prompt_mask,
+        jax.random.key(9),
+        respond=Environment(),
+        turn_end_ids=[*pairs, 4],
+        max_observation_tokens=K,
+    )
+    tokens, policy = np.asarray(out.tokens), np.asarray(out.completion_mask)
+    observed = np.asarray(out.observation_mask)
+
+    def ends(turn, i):  # Whether turn[: i + 1] ends with a turn end.
+        pair = i >= 1 and turn[i - 1] % 3 == 0 and turn[i] % 3 == 0
+        return pair or turn[i] == 4
+
+    pair_ends = 0
+    for row in range(ROWS):
+        columns = np.flatnonzero(policy[row] | observed[row])
+        runs = np.split(columns, np.flatnonzero(np.diff(observed[row][columns])) + 1)
+        turns = [tokens[row, run] for run in runs if policy[row, run[0]]]
+        for index, turn in enumerate(turns):
+            first = next((i for i in range(len(turn)) if ends(turn, i)), None)
+            if index < len(turns) - 1:  # Answered: it ended exactly at its first turn end.
+                assert first == len(turn) - 1, (row, turn)
+                pair_ends += turn[-1] != 4
+            else:  # The last turn ended on EOS, the budget, or a turn end at its end.
+                assert first is None or first == len(turn) - 1, (row, turn)
+    assert pair_ends >= 3 and out.turns.sum() >= ROWS

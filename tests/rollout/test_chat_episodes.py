@@ -9,6 +9,7 @@ from flax import nnx
 
 from gac_jax import models
 from gac_jax.rollout import EpisodeConfig, EpisodeRunner, GenerationConfig, make_sampler
+from gac_jax.rollout.episodes import turn_end_ids
 from gac_jax.tasks.chat import ChatTemplate
 from gac_jax.tasks.chat_turns import ChatTurns
 from gac_jax.tasks.environments import Observation
@@ -77,7 +78,7 @@ def test_chat_episodes_hold_the_conversation_transformers_renders(tokenizer):
     config = EpisodeConfig(max_turns=4, max_observation_tokens=K)
     runner = EpisodeRunner(sampler, tokenizer, Counter(), config, "counter", chat=chat)
     end_id = tokenizer.encode(END)[0]
-    assert end_id in runner.turn_end_ids and end_id in sampler.eos_ids
+    assert [end_id] in runner.turn_end_ids and end_id in sampler.eos_ids
     questions = [f"{a}*29+18?" for a in (347, 12, 9, 71, 3, 88)]
     prompts = [template.render([{"role": "user", "content": q}]) for q in questions]
     graphdef, state = nnx.split(model)
@@ -131,7 +132,7 @@ def test_runners_that_no_turn_could_end_or_no_result_fits_are_one_line_errors(to
     silent = type("Silent", (Counter,), {"turn_end": ()})()
     chat = ChatTurns(ChatTemplate(CHATML_TOOLS, CHATML_SPECIAL))
     runner = EpisodeRunner(sampler, tokenizer, silent, EpisodeConfig(), "silent", chat=chat)
-    assert runner.turn_end_ids == tokenizer.encode(END)  # The template's end of turn only.
+    assert runner.turn_end_ids == [tokenizer.encode(END)]  # The template's end of turn only.
     for kwargs, message in [
         (dict(chat=None), "silent has no turn_end and the run renders no chat template"),
         (
@@ -162,3 +163,15 @@ def test_a_long_result_is_cut_inside_the_templates_frame(tokenizer):
     text = tokenizer.decode(two, skip_special_tokens=False)
     assert len(two) <= K and text.count("<tool_response>") == 2
     assert "\n<tool_response>\n7\n</tool_response>" in text and "10063" in text
+
+
+def test_turn_end_strings_of_several_tokens_become_token_sequences():
+    tokenizer = models.CharTokenizer()
+    assert turn_end_ids(tokenizer, [">", "</t>"]) == [
+        tokenizer.encode(">"),
+        tokenizer.encode("</t>"),
+    ]
+    assert len(turn_end_ids(tokenizer, ["</t>"])[0]) == 4
+    with pytest.raises(ValueError, match="turn_end string '.' cannot be encoded") as error:
+        turn_end_ids(tokenizer, ["\u2603"])
+    assert "\n" not in str(error.value)

@@ -182,11 +182,16 @@ def test_environments_that_fail_to_import_or_build_are_one_line_errors(tmp_path,
         "class Env:\n    turn_end = 5\n    def start(self, e): pass\n"
         "    def step(self, s, t): pass\n    def reward(self, s, t, e): return 0.0\n"
     )
+    (tmp_path / "bad_tools.py").write_text(
+        "class Env:\n    turn_end = ()\n    tools = {'name': 'x'}\n    def start(self, e): pass\n"
+        "    def step(self, s, t): pass\n    def reward(self, s, t, e): return 0.0\n"
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     for spec, message in [
         ("broken_env:Env", "SyntaxError"),
         ("needs_args:Env", "built with no arguments"),
         ("bad_turn_end:Env", "must be a list of non-empty strings"),
+        ("bad_tools:Env", "tools=.* must be a list of JSON schemas"),
     ]:
         with pytest.raises(ValueError, match=message) as error:
             resolve_environment(spec)

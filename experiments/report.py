@@ -384,6 +384,14 @@ def rewrite_blocks(path: Path, blocks: dict[str, str]) -> None:
     path.write_text(text)
 
 
+def publish(blocks: dict[str, str], results_md: str) -> None:
+    """Prints each block and writes it into `results_md` (unless it is ``"none"``)."""
+    for name, table in blocks.items():
+        print(f"## {name}\n{table}\n")
+    if results_md != "none":
+        rewrite_blocks(Path(results_md), blocks)
+
+
 def main(argv: Sequence[str] | None = None) -> dict[str, str]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--root", default="experiments/runs/lab", type=Path)
@@ -429,10 +437,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, str]:
         except ValueError as error:
             parser.exit(2, f"{parser.prog}: error: {error}\n")
     blocks.update(report_v3.blocks(v3, v3_root, args.out))
-    for name, table in blocks.items():
-        print(f"## {name}\n{table}\n")
-    if args.results_md != "none":
-        rewrite_blocks(Path(args.results_md), blocks)
+    publish(blocks, args.results_md)
     return blocks
 
 

@@ -22,7 +22,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 # ruff: noqa: E402  (experiments/ is importable first)
-from report import by_label, rewrite_blocks
+from report import by_label, publish
 from report_tables import ci_cell, figure, values_of
 from report_v3 import _evals_at, _separation
 
@@ -137,10 +137,7 @@ def main(argv=None) -> dict[str, str]:
     args.out.mkdir(parents=True, exist_ok=True)
     runs = by_label(load_summaries(args.root)) if args.root.exists() else {}
     blocks = tools_cell(runs, args.root, args.out)
-    for name, table in blocks.items():
-        print(f"## {name}\n{table}\n")
-    if args.results_md != "none":
-        rewrite_blocks(Path(args.results_md), blocks)
+    publish(blocks, args.results_md)
     return blocks
 
 

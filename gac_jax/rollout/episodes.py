@@ -323,13 +323,13 @@ class EpisodeRunner:
             return self._encode(observation.joined)[:k]
         # A turn that ended on the template's own end token wrote that much of its close.
         ended_with = self._chat_end[1] if last_token == self._chat_end[0] else ""
-        contents = [self._encode(text) for text in observation.texts]
 
         def rendered(texts) -> list[int]:
             messages = [{"role": observation.role, "content": text} for text in texts]
             return self._encode(self.chat.after_turn(messages, ended_with))
 
         ids = rendered(observation.texts)
+        contents = [self._encode(text) for text in observation.texts] if len(ids) > k else []
         while len(ids) > k and any(contents):
             longest = max(range(len(contents)), key=lambda i: len(contents[i]))
             cut = max(0, len(contents[longest]) - (len(ids) - k))

@@ -48,6 +48,22 @@ def _prompts(seed=0):
     return np.asarray(tokens), np.asarray(mask)
 
 
+def _sample(episodes, model, seed, key, respond, params_fn=None, **kwargs):
+    """`episodes.sample` of `_prompts(seed)` with the model's params (or `params_fn`), the
+    module's turn ends and K unless `kwargs` say otherwise."""
+    prompt_tokens, prompt_mask = _prompts(seed)
+    graphdef, state = nnx.split(model)
+    return episodes.sample(
+        graphdef,
+        params_fn or (lambda: (state, 0)),
+        prompt_tokens,
+        prompt_mask,
+        jax.random.key(key),
+        respond=respond,
+        **{"turn_end_ids": TURN_END, "max_observation_tokens": K, **kwargs},
+    )
+
+
 class Environment:
     """Answers a turn with 1..K tokens drawn from the turn's length (deterministic), after
     `delay(row)` seconds in its own thread; records every call."""
@@ -94,19 +110,7 @@ def test_policy_logps_equal_teacher_forced_logps_of_the_whole_transcript(
 ):
     prompt_tokens, prompt_mask = _prompts()
     env = Environment()
-    graphdef, state = nnx.split(model)
-    out = episodes.sample(
-        graphdef,
-        lambda: (state, 0),
-        prompt_tokens,
-        prompt_mask,
-        jax.random.key(1),
-        respond=env,
-        turn_end_ids=TURN_END,
-        max_observation_tokens=K,
-        chunk_steps=4,
-        temperature=temperature,
-    )
+    out = _sample(episodes, model, 0, 1, env, chunk_steps=4, temperature=temperature)
     policy = np.asarray(out.completion_mask)
     observed = np.asarray(out.observation_mask)
     assert not (policy & observed).any()
@@ -135,20 +139,8 @@ def test_policy_logps_equal_teacher_forced_logps_of_the_whole_transcript(
 
 
 def test_no_prefix_is_prefilled_again(model, episodes):
-    prompt_tokens, prompt_mask = _prompts(seed=3)
     env = Environment()
-    graphdef, state = nnx.split(model)
-    out = episodes.sample(
-        graphdef,
-        lambda: (state, 0),
-        prompt_tokens,
-        prompt_mask,
-        jax.random.key(2),
-        respond=env,
-        turn_end_ids=TURN_END,
-        max_observation_tokens=K,
-        chunk_steps=8,
-    )
+    out = _sample(episodes, model, 3, 2, env, chunk_steps=8)
     appended = int(np.asarray(out.observation_mask).any(axis=1).sum())
     assert appended and len(env.calls) >= appended
     blocks = sum(1 for row, length, said, _, _ in env.calls if length + len(said) < BUDGET)
@@ -157,20 +149,8 @@ def test_no_prefix_is_prefilled_again(model, episodes):
 
 
 def test_a_slow_environment_stalls_only_its_own_slot(model, episodes):
-    prompt_tokens, prompt_mask = _prompts(seed=5)
     env = Environment(delay=lambda row: 1.0 if row == 0 else 0.0)
-    graphdef, state = nnx.split(model)
-    out = episodes.sample(
-        graphdef,
-        lambda: (state, 0),
-        prompt_tokens,
-        prompt_mask,
-        jax.random.key(3),
-        respond=env,
-        turn_end_ids=TURN_END,
-        max_observation_tokens=K,
-        chunk_steps=4,
-    )
+    out = _sample(episodes, model, 5, 3, env, chunk_steps=4)
     slow = [c for c in env.calls if c[0] == 0]
     assert slow, "row 0 never ended a turn"
     called, answered = slow[0][3], slow[0][4]
@@ -180,25 +160,13 @@ def test_a_slow_environment_stalls_only_its_own_slot(model, episodes):
 
 
 def test_tokens_keep_non_decreasing_versions_across_turns(model, episodes):
-    prompt_tokens, prompt_mask = _prompts(seed=7)
-    env = Environment()
-    graphdef, state = nnx.split(model)
+    state = nnx.state(model)
     published = iter(range(10**6))
 
     def params_fn():  # A new version at every look: every chunk decodes with a newer one.
         return state, next(published)
 
-    out = episodes.sample(
-        graphdef,
-        params_fn,
-        prompt_tokens,
-        prompt_mask,
-        jax.random.key(4),
-        respond=env,
-        turn_end_ids=TURN_END,
-        max_observation_tokens=K,
-        chunk_steps=2,
-    )
+    out = _sample(episodes, model, 7, 4, Environment(), params_fn, chunk_steps=2)
     policy = np.asarray(out.completion_mask)
     versions = np.asarray(out.token_versions)
     spanned = 0
@@ -210,20 +178,8 @@ def test_tokens_keep_non_decreasing_versions_across_turns(model, episodes):
 
 
 def test_the_turn_limit_ends_episodes_without_asking_the_environment(model, episodes):
-    prompt_tokens, prompt_mask = _prompts(seed=9)
     env = Environment()
-    graphdef, state = nnx.split(model)
-    out = episodes.sample(
-        graphdef,
-        lambda: (state, 0),
-        prompt_tokens,
-        prompt_mask,
-        jax.random.key(5),
-        respond=env,
-        turn_end_ids=TURN_END,
-        max_observation_tokens=K,
-        max_turns=2,
-    )
+    out = _sample(episodes, model, 9, 5, env, max_turns=2)
     assert out.turns.max() == 2 and np.all(out.turns <= 2)
     per_row = np.bincount([c[0] for c in env.calls], minlength=ROWS)
     np.testing.assert_array_equal(per_row, np.minimum(out.turns, 1))
@@ -236,8 +192,6 @@ def test_a_turn_end_that_is_also_eos_ends_the_turn_and_the_environment_ends_the_
     and the episode ends only when `respond` says None (here at the second turn)."""
     chat_eos = [i for i in range(3, 128) if i % 4 == 0]
     sampler = Sampler(model.config, max_new_tokens=BUDGET, eos_ids=chat_eos, pad_id=PAD, slots=2)
-    prompt_tokens, prompt_mask = _prompts(seed=3)
-    graphdef, state = nnx.split(model)
     seen = {}
 
     def respond(row, transcript):
@@ -246,16 +200,7 @@ def test_a_turn_end_that_is_also_eos_ends_the_turn_and_the_environment_ends_the_
         future.set_result([50, 51] if seen[row] == 1 else None)
         return future
 
-    out = EpisodeSampler(sampler).sample(
-        graphdef,
-        lambda: (state, 0),
-        prompt_tokens,
-        prompt_mask,
-        jax.random.key(8),
-        respond=respond,
-        turn_end_ids=chat_eos,
-        max_observation_tokens=K,
-    )
+    out = _sample(EpisodeSampler(sampler), model, 3, 8, respond, turn_end_ids=chat_eos)
     tokens, policy = np.asarray(out.tokens), np.asarray(out.completion_mask)
     observed = np.asarray(out.observation_mask)
     two_turns = 0
@@ -272,41 +217,19 @@ def test_a_turn_end_that_is_also_eos_ends_the_turn_and_the_environment_ends_the_
 
 
 def test_bad_arguments_raise_one_line(model, episodes):
-    prompt_tokens, prompt_mask = _prompts()
-    graphdef, state = nnx.split(model)
     with pytest.raises(ValueError, match="turn_end_ids is empty"):
-        episodes.sample(
-            graphdef,
-            lambda: (state, 0),
-            prompt_tokens,
-            prompt_mask,
-            jax.random.key(0),
-            respond=Environment(),
-            turn_end_ids=[],
-            max_observation_tokens=K,
-        )
+        _sample(episodes, model, 0, 0, Environment(), turn_end_ids=[])
+    with pytest.raises(ValueError, match="holds an empty sequence"):
+        _sample(episodes, model, 0, 0, Environment(), turn_end_ids=[[3, 4], []])
 
 
 def test_an_empty_observation_appends_nothing_and_the_episode_goes_on(model, episodes):
-    prompt_tokens, prompt_mask = _prompts(seed=11)
-    graphdef, state = nnx.split(model)
-
     def silent(row, transcript):
         future = concurrent.futures.Future()
         future.set_result([])
         return future
 
-    out = episodes.sample(
-        graphdef,
-        lambda: (state, 0),
-        prompt_tokens,
-        prompt_mask,
-        jax.random.key(6),
-        respond=silent,
-        turn_end_ids=TURN_END,
-        max_observation_tokens=K,
-        chunk_steps=4,
-    )
+    out = _sample(episodes, model, 11, 6, silent, chunk_steps=4)
     assert not np.asarray(out.observation_mask).any()
     assert (out.turns >= 2).any(), out.turns  # Turns went on after an empty reply.
 
@@ -316,18 +239,7 @@ def test_a_turn_ends_where_the_policy_writes_a_turn_end_sequence(model, episodes
     each turn ends at the first place its policy tokens end with one of them, never before,
     and a pair never spans an observation."""
     pairs = [[a, b] for a in range(3, 128, 3) for b in range(3, 128, 3)]
-    prompt_tokens, prompt_mask = _prompts(seed=4)
-    graphdef, state = nnx.split(model)
-    out = episodes.sample(
-        graphdef,
-        lambda: (state, 0),
-        prompt_tokens,
-        prompt_mask,
-        jax.random.key(9),
-        respond=Environment(),
-        turn_end_ids=[*pairs, 4],
-        max_observation_tokens=K,
-    )
+    out = _sample(episodes, model, 4, 9, Environment(), turn_end_ids=[*pairs, 4])
     tokens, policy = np.asarray(out.tokens), np.asarray(out.completion_mask)
     observed = np.asarray(out.observation_mask)
 

@@ -12,21 +12,10 @@ from gac_jax.tasks.chat import ChatTemplate
 from gac_jax.tasks.chat_turns import ChatTurns
 from gac_jax.tasks.environments import Observation
 from gac_jax.tasks.tool_calls import MalformedCall, ToolCall, parse_tool_calls
+from tests.tasks.test_chat import _hf_tokenizer
 from tests.tasks.tool_templates import CHATML_SPECIAL, CHATML_TOOLS, HEADER_SPECIAL, HEADER_TOOLS
 
 TOOLS = CalculatorTool().tools
-
-
-def _reference(template, special):
-    transformers = pytest.importorskip("transformers")
-    tokenizers = pytest.importorskip("tokenizers")
-    vocab = {"[UNK]": 0, **{t: i + 1 for i, t in enumerate(special.values())}}
-    model = tokenizers.models.WordLevel(vocab, unk_token="[UNK]")
-    tok = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=tokenizers.Tokenizer(model), unk_token="[UNK]", **special
-    )
-    tok.chat_template = template
-    return tok
 
 
 def _call(expression):
@@ -62,7 +51,7 @@ def test_an_episode_is_the_conversation_transformers_renders(template, special, 
     history (with thinking: earlier reasoning and empty think blocks dropped), each
     observation still equals what transformers writes after the last assistant message of
     the conversation so far, and the context keeps what the policy was sampled in."""
-    reference = _reference(template, special)
+    reference = _hf_tokenizer(template, special)
     ours = ChatTemplate(template, special)
     turns = ChatTurns(ours, tools=TOOLS, **kwargs)
     conversation = [{"role": "user", "content": "347*29+18?"}]
@@ -146,7 +135,7 @@ def test_templates_that_cannot_render_turns_are_one_line_errors():
 def test_calls_the_template_writes_parse_back(name, arguments):
     """Whatever transformers writes for an assistant's tool_calls, parse_tool_calls reads
     back the same name and arguments (two calls, in order)."""
-    reference = _reference(CHATML_TOOLS, CHATML_SPECIAL)
+    reference = _hf_tokenizer(CHATML_TOOLS, CHATML_SPECIAL)
     calls = [
         {"type": "function", "function": {"name": name, "arguments": arguments}},
         {
@@ -201,7 +190,7 @@ def test_malformed_calls_are_answered_with_errors_and_a_turn_without_calls_ends(
 
 
 def test_a_turns_several_calls_are_answered_one_tool_message_each_as_transformers_renders():
-    reference = _reference(CHATML_TOOLS, CHATML_SPECIAL)
+    reference = _hf_tokenizer(CHATML_TOOLS, CHATML_SPECIAL)
     turns = ChatTurns(ChatTemplate(CHATML_TOOLS, CHATML_SPECIAL))
     written = _written("6*7", CHATML_TOOLS) + "\n" + _written("2+2", CHATML_TOOLS)
     observation = CalculatorTool().step(None, written)

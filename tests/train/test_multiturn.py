@@ -216,6 +216,7 @@ def _chat_model_dir(path):
 
     from gac_jax.tasks import calculator
     from gac_jax.tasks.chat import ChatTemplate
+    from tests.models.test_hf_checkpoint import COMMON, FAMILIES
     from tests.tasks.tool_templates import CHATML_SPECIAL, CHATML_TOOLS
 
     template = ChatTemplate(CHATML_TOOLS, CHATML_SPECIAL)
@@ -235,17 +236,10 @@ def _chat_model_dir(path):
     config = {"chat_template": CHATML_TOOLS, **CHATML_SPECIAL, "bos_token": None}
     (path / "tokenizer_config.json").write_text(json.dumps(config))
     torch.manual_seed(0)
+    _, _, qwen3 = FAMILIES["qwen3"]  # The equivalence tests' tiny Qwen3, longer positions.
     hf_config = transformers.Qwen3Config(
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=96,
-        vocab_size=128,
-        head_dim=16,
-        tie_word_embeddings=True,
+        **{**COMMON, **qwen3, "max_position_embeddings": 1024},
         eos_token_id=tok.token_to_id("<|im_end|>"),
-        max_position_embeddings=1024,
     )
     model = transformers.Qwen3ForCausalLM(hf_config)
     with torch.no_grad():  # The end of turn sampled often: episodes of several turns.

@@ -267,36 +267,7 @@ def predict(sync: Measured, sim_steps: int, lengths: LengthDistribution) -> None
 
 def print_pinned(results: dict[str, dict], sim_steps: int) -> None:
     sync = results["sync"]["medians"]["trained_per_s"]
-    header = ["layout", "trained tok/s", "vs sync", "steps/s", "wait s/step", "overlap"]
-    header += ["busy learner", "busy sampler", "staleness"]
-    rows = []
-    for name, r in results.items():
-        m = r["medians"]
-        rows.append(
-            [
-                name,
-                f"{m['trained_per_s']:.0f}",
-                f"{m['trained_per_s'] / sync:.2f}x",
-                f"{m['steps_per_s']:.2f}",
-                f"{m['wait_seconds']:.3f}",
-                f"{m['overlap']:.2f}",
-                f"{m['learner_busy']:.2f}",
-                f"{m['sampler_busy']:.2f}",
-                f"{m['staleness']:.2f}",
-            ]
-        )
-    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-    for r in [header, *rows]:
-        print("  ".join(s.ljust(n) for s, n in zip(r, widths, strict=True)).rstrip())
-    for name, r in results.items():
-        line = f"  {name}: staleness histogram (gap: groups) {r['staleness_histogram']}"
-        if r["transfer"]:
-            t = r["transfer"]
-            line += (
-                f"; weights per version: put {1e3 * t['put_seconds']:.1f} ms, "
-                f"fetch + place {1e3 * t['fetch_place_seconds']:.1f} ms"
-            )
-        print(line)
+    pinned_split.print_layouts(results)
 
     split = results["split"]
     fit = split["group_fit"]

@@ -296,6 +296,44 @@ def run_layouts(workload_name: str, rounds: int, steps: int, smoke: bool) -> dic
     return out
 
 
+def print_layouts(results: dict[str, dict], *, episodes: bool = False) -> None:
+    """The layouts' medians as a table, against sync by trained tokens/s (or by episodes/s
+    with `episodes`), then each layout's staleness histogram and weight transfer."""
+    key = "episodes_per_s" if episodes else "trained_per_s"
+    sync = results["sync"]["medians"][key]
+    header = ["layout", *(["episodes/s"] if episodes else []), "trained tok/s", "vs sync"]
+    header += ["steps/s", "wait s/step", "overlap", "busy learner", "busy sampler", "staleness"]
+    rows = []
+    for name, r in results.items():
+        m = r["medians"]
+        rows.append(
+            [
+                name,
+                *([f"{m['episodes_per_s']:.1f}"] if episodes else []),
+                f"{m['trained_per_s']:.0f}",
+                f"{m[key] / sync:.2f}x",
+                f"{m['steps_per_s']:.2f}",
+                f"{m['wait_seconds']:.3f}",
+                f"{m['overlap']:.2f}",
+                f"{m['learner_busy']:.2f}",
+                f"{m['sampler_busy']:.2f}",
+                f"{m['staleness']:.2f}",
+            ]
+        )
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    for r in [header, *rows]:
+        print("  ".join(s.ljust(n) for s, n in zip(r, widths, strict=True)).rstrip())
+    for name, r in results.items():
+        line = f"  {name}: staleness histogram (gap: groups) {r['staleness_histogram']}"
+        if r["transfer"]:
+            t = r["transfer"]
+            line += (
+                f"; weights per version: put {1e3 * t['put_seconds']:.1f} ms, "
+                f"fetch + place {1e3 * t['fetch_place_seconds']:.1f} ms"
+            )
+        print(line)
+
+
 def _sampler_spans(run, sampling) -> list[tuple[float, float]]:
     """The sampler's busy spans: the actor's calls (Ray), or the sampler's own (sync)."""
     if run.rollout_pool is not None:

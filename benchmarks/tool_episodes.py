@@ -186,25 +186,6 @@ def _predict(name, per_token, fixed, train, lengths, calls, groups, size, sim_st
     )
 
 
-def print_pinned(results: dict[str, dict], args) -> None:
-    sync = results["sync"]["medians"]["episodes_per_s"]
-    print(f"\nTwo cores: medians over {args.rounds} round(s) of {args.steps} steps")
-    print(
-        f"  {'layout':<15}{'episodes/s':>11}{'policy tok/s':>14}{'vs sync':>9}"
-        f"{'wait s/step':>13}{'overlap':>9}{'busy learner':>14}{'busy sampler':>14}"
-        f"{'staleness':>11}"
-    )
-    for layout, result in results.items():
-        m = result["medians"]
-        print(
-            f"  {layout:<15}{m['episodes_per_s']:>11.1f}{m['trained_per_s']:>14.0f}"
-            f"{m['episodes_per_s'] / sync:>8.2f}x{m['wait_seconds']:>13.3f}{m['overlap']:>9.2f}"
-            f"{m['learner_busy']:>14.2f}{m['sampler_busy']:>14.2f}{m['staleness']:>11.2f}"
-        )
-    for layout, result in results.items():
-        print(f"  {layout}: staleness histogram (gap: groups) {result['staleness_histogram']}")
-
-
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
@@ -242,7 +223,8 @@ def main(argv=None) -> None:
     if not args.no_pinned:
         print("\nTwo real cores (benchmarks/pinned_split.py --workload tools)", flush=True)
         pinned = pinned_split.run_layouts("tools", args.rounds, args.steps, args.smoke)
-        print_pinned(pinned, args)
+        print(f"\nTwo cores: medians over {args.rounds} round(s) of {args.steps} steps")
+        pinned_split.print_layouts(pinned, episodes=True)
     print(f"\nbenchmark wall time {time.perf_counter() - started:.0f} s")
 
 

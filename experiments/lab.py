@@ -145,6 +145,88 @@ TOOL_CELL = {
     # matched VCPO's per-step KL).
     f"naive_lr{V3_LR / 2:g}": (f"optimizer.learning_rate={V3_LR / 2}",),
 }
+# Laboratory v4 (issue #41): the cell where alignment, not variance, fails training. Stale
+# rollouts trained as if on-policy (`naive_pg`: no importance weight, the gradient of verl's
+# recompute default at one update a batch), 128 prompts x 8 a step, lr 5e-4, 150 steps: the
+# pilot's naive k=16 runs had c_t median 0.34-0.35 over their first 40 steps (sync 0.07-0.21),
+# a per-step KL 7-8x sync's, and fell from pass@1 0.068 to 0.02-0.03 while sync rose to 0.18.
+V4_LR = 5e-4
+V4_LAG = 16
+V4_REGIME = (
+    f"optimizer.learning_rate={V4_LR}",
+    "loss.policy_loss=naive_pg",
+    "rollout.groups_per_batch=128",
+)
+V4_SIZE = ("steps=150", "eval_every=50", "checkpoint_every=50")
+ACTIVE = "gac.monitor_only=false"
+# Thresholds from the synchronous runs' measured c_t (pilot, 2 seeds: medians 0.11 and 0.20,
+# 90th percentiles 0.35 and 0.49): project what is more aligned than synchronous training's
+# median step, skip what only a tenth of its steps reach.
+GAC_SYNC_BAND = (ACTIVE, "gac.tau_low=0.15", "gac.tau_high=0.45")
+# On applied updates (after Adam): consecutive applied updates of synchronous training have
+# a cosine of 0.88-0.91 (pilot, 10-step medians; momentum), the stale runs' 0.93-0.97.
+# Project down to synchronous training's level, skip beyond what the stale runs reached.
+GAC_UPDATE = (
+    ACTIVE,
+    "gac.acts_on=update",
+    "gac.reference=update",
+    "gac.tau_low=0.9",
+    "gac.tau_high=0.97",
+)
+V4_SMALL_LR = V4_LR / 4  # Naive's per-step KL there (pilot: 0.0074) is close to sync's.
+V4_CELL = {  # label -> overrides on the regime (lag 16 unless they say).
+    "sync": ("rollout.lag=0",),
+    "naive": (),
+    "gac": (ACTIVE,),  # The defaults, 0.2 / 0.8.
+    "gac_sync_band": GAC_SYNC_BAND,
+    "gac_held": (*GAC_SYNC_BAND, "gac.reference_after_skip=held"),
+    "gac_adaptive": (ACTIVE, "gac.thresholds=adaptive"),
+    "gac_update": GAC_UPDATE,
+    "ppo": ("loss.policy_loss=ppo",),  # PPO-clip against the behaviour policy: the bar.
+    # VCPO as its authors train it: sequence TIS capped at 8, seq-mean-token-mean, ESS
+    # step scaling, the off-policy optimal baseline with their weights.
+    "vcpo": (
+        "loss.policy_loss=reinforce",
+        "loss.correction=tis",
+        "loss.correction_kwargs.level=sequence",
+        *AUTHORS_LOSS,
+        "ess={}",
+        "loss.advantage=vcpo",
+        "loss.advantage_kwargs.baseline_weights=released",
+        "loss.advantage_kwargs.cap=8.0",
+    ),
+    # The controls: the step size (the one whose per-step KL matches a cure's is its
+    # control; the report says which) and less momentum, at the small step (at lr 5e-4,
+    # b1 0.5 moved the policy up to 1000x more a step: Adam without averaging).
+    f"naive_lr{V4_LR / 2:g}": (f"optimizer.learning_rate={V4_LR / 2}",),
+    f"naive_lr{V4_SMALL_LR:g}": (f"optimizer.learning_rate={V4_SMALL_LR}",),
+    f"naive_b1_0.5_lr{V4_SMALL_LR:g}": (
+        f"optimizer.learning_rate={V4_SMALL_LR}",
+        "optimizer.b1=0.5",
+    ),
+    f"naive_b1_0_lr{V4_SMALL_LR:g}": (f"optimizer.learning_rate={V4_SMALL_LR}", "optimizer.b1=0.0"),
+}
+# The order of a seed's runs: the comparison's core first, so a partial sweep answers most.
+V4_ORDER = (
+    "naive",
+    "sync",
+    "gac_sync_band",
+    "gac_update",
+    "ppo",
+    "gac",
+    f"naive_lr{V4_SMALL_LR:g}",
+    "vcpo",
+    "gac_adaptive",
+    f"naive_lr{V4_LR / 2:g}",
+    f"naive_b1_0.5_lr{V4_SMALL_LR:g}",
+    f"naive_b1_0_lr{V4_SMALL_LR:g}",
+    "gac_held",
+)
+# The map of alignment: naive asynchrony at several batch sizes and lags, with the gradient
+# noise scale measured (mini-batch halves).
+V4_MAP_GROUPS = (16, 32, 64, 128, 256)
+V4_MAP_LAGS = (0, 16, 64)
+
 SEEDS = {
     "sync": 5,
     "staleness": 1,
@@ -154,6 +236,8 @@ SEEDS = {
     "cell": 5,
     "map": 3,
     "tools": 5,
+    "v4": 5,
+    "v4map": 3,
 }
 
 # --quick: the same sweeps, cut to a few short runs from the shipped warm start.
@@ -308,6 +392,55 @@ def tools_specs(seeds, quick=False):
     return runs
 
 
+def v4_label(name: str) -> str:
+    return f"v4/{name}/k{0 if name == 'sync' else V4_LAG}"
+
+
+def v4_specs(seeds, quick=False):
+    """Laboratory v4's cell (issue #41), the seeds outermost and the core runs first."""
+    names = ("sync", "naive", "gac_update") if quick else V4_ORDER
+    size = () if quick else V4_SIZE
+    lag = QUICK["cure_lag"] if quick else V4_LAG
+    regime = V4_REGIME[:-1] if quick else V4_REGIME
+    return [
+        RunSpec(
+            v4_label(n) if not quick else f"v4/{n}/k{0 if n == 'sync' else lag}",
+            (*regime, *size, f"rollout.lag={lag}", *V4_CELL[n]),
+            s,
+        )
+        for s in seeds
+        for n in names
+    ]
+
+
+def v4map_label(groups: int, lag: int) -> str:
+    return f"v4map/g{groups}/k{lag}"
+
+
+def v4map_specs(seeds, quick=False):
+    """Naive asynchrony (`naive_pg`) at each batch size and lag, with the noise scale; the
+    cell's own runs are not repeated (128 prompts at k=0 and k=16 add the noise scale)."""
+    groups = QUICK["groups"] if quick else V4_MAP_GROUPS
+    lags = QUICK["lags"] if quick else V4_MAP_LAGS
+    size = () if quick else V4_SIZE
+    return [
+        RunSpec(
+            v4map_label(g, k),
+            (
+                *V4_REGIME[:-1],
+                *size,
+                *NOISE_SCALE,
+                f"rollout.groups_per_batch={g}",
+                f"rollout.lag={k}",
+            ),
+            s,
+        )
+        for s in seeds
+        for g in groups
+        for k in lags
+    ]
+
+
 SWEEPS = {
     "sync": sync_specs,
     "staleness": staleness_specs,
@@ -317,6 +450,8 @@ SWEEPS = {
     "cell": cell_specs,
     "map": map_specs,
     "tools": tools_specs,
+    "v4": v4_specs,
+    "v4map": v4map_specs,
 }
 # Sweeps whose base is another preset than `lab` (--config), and their folder under --root.
 OWN_BASE = {"tools": "calculator"}

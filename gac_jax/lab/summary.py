@@ -104,13 +104,47 @@ def summarize_run(
         "grad_norm_median": _median(records, "grad_norm"),
         "staleness_mean": float(gap.mean()) if len(gap) else math.nan,
         "staleness_max": float(_series(records, "version_gap_max").max()) if len(gap) else math.nan,
-        "project_fraction": float(np.mean(regimes == 1)) if len(regimes) else 0.0,
-        "skip_fraction": float(np.mean(regimes == 2)) if len(regimes) else 0.0,
+        **_control_statistics(records, regimes),
         **_lab_statistics(records, rule),
     }
     summary["collapsed"] = summary["collapse_step"] is not None
     summary["gain"] = summary["final_accuracy"] - summary["start_accuracy"]
     return summary
+
+
+def _control_statistics(records: Sequence[Mapping[str, Any]], regimes: np.ndarray) -> dict:
+    """What GAC did, at either level: the fractions of steps projected and skipped (a skip
+    applies nothing), the median share of the gradient (or update) norm removed on the
+    steps it acted on, and the cosine of consecutive applied updates."""
+    update_regimes = _series(records, "gac_update_regime")
+    projected = regimes == 1
+    if len(update_regimes) == len(regimes):
+        projected = projected | (update_regimes == 1)
+    skipped = _series(records, "gac_skipped")
+    if len(skipped) != len(regimes):  # Runs from before the true skip: the regime says.
+        skipped = (regimes == 2).astype(float)
+    removed = np.concatenate(
+        [
+            _series([r for r in records if r.get(regime, 0) in (1, 2)], key)
+            for regime, key in (
+                ("gac_regime", "gac_removed_fraction"),
+                ("gac_update_regime", "gac_update_removed_fraction"),
+            )
+        ]
+    )
+    applied_cosine = cosine_samples(records, "gac_update_cosine")
+    return {
+        "project_fraction": float(np.mean(projected & (skipped == 0))) if len(regimes) else 0.0,
+        "skip_fraction": float(np.mean(skipped)) if len(skipped) else 0.0,
+        "removed_fraction_median": float(np.median(removed)) if len(removed) else math.nan,
+        "update_cosine_median": _quantiles(applied_cosine)[1],
+        "update_cosine_q90": (
+            float(np.percentile(applied_cosine, 90)) if len(applied_cosine) else math.nan
+        ),
+        "c_t_q90": float(np.percentile(cosine_samples(records), 90))
+        if len(cosine_samples(records))
+        else math.nan,
+    }
 
 
 def _median(records: Sequence[Mapping[str, Any]], key: str) -> float:

@@ -1,4 +1,5 @@
-"""The learner's optax chain: clip -> GAC (or its monitor) -> optimizer -> ESS step scaling.
+"""The learner's optax chain: clip -> the optimizer under GAC (`alignment_controlled`: GAC or
+its monitor on the raw gradient and on the applied update, a true skip) -> ESS step scaling.
 
 The optimizer is one of optax's own (`OPTIMIZERS`), its learning rate one of optax's
 schedules (`SCHEDULES`), injected with `optax.inject_hyperparams` so that the rate each
@@ -12,7 +13,7 @@ import dataclasses
 import optax
 
 from gac_jax._validation import check_choice, check_int, check_range
-from gac_jax.transforms import ESSConfig, GACConfig, gradient_alignment_monitor
+from gac_jax.transforms import ESSConfig, GACConfig
 
 # The optimizers, by their names in optax (looked up there when the chain is built).
 OPTIMIZERS = ("adamw", "adafactor", "lion", "sgd")
@@ -176,8 +177,10 @@ def make_optimizer(
 
     Args:
       config: optimizer, schedule and clipping (`OptimizerConfig()` by default).
-      gac: Gradient Alignment Control, or None for its monitor only (the cosine is
-        recorded either way).
+      gac: Gradient Alignment Control, or None for its monitors only (both cosines, of
+        raw gradients and of applied updates, are recorded either way). It wraps the
+        optimizer (`GACConfig.wrap`), so a skipped step leaves the params and the whole
+        optimizer state, the schedule's step included, as they were.
       ess: VCPO's ESS step scaling, or None to leave the step unscaled. The update then
         needs the extra arg `log_importance_weights`.
       steps: the run's length: the schedule's when `config.decay_steps` is None (a
@@ -194,8 +197,8 @@ def make_optimizer(
     parts = []
     if config.clip_norm is not None:
         parts.append(optax.clip_by_global_norm(config.clip_norm))
-    parts.append(gac.build() if gac is not None else gradient_alignment_monitor())
-    parts.append(optax.inject_hyperparams(optimizer)(learning_rate=schedule))
+    gac = GACConfig(monitor_only=True) if gac is None else gac
+    parts.append(gac.wrap(optax.inject_hyperparams(optimizer)(learning_rate=schedule)))
     if ess is not None:
         parts.append(ess.build())
     return optax.chain(*parts)

@@ -26,6 +26,7 @@ from gac_jax.learner.objective import Objective
 from gac_jax.learner.optimizer import injected_learning_rate
 from gac_jax.models.scoring import token_logps_and_entropy
 from gac_jax.numerics import masked_mean
+from gac_jax.transforms import alignment_statistics
 
 _sg = jax.lax.stop_gradient
 
@@ -75,11 +76,10 @@ def whole_batch_logp(forward_fn, params, chunks: TrainBatch) -> jax.Array:
 
 
 def _chain_statistics(opt_state) -> dict[str, jax.Array]:
-    metrics = {}
-    for name in ("gac_cosine", "gac_cosine_after", "gac_regime", "gac_tau_low", "ess_scale"):
-        value = optax.tree.get(opt_state, name, None)
-        if value is not None:  # Chains without GAC or ESS simply lack these.
-            metrics[name] = value
+    metrics = alignment_statistics(opt_state)  # Both cosines, GAC's regimes, its skip.
+    ess_scale = optax.tree.get(opt_state, "ess_scale", None)
+    if ess_scale is not None:  # Chains without ESS scaling simply lack it.
+        metrics["ess_scale"] = ess_scale
     # The rate this update used, as the optimizer's state holds it (not recomputed).
     learning_rate = injected_learning_rate(opt_state)
     if learning_rate is not None:

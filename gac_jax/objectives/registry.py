@@ -33,7 +33,9 @@ from gac_jax.objectives.losses import (
     cispo_loss,
     decoupled_ppo_loss,
     gspo_loss,
+    naive_pg_loss,
     ppo_clip_loss,
+    ppo_recompute_loss,
     reinforce_loss,
     topr_loss,
 )
@@ -102,6 +104,9 @@ POLICY_LOSS_SPECS: Mapping[str, PolicyLossSpec] = MappingProxyType(
         "reinforce": PolicyLossSpec(reinforce_loss, takes_is_weights=True),
         "ppo": PolicyLossSpec(ppo_clip_loss, takes_is_weights=True),
         "decoupled_ppo": PolicyLossSpec(decoupled_ppo_loss, needs_proximal=True),
+        # The naive asynchronous baselines: stale rollouts trained as if on-policy.
+        "naive_pg": PolicyLossSpec(naive_pg_loss),
+        "ppo_recompute": PolicyLossSpec(ppo_recompute_loss, needs_proximal=True),
         "cispo": PolicyLossSpec(cispo_loss),
         "gspo": PolicyLossSpec(gspo_loss, default_aggregation="seq-mean-token-mean"),
         "topr": PolicyLossSpec(topr_loss, default_aggregation="seq-mean-token-sum"),

@@ -9,11 +9,16 @@ from gac_jax.transforms.alignment import (
     REGIME_PASS,
     REGIME_PROJECT,
     REGIME_SKIP,
-    GACConfig,
     GradientAlignmentControlState,
     gradient_alignment_control,
     gradient_alignment_monitor,
     set_gac_reference,
+)
+from gac_jax.transforms.controlled import (
+    AlignmentControlledState,
+    GACConfig,
+    alignment_controlled,
+    alignment_statistics,
 )
 from gac_jax.transforms.ess_scaling import (
     ESSConfig,
@@ -28,10 +33,13 @@ __all__ = [
     "REGIME_PASS",
     "REGIME_PROJECT",
     "REGIME_SKIP",
+    "AlignmentControlledState",
     "ESSConfig",
     "GACConfig",
     "GradientAlignmentControlState",
     "ScaleByEssState",
+    "alignment_controlled",
+    "alignment_statistics",
     "ess_step_scale",
     "gradient_alignment_control",
     "gradient_alignment_monitor",

@@ -106,6 +106,22 @@ def cosine_after_control(unit: Alignment, control: Control, total_ref_sq, finite
     return jnp.where(finite, safe_cosine(after_dot, after_sq, total_ref_sq), jnp.nan)
 
 
+def removed_fraction(unit: Alignment, control: Control, total_grad_sq, finite) -> jax.Array:
+    """|g - emitted| / |g| over the whole tree (0 for a zero gradient, NaN if non-finite).
+
+    From the inner products: per unit, |(1 - keep) g + alpha r|^2 =
+    (1 - keep)^2 |g|^2 + 2 (1 - keep) alpha <g, r> + alpha^2 |r|^2.
+    """
+    drop = 1.0 - control.keep
+    removed_sq = (
+        drop * drop * unit.grad_sq
+        + 2.0 * drop * control.alpha * unit.dot
+        + control.alpha * control.alpha * unit.ref_sq
+    )
+    fraction = jnp.sqrt(safe_divide(jnp.maximum(jnp.sum(removed_sq), 0.0), total_grad_sq))
+    return jnp.where(finite, jnp.minimum(fraction, 1.0), jnp.nan)
+
+
 def per_leaf_control(control: Control, num_leaves: int, scope: str) -> Control:
     """`control` with one entry per leaf (a global control is broadcast to every leaf)."""
     if scope == "per_leaf":

@@ -16,9 +16,15 @@ previous gradient by default), and controls the step with two thresholds
 * `c_t <= tau_low`: pass `g_t` unchanged (negative alignment is never touched);
 * `tau_low < c_t <= tau_high`: project, removing the component along `r` (all of it, or
   just enough that the cosine falls to `tau_low`);
-* `c_t > tau_high`: skip the step (a zero update), if skipping is on; otherwise project.
+* `c_t > tau_high`: skip the step, if skipping is on; otherwise project.
 
-Place it before the optimizer: `optax.chain(clip, gradient_alignment_control(), adamw(...))`.
+On its own, this transformation emits a zero gradient for a skipped step, and an optimizer
+after it in a chain still moves the params (Adam's momentum applies most of the previous
+update again) and advances its state. The paper's skip leaves the params and the whole
+optimizer state as they were: wrap the optimizer with
+`gac_jax.transforms.alignment_controlled(adamw(...), gradient_alignment_control())`
+(or `GACConfig.wrap`), which is what the learner runs. The same wrapper can control the
+applied update instead (`acts_on="update"`), and it monitors both cosines.
 
 Cost, with the default "gradient" reference: two inner products per leaf, `<g, r>` and
 `|g|^2` (the reference's `|r|^2` is the previous step's `|g|^2`, carried in the state), and
@@ -30,7 +36,6 @@ reference. Everything else is O(number of leaves) scalar work.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, NamedTuple
 
 import jax
@@ -38,7 +43,6 @@ import jax.numpy as jnp
 import optax
 from optax import GradientTransformationExtraArgs
 
-from gac_jax._configs import arguments
 from gac_jax._validation import check_choice, check_range, concrete_number
 from gac_jax.transforms._alignment_math import (
     Alignment,
@@ -48,6 +52,7 @@ from gac_jax.transforms._alignment_math import (
     emitted_and_next_references,
     per_leaf_alignment,
     per_leaf_control,
+    removed_fraction,
     safe_cosine,
 )
 
@@ -85,6 +90,9 @@ class GradientAlignmentControlState(NamedTuple):
     gac_stats_count: jax.Array  # int32 []: steps that entered the two EMAs above.
     gac_tau_low: jax.Array  # f32 []: lower threshold in force at the last step.
     gac_tau_high: jax.Array  # f32 []: upper threshold in force at the last step.
+    # f32 []: |g - emitted| / |g| at the last step: how much of the gradient the control
+    # removed (0 passed, 1 skipped, between for a projection; NaN if non-finite).
+    gac_removed_fraction: jax.Array
 
 
 def set_gac_reference(
@@ -215,7 +223,9 @@ def gradient_alignment_control(
         the cosine down to it.
       tau_high: cosine above which the step is skipped, in (tau_low, 1]; 1 never skips.
       projection: "partial" (to `tau_low`) or "full" (remove the whole aligned component).
-      skip: whether `c > tau_high` skips the step (zero update) instead of projecting it.
+      skip: whether `c > tau_high` skips the step instead of projecting it: this
+        transformation then emits zeros and reports the regime "skip"; the true skip
+        (params and optimizer state kept) is `alignment_controlled`'s.
       reference: the direction `r` the next step is compared with: "gradient" (this step's
         raw gradient, the paper's signal), "update" (the update this transformation
         emitted; a skipped step keeps the previous reference, since a zero update has no
@@ -276,6 +286,7 @@ def gradient_alignment_control(
             gac_stats_count=zero_i32,
             gac_tau_low=jnp.asarray(tau_low, jnp.float32),
             gac_tau_high=jnp.asarray(tau_high, jnp.float32),
+            gac_removed_fraction=zero_f32,
         )
 
     def update_fn(updates, state, params=None, **extra_args):
@@ -319,6 +330,7 @@ def gradient_alignment_control(
             gac_stats_count=stats_count,
             gac_tau_low=low,
             gac_tau_high=high,
+            gac_removed_fraction=removed_fraction(unit, control, total.grad_sq[0], finite),
         )
         return jax.tree.unflatten(treedef, emitted), new_state
 
@@ -343,34 +355,3 @@ def gradient_alignment_monitor(
         ema_decay=ema_decay,
         reference_dtype=reference_dtype,
     )
-
-
-@dataclasses.dataclass(frozen=True)
-class GACConfig:
-    """`gradient_alignment_control`'s arguments, one to one; `build()` makes it.
-
-    ``monitor_only=True`` records `c_t` without touching the gradient (the baseline runs of
-    a comparison use it, so every run reports the same cosine).
-    """
-
-    tau_low: float = 0.2
-    tau_high: float = 0.8
-    projection: str = "partial"
-    skip: bool = True
-    reference: str = "gradient"
-    ema_decay: float = 0.9
-    scope: str = "global"
-    thresholds: str = "fixed"
-    adaptive_k: float = 2.0
-    adaptive_decay: float = 0.98
-    adaptive_warmup: int = 10
-    monitor_only: bool = False
-    reference_dtype: str | None = None
-
-    def build(self) -> GradientTransformationExtraArgs:
-        """`gradient_alignment_control` with these arguments (which it validates)."""
-        return gradient_alignment_control(**arguments(self))
-
-    def validate(self) -> None:
-        """Raises ValueError naming a bad field: the factory's own checks."""
-        self.build()

@@ -12,10 +12,15 @@ import pytest
 
 from gac_jax import models
 from gac_jax.learner import GRPOLearner, OptimizerConfig, TrainBatch, make_optimizer
-from gac_jax.learner.optimizer import OPTIMIZERS
+from gac_jax.learner.optimizer import OPTIMIZERS, injected_learning_rate
 from gac_jax.rollout import Rollout, collate
 from gac_jax.train.config import TrainConfig
-from gac_jax.transforms import ESSConfig, GACConfig, gradient_alignment_monitor
+from gac_jax.transforms import (
+    ESSConfig,
+    GACConfig,
+    alignment_controlled,
+    gradient_alignment_monitor,
+)
 
 CONFIG = models.get_config("tiny")
 G, L, PROMPT = 4, 6, 8
@@ -156,20 +161,27 @@ def test_each_choice_is_optax_own_optimizer(name):
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("with_gac_ess", [False, True])
 def test_the_default_is_yesterdays_adamw_chain_bit_for_bit(dtype, with_gac_ess):
-    # The chain as it was built before schedules: clip -> GAC or monitor -> optax.adamw with
-    # a Python float learning rate -> ESS.
+    # The chain as it was built before schedules: clip -> optax.adamw with a Python float
+    # learning rate under GAC or its monitors -> ESS.
     params = _params(dtype)
     gac, ess = (GACConfig(), ESSConfig()) if with_gac_ess else (None, None)
     extra = {"log_importance_weights": jnp.array([0.1, -0.2, 0.05])} if with_gac_ess else {}
+    adamw = optax.adamw(1e-3, b1=0.9, b2=0.999, weight_decay=0.0)
     old = [optax.clip_by_global_norm(1.0)]
-    old.append(gac.build() if gac else gradient_alignment_monitor())
-    old.append(optax.adamw(1e-3, b1=0.9, b2=0.999, weight_decay=0.0))
+    old.append(alignment_controlled(adamw, gac.build() if gac else None))
     old += [ess.build()] if ess else []
     ours, state = _updates(make_optimizer(OptimizerConfig(), gac, ess), params, **extra)
     theirs, _ = _updates(optax.chain(*old), params, **extra)
     _assert_identical(ours, theirs)
-    from gac_jax.learner.optimizer import injected_learning_rate
-
+    # And what the chain was before GAC wrapped the optimizer (nothing is skipped here):
+    # the same updates up to the rounding of a reordered reduction.
+    bare = [optax.clip_by_global_norm(1.0), gac.build() if gac else gradient_alignment_monitor()]
+    bare += [adamw, *([ess.build()] if ess else [])]
+    before, _ = _updates(optax.chain(*bare), params, **extra)
+    tolerance = 1e-5 if dtype == jnp.float32 else 1e-2  # One unit in the last place.
+    for x, y in zip(jax.tree.leaves(ours), jax.tree.leaves(before), strict=True):
+        x, y = np.asarray(x, np.float32), np.asarray(y, np.float32)
+        np.testing.assert_allclose(x, y, rtol=tolerance, atol=tolerance / 10)
     assert injected_learning_rate(state) == jnp.asarray(1e-3, dtype)
 
 

@@ -24,7 +24,9 @@ from gac_jax.objectives import (
     decoupled_ppo_loss,
     gspo_loss,
     m2po_loss,
+    naive_pg_loss,
     ppo_clip_loss,
+    ppo_recompute_loss,
     reinforce_loss,
     topr_loss,
     trajectory_balance_loss,
@@ -235,6 +237,54 @@ def test_decoupled_ppo_matches_reference():
     np.testing.assert_allclose(
         float(aux["behaviour_mask_fraction"]), dropped / mask.sum(), rtol=1e-6
     )
+
+
+# ------------------------------------------------------------ the naive asynchronous baselines
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
+def test_naive_pg_is_the_unweighted_policy_gradient(mode):
+    # Far-off behaviour log-probs: an importance weight would change everything; none may.
+    logp, behaviour, mask, adv = _inputs(11, scale=2.0)
+    (loss, aux), grad = _value_and_grad(
+        lambda lp: naive_pg_loss(lp, behaviour, adv, mask, aggregation=mode), logp
+    )
+    loss_bt, grad_bt = np.zeros((B, T)), np.zeros((B, T))
+    for b, t in zip(*np.nonzero(mask), strict=True):
+        loss_bt[b, t], grad_bt[b, t] = -float(adv[b]) * float(logp[b, t]), -float(adv[b])
+    _check(loss, grad, loss_bt, grad_bt, mask, mode)
+    assert float(aux["weight_mean"]) == 1.0
+
+
+def test_ppo_recompute_clips_against_the_learners_own_logps():
+    logp, behaviour, mask, adv = _inputs(12, scale=2.0)
+    proximal = (logp + np.random.default_rng(12).normal(0, 0.3, (B, T))).astype(np.float32)
+    (loss, _), grad = _value_and_grad(
+        lambda lp: ppo_recompute_loss(lp, behaviour, adv, mask, proximal_logp=proximal), logp
+    )
+    loss_bt, grad_bt = np.zeros((B, T)), np.zeros((B, T))
+    for b, t in zip(*np.nonzero(mask), strict=True):
+        u = math.exp(float(logp[b, t]) - float(proximal[b, t]))
+        loss_bt[b, t], grad_bt[b, t] = _ref_ppo_token(u, float(adv[b]), 0.8, 1.2, None)
+    _check(loss, grad, loss_bt, grad_bt, mask, "token-mean")
+
+
+def test_ppo_recompute_at_the_batch_start_is_naive_pg():
+    # One update a batch: the proximal log-probs are the current ones, the ratio is 1.
+    logp, behaviour, mask, adv = _inputs(13, scale=2.0)
+    _, grad = _value_and_grad(
+        lambda lp: ppo_recompute_loss(
+            lp, behaviour, adv, mask, proximal_logp=jax.lax.stop_gradient(lp)
+        ),
+        logp,
+    )
+    _, naive = _value_and_grad(lambda lp: naive_pg_loss(lp, behaviour, adv, mask), logp)
+    grad_bt = np.zeros((B, T))
+    for b, t in zip(*np.nonzero(mask), strict=True):
+        grad_bt[b, t] = -float(adv[b])
+    coef = _coefficients(mask, "token-mean")
+    np.testing.assert_allclose(np.asarray(grad, np.float64), grad_bt * coef, rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(np.asarray(naive, np.float64), grad_bt * coef, rtol=1e-5, atol=1e-7)
 
 
 # ---------------------------------------------------------------------------------- CISPO

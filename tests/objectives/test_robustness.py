@@ -33,6 +33,8 @@ _group_ids = hnp.arrays(np.int32, (B,), elements=st.sampled_from([0, 1, 1000, -5
 def _loss_kwargs(name, other_logp, group_ids):
     if name == "decoupled_ppo":
         return {"proximal_logp": other_logp, "behaviour_weight_cap": 3.0}
+    if name == "ppo_recompute":
+        return {"proximal_logp": other_logp}
     if name == "tb":
         return {"reference_logp": other_logp, "group_ids": group_ids}
     if name == "m2po_harmful":

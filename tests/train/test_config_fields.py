@@ -25,7 +25,7 @@ from gac_jax.train import loop
 from gac_jax.train.cli import main
 from gac_jax.train.config import TrainConfig, get_preset
 from gac_jax.train.config_io import apply_overrides
-from gac_jax.transforms import alignment, ess_scaling
+from gac_jax.transforms import alignment, controlled, ess_scaling
 
 SECTIONS = (
     "optimizer",
@@ -71,6 +71,10 @@ def _NoFunction():  # The observed "function" of a run without a correction.
 #       a bad value). `built` holds the run, its rollout source and the spied calls.
 def _gac(name):
     return lambda b, _: b["calls"]["gac"][name]
+
+
+def _gac_wrap(name):
+    return lambda b, _: b["calls"]["gac_wrap"][name]
 
 
 def _ess(name):
@@ -139,6 +143,8 @@ FIELDS = {
     "gac.adaptive_warmup": ("4", _gac("adaptive_warmup"), 4, "-2"),
     "gac.monitor_only": ("false", _gac("monitor_only"), False, "perhaps"),
     "gac.reference_dtype": ("bfloat16", _gac("reference_dtype"), "bfloat16", "float7"),
+    "gac.acts_on": ("update", _gac_wrap("acts_on"), "update", "params"),
+    "gac.reference_after_skip": ("held", _gac_wrap("reference_after_skip"), "held", "never"),
     "ess.rho_base": ("0.5", _ess("rho_base"), 0.5, "2.0"),
     "ess.power": ("linear", _ess("power"), "linear", "cubic"),
     "ess.ema_decay": ("0.5", _ess("ema_decay"), 0.5, "1.0"),
@@ -388,6 +394,7 @@ SPIED = {
     **{name: (optax.schedules, name) for name in SCHEDULE_SPIES},
     "clip": (optax, "clip_by_global_norm"),
     "gac": (alignment, "gradient_alignment_control"),
+    "gac_wrap": (controlled, "alignment_controlled"),
     "ess": (ess_scaling, "scale_by_ess"),
 }
 ORIGINALS = {name: getattr(owner, attribute) for name, (owner, attribute) in SPIED.items()}
@@ -396,7 +403,11 @@ ORIGINALS = {name: getattr(owner, attribute) for name, (owner, attribute) in SPI
 def _spied(monkeypatch, calls):
     def record(name, real):
         def spy(*args, **kwargs):
-            calls[name] = dict(inspect.signature(real).bind(*args, **kwargs).arguments)
+            bound = dict(inspect.signature(real).bind(*args, **kwargs).arguments)
+            # The wrapper's monitors (built by gradient_alignment_monitor, no thresholds)
+            # are not the configured control.
+            if name != "gac" or "tau_low" in bound:
+                calls[name] = bound
             return real(*args, **kwargs)
 
         return spy
@@ -471,14 +482,17 @@ def test_a_bad_value_fails_at_show_config_naming_the_field(key, capsys):
 @pytest.mark.parametrize(
     ("config_type", "factory"),
     [
-        (alignment.GACConfig, ORIGINALS["gac"]),
+        (controlled.GACConfig, ORIGINALS["gac"]),
         (ess_scaling.ESSConfig, ORIGINALS["ess"]),
     ],
 )
 def test_transform_configs_mirror_their_factories_one_to_one(config_type, factory):
     # Same names, same defaults: an argument added to the factory must be added here, and
     # is then settable with --set (the walk above) with no change to the loop.
-    params = inspect.signature(factory).parameters
+    params = dict(inspect.signature(factory).parameters)
+    if config_type is controlled.GACConfig:  # And where the wrapper puts it.
+        wrapper = inspect.signature(ORIGINALS["gac_wrap"]).parameters
+        params.update({name: wrapper[name] for name in controlled.WRAPPER_FIELDS})
     fields = {f.name: f.default for f in dataclasses.fields(config_type)}
     assert fields == {name: p.default for name, p in params.items()}
 

@@ -1,0 +1,243 @@
+r"""GAC's true skip and its control of applied updates: a wrapper around the optimizer.
+
+In a chain, `gradient_alignment_control` can only hand the optimizer after it a zero
+gradient, and Adam's momentum still moves the params (a skipped constant gradient applies
+0.67, 0.52, 0.42 of the first update at b1 = 0.9). `alignment_controlled(inner, ...)` owns
+the optimizer instead, as `optax.apply_if_finite` does for non-finite steps:
+
+1. the raw gradient `g_t` goes through GAC (`acts_on="gradient"`) or its monitor: the
+   cosine `c_t` of consecutive raw gradients;
+2. the optimizer turns what passed into its update `u_t`;
+3. `u_t` goes through GAC (`acts_on="update"`) or its monitor, whose reference is the
+   previous applied update: the cosine of consecutive applied updates, which momentum keeps near
+   0.9 even in synchronous training;
+4. if either level chose "skip", the step applies nothing and the optimizer's state
+   (moments, count, the schedule's step, injected hyperparameters) stays as it was, bit
+   for bit; GAC's own states record the skip.
+
+Every run reports both cosines, whichever level (if any) acts. The update level's
+reference is always the last applied update (a skipped step applied none). Whether the
+gradient level's reference after a skip is the skipped gradient ("observed", the default:
+the next step is compared with the latest direction seen) or the last applied one
+("held") is `reference_after_skip`; a held reference can lock a persistently aligned run
+into skipping, since nothing moves it.
+
+    tx = optax.chain(
+        optax.clip_by_global_norm(1.0),
+        alignment_controlled(optax.adamw(1e-3), gradient_alignment_control(0.2, 0.8)),
+        scale_by_ess(),
+    )
+
+Cost over the bare optimizer: the two alignment passes (inner products, and one reference
+copy each) and a select over the optimizer state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from optax import GradientTransformationExtraArgs
+
+from gac_jax._configs import arguments
+from gac_jax._validation import check_choice
+from gac_jax.transforms import alignment
+from gac_jax.transforms.alignment import REGIME_SKIP
+
+ACTS_ON = ("gradient", "update")
+REFERENCES_AFTER_SKIP = ("observed", "held")
+# The statistics `alignment_statistics` reads from each level's state.
+_LEVEL_FIELDS = ("gac_cosine", "gac_cosine_after", "gac_regime", "gac_removed_fraction")
+
+
+class AlignmentControlledState(NamedTuple):
+    """State of `alignment_controlled`."""
+
+    gac_inner_state: optax.OptState  # The wrapped optimizer's; kept as it was on a skipped step.
+    gac_gradient_alignment: Any  # GradientAlignmentControlState of the raw gradients.
+    gac_update_alignment: Any  # GradientAlignmentControlState of the applied updates.
+    gac_skipped: jax.Array  # bool []: the last step was skipped (nothing applied).
+    gac_skipped_steps: jax.Array  # int32 []: steps skipped so far.
+
+
+def _chose_skip(gac_state) -> jax.Array:
+    return optax.tree.get(gac_state, "gac_regime") == REGIME_SKIP
+
+
+def _select(skipped, old, new):
+    return jax.tree.map(lambda o, n: jnp.where(skipped, o, n), old, new)
+
+
+def _with_reference_of(state, old, skipped):
+    """`state` with `old`'s reference (and its norms) where `skipped`."""
+    return optax.tree.set(
+        state,
+        gac_reference=_select(
+            skipped, optax.tree.get(old, "gac_reference"), optax.tree.get(state, "gac_reference")
+        ),
+        gac_reference_sq=_select(
+            skipped,
+            optax.tree.get(old, "gac_reference_sq"),
+            optax.tree.get(state, "gac_reference_sq"),
+        ),
+    )
+
+
+def alignment_controlled(
+    inner: optax.GradientTransformation,
+    control: optax.GradientTransformation | None = None,
+    *,
+    acts_on: str = "gradient",
+    reference_after_skip: str = "observed",
+    monitor_dtype: Any = None,
+) -> GradientTransformationExtraArgs:
+    """`inner` (an optimizer) under Gradient Alignment Control with a true skip.
+
+    Args:
+      inner: the optimizer, e.g. `optax.adamw(...)` or an `optax.inject_hyperparams` one;
+        it receives the extra args.
+      control: a `gradient_alignment_control`; None: monitors only.
+      acts_on: where `control` acts: "gradient" (the raw gradient, before `inner`) or
+        "update" (`inner`'s update, against the previous applied update: give `control`
+        ``reference="update"`` for the update the params got, "gradient" for the
+        optimizer's update before control). The other level gets a monitor.
+      reference_after_skip: "observed" (the gradient level's reference after a skipped step
+        is the skipped gradient) or "held" (the last applied step's gradient).
+      monitor_dtype: the monitors' reference dtype (None: the params').
+
+    Returns:
+      A transformation with `AlignmentControlledState`. Read the statistics of both levels
+      with `alignment_statistics`.
+    """
+    check_choice("acts_on", acts_on, ACTS_ON)
+    check_choice("reference_after_skip", reference_after_skip, REFERENCES_AFTER_SKIP)
+    inner = optax.with_extra_args_support(inner)
+    levels = {
+        "gradient": alignment.gradient_alignment_monitor(reference_dtype=monitor_dtype),
+        "update": alignment.gradient_alignment_monitor(
+            reference="update", reference_dtype=monitor_dtype
+        ),
+    }
+    if control is not None:
+        levels[acts_on] = control
+    gradient, update = levels["gradient"], levels["update"]
+
+    def init_fn(params):
+        return AlignmentControlledState(
+            gac_inner_state=inner.init(params),
+            gac_gradient_alignment=gradient.init(params),
+            gac_update_alignment=update.init(params),
+            gac_skipped=jnp.zeros([], jnp.bool_),
+            gac_skipped_steps=jnp.zeros([], jnp.int32),
+        )
+
+    def update_fn(updates, state, params=None, **extra_args):
+        passed, gradient_state = gradient.update(updates, state.gac_gradient_alignment, params)
+        proposed, inner_state = inner.update(passed, state.gac_inner_state, params, **extra_args)
+        applied, update_state = update.update(proposed, state.gac_update_alignment, params)
+        skipped = _chose_skip(gradient_state) | _chose_skip(update_state)
+        if reference_after_skip == "held":
+            gradient_state = _with_reference_of(
+                gradient_state, state.gac_gradient_alignment, skipped
+            )
+        new_state = AlignmentControlledState(
+            gac_inner_state=_select(skipped, state.gac_inner_state, inner_state),
+            gac_gradient_alignment=gradient_state,
+            gac_update_alignment=_with_reference_of(
+                update_state, state.gac_update_alignment, skipped
+            ),
+            gac_skipped=skipped,
+            gac_skipped_steps=jnp.where(
+                skipped, optax.safe_increment(state.gac_skipped_steps), state.gac_skipped_steps
+            ),
+        )
+        applied = jax.tree.map(lambda u: jnp.where(skipped, jnp.zeros_like(u), u), applied)
+        return applied, new_state
+
+    return GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def alignment_statistics(opt_state) -> dict[str, jax.Array]:
+    """The alignment statistics of a chain's state, by the learner's metric names.
+
+    With an `alignment_controlled` in the chain: ``gac_cosine``, ``gac_cosine_after``,
+    ``gac_regime``, ``gac_removed_fraction`` and ``gac_tau_low`` of the raw gradients, the
+    same four with a ``gac_update_`` prefix for the applied updates, and ``gac_skipped``
+    (1.0 if the step was skipped). A chain with a bare `gradient_alignment_control` gives
+    its own four; a chain without either, nothing.
+    """
+    wrapped = optax.tree.get(opt_state, "gac_gradient_alignment", None)
+    if wrapped is None:
+        found = {
+            name: optax.tree.get(opt_state, name, None) for name in (*_LEVEL_FIELDS, "gac_tau_low")
+        }
+        return {name: value for name, value in found.items() if value is not None}
+    levels = (("gac_", wrapped), ("gac_update_", optax.tree.get(opt_state, "gac_update_alignment")))
+    metrics = {
+        prefix + name[len("gac_") :]: optax.tree.get(level, name)
+        for prefix, level in levels
+        for name in _LEVEL_FIELDS
+    }
+    metrics["gac_tau_low"] = optax.tree.get(wrapped, "gac_tau_low")
+    metrics["gac_skipped"] = optax.tree.get(opt_state, "gac_skipped").astype(jnp.float32)
+    return metrics
+
+
+@dataclasses.dataclass(frozen=True)
+class GACConfig:
+    """Gradient Alignment Control as the learner runs it: `gradient_alignment_control`'s
+    arguments one to one, and where it acts.
+
+    ``monitor_only=True`` records the cosines without touching anything (the baseline runs
+    of a comparison use it, so every run reports the same cosines).
+
+    Attributes:
+      acts_on: "gradient" (the raw gradient before the optimizer, the paper's signal) or
+        "update" (the optimizer's update, against the previous applied update; set
+        ``reference="update"`` for the update the params got). The other level is
+        monitored.
+      reference_after_skip: `alignment_controlled`'s: "observed" or "held".
+    """
+
+    tau_low: float = 0.2
+    tau_high: float = 0.8
+    projection: str = "partial"
+    skip: bool = True
+    reference: str = "gradient"
+    ema_decay: float = 0.9
+    scope: str = "global"
+    thresholds: str = "fixed"
+    adaptive_k: float = 2.0
+    adaptive_decay: float = 0.98
+    adaptive_warmup: int = 10
+    monitor_only: bool = False
+    reference_dtype: str | None = None
+    acts_on: str = "gradient"
+    reference_after_skip: str = "observed"
+
+    def build(self) -> GradientTransformationExtraArgs:
+        """`gradient_alignment_control` with these arguments (which it validates)."""
+        own = {k: v for k, v in arguments(self).items() if k not in WRAPPER_FIELDS}
+        return alignment.gradient_alignment_control(**own)
+
+    def wrap(self, inner: optax.GradientTransformation) -> GradientTransformationExtraArgs:
+        """`inner` under `alignment_controlled`, with this control where `acts_on` says
+        (monitors in this `reference_dtype` on the other level)."""
+        return alignment_controlled(
+            inner,
+            self.build(),
+            acts_on=self.acts_on,
+            reference_after_skip=self.reference_after_skip,
+            monitor_dtype=self.reference_dtype,
+        )
+
+    def validate(self) -> None:
+        """Raises ValueError naming a bad field: the factories' own checks."""
+        self.wrap(optax.identity())
+
+
+# GACConfig's fields that are not `gradient_alignment_control`'s arguments.
+WRAPPER_FIELDS = ("acts_on", "reference_after_skip")

@@ -50,6 +50,13 @@ RECORD_KEYS = (
     "gac_cosine_after",
     "gac_regime",
     "groups_filtered",
+    # Laboratory v4 (report_v4.py).
+    "gac_update_cosine",
+    "gac_update_regime",
+    "gac_removed_fraction",
+    "gac_update_removed_fraction",
+    "gac_skipped",
+    "policy_change/kl",
     # The tool task (report_tools.py).
     "episode/turns_mean",
     "tools/calls",

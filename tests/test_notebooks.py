@@ -18,6 +18,7 @@ NOTEBOOKS = [
     "01_stale_aligned_gradients.py",
     "02_ess_and_variance.py",
     "03_bring_your_own_chain.py",
+    "04_delayed_quadratic.py",
 ]
 TIMEOUT_SECONDS = 300  # Each takes well under a minute alone; CI machines are shared.
 

@@ -97,7 +97,7 @@ def test_the_quick_subset_trains_every_sweep_once(quick_lab):
         for folder in (runs / "lagged", runs / "async", runs / "tools")
         for p in folder.glob("**/summary.json")
     }
-    assert found == expected and len(expected) == 19
+    assert found == expected and len(expected) == 24
 
 
 def test_the_report_tables_are_the_runs_numbers(quick_lab):
@@ -131,6 +131,33 @@ def test_the_report_tables_are_the_runs_numbers(quick_lab):
     assert _row(_block(text, "v3_map"), "ppo", "2")[3] == f"{ppo['final_accuracy']:.3f}"
     for png in ("sync_curve", "staleness", "alignment", "cures", "async_gaps", "v3_cell"):
         assert (out / f"{png}.png").stat().st_size > 1000
+
+
+def test_the_v4_tables_are_the_runs_numbers(quick_lab):
+    runs, out, _ = quick_lab
+    results = out / "RESULTS.md"
+    _script(
+        "report_v4.py",
+        "--root",
+        str(runs / "lagged"),
+        "--out",
+        str(out),
+        "--results-md",
+        str(results),
+    )
+    text = results.read_text()
+    lagged = runs / "lagged"
+    naive = _summary(lagged, "v4/naive/k2")
+    row = _row(_block(text, "v4_cell"), "naive")
+    assert row[1] == "1" and f"{naive['final_accuracy']:.3f}" in row
+    assert row[-8] == f"{naive['policy_kl_median']:.3g}"
+    gac = _summary(lagged, "v4/gac_update/k2")
+    row = _row(_block(text, "v4_gac"), "gac_update")
+    assert row[3] == f"{gac['skip_fraction']:.3f}"
+    assert row[-1] == f"{gac['update_cosine_median']:.3g}"
+    mapped = _summary(lagged, "v4map/g2/k2")
+    assert _row(_block(text, "v4_map"), "2", "2")[3] == f"{mapped['final_accuracy']:.3f}"
+    assert (out / "v4_cell.png").stat().st_size > 1000
 
 
 def test_the_tool_table_is_the_runs_numbers(quick_lab):

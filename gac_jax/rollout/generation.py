@@ -151,8 +151,9 @@ class TaskGroupGenerator:
         ids = self.tokenizer.encode(text, add_bos=self.tokenizer.bos_id is not None)
         if len(ids) > self.prompt_length:
             raise ValueError(
-                f"prompt {prompt_id} has {len(ids)} tokens, more than prompt_length="
-                f"{self.prompt_length}: {text!r}"
+                f"prompt {prompt_id} has {len(ids)} tokens, more than "
+                f"generation.prompt_length={self.prompt_length} (raise it with --set "
+                f"generation.prompt_length=N): {text!r}"
             )
         return np.asarray(ids, np.int32)
 

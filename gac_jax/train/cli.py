@@ -114,7 +114,7 @@ def _cmd_train(args, parser) -> int:
     else:
         config = _resolve(parser, name, args.set)
     if _missing_task_data(config, "train"):
-        return 1
+        return 2
     try:
         loop.train(config, out_dir, resume=args.resume, overwrite=args.overwrite)
     except (loop.RunExistsError, ValueError, FileNotFoundError) as error:
@@ -196,7 +196,7 @@ def _cmd_eval(args, parser) -> int:
     checkpoint = Path(args.checkpoint)
     config = _checkpoint_config(args, parser, checkpoint)
     if _missing_task_data(config, "eval"):
-        return 1
+        return 2
     try:
         metrics = _run_module().evaluate_checkpoint(config, checkpoint, step=args.step)
     except (ValueError, FileNotFoundError) as error:
@@ -246,7 +246,7 @@ def _cmd_plot(args, parser) -> int:
     try:
         if len(args.runs) == 1:
             run = Path(args.runs[0])
-            out = args.out or (run if run.is_dir() else run.parent) / "metrics.png"
+            out = args.out or (run if run.is_dir() else run.parent) / "plot.png"
             path = plots.plot_run(run, out, keys)
         else:
             if len(keys) != 1:
@@ -260,13 +260,16 @@ def _cmd_plot(args, parser) -> int:
     return 0
 
 
-def _add_config_args(p: argparse.ArgumentParser, *, default: str | None) -> None:
+def _add_config_args(
+    p: argparse.ArgumentParser, *, default: str | None, shown_default: str | None = None
+) -> None:
+    shown = shown_default or default
     p.add_argument(
         "--config",
         default=default,
         metavar="NAME_OR_PATH",
         help=f"a preset ({', '.join(preset_names())}) or a YAML/JSON config file"
-        + (f" (default: {default})" if default else ""),
+        + (f" (default: {shown})" if shown else ""),
     )
     p.add_argument(
         "--set",
@@ -313,7 +316,13 @@ def _add_distributed_args(p: argparse.ArgumentParser) -> None:
 
 def _add_checkpoint_commands(sub) -> None:
     """`eval` and `export-hf`: commands that read a run's checkpoint."""
-    p = sub.add_parser("eval", help="evaluate a checkpoint on held-out problems")
+    p = sub.add_parser(
+        "eval",
+        help="evaluate a checkpoint on held-out problems",
+        description="Evaluate a checkpoint on held-out problems and print the metrics as JSON "
+        "(pass@1, pass@k, greedy accuracy), with the draws the run's own evaluation of that "
+        "step used.",
+    )
     p.add_argument(
         "--checkpoint",
         required=True,
@@ -336,13 +345,23 @@ def _add_checkpoint_commands(sub) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from gac_jax import __version__
+
     parser = argparse.ArgumentParser(
         prog="gac-jax", description="Stable asynchronous RL of language models in JAX."
     )
+    parser.add_argument("--version", action="version", version=f"gac-jax {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    p = sub.add_parser("train", help="train a policy")
-    _add_config_args(p, default=None)
+    p = sub.add_parser(
+        "train",
+        help="train a policy",
+        description="Train a policy with GRPO: a preset or a config file, fields changed with "
+        "--set. Without --config the run is the embedded default, the `demo` preset "
+        "(countdown from the shipped warm start, asynchronous GRPO with GAC).",
+        epilog="example: gac-jax train --config countdown_sync --set steps=50 --out runs/try",
+    )
+    _add_config_args(p, default=None, shown_default="demo")
     _add_train_args(p)
     p.set_defaults(func=_cmd_train, parser=p)
 
@@ -376,7 +395,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plot", help="plot a run's metrics, or compare runs on one metric")
     p.add_argument("runs", nargs="+", metavar="RUN", help="run directory or metrics.jsonl")
     p.add_argument("--key", action="append", help="metric to plot (repeatable)")
-    p.add_argument("--out", metavar="PNG", help="default: RUN/metrics.png or compare.png")
+    p.add_argument("--out", metavar="PNG", help="default: RUN/plot.png or compare.png")
     p.set_defaults(func=_cmd_plot, parser=p)
     return parser
 

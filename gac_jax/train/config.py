@@ -325,7 +325,9 @@ def _validate_chat(config: TrainConfig) -> None:
         template = run_chat_template(config)
     except Exception as error:  # A template that does not compile, a bad JSON file.
         raise ValueError(f"chat_template: the template of init={config.init!r}: {error}") from None
-    if config.enable_thinking is not None and template is None:
+    pending = config.init in PRESET_CHECKPOINTS and not os.path.isdir(config.init)
+    if config.enable_thinking is not None and template is None and not pending:
+        # (A preset's checkpoint not downloaded yet brings its template with it.)
         raise ValueError(
             f"enable_thinking={config.enable_thinking} needs a chat template: init= a model "
             "directory with one, and chat_template='auto'."
@@ -442,6 +444,47 @@ def _preset_qwen3_gsm8k(model: str, init: str, micro_batches: int) -> TrainConfi
     )
 
 
+# GSM8K as it is commonly run on Qwen3 (Qwen's math prompt, thinking off): the reward is the
+# task's final-number match (`gsm8k_reward`: ``#### N``, ``\boxed{N}``, ``answer is N``,
+# else the last number), no format reward.
+GSM8K_SYSTEM_PROMPT = "Please reason step by step, and put your final answer within \\boxed{}."
+
+
+def _preset_qwen3_gsm8k_one_device(model: str, init: str, lora: bool) -> TrainConfig:
+    # One accelerator (80 GB): synchronous GRPO, since on shared devices asynchrony changes
+    # the data, not the speed (README, "Scale"); micro-batches of at most 4096 padded tokens
+    # (5 sequences of 768) and remat keep the learner's activations small; the sampler's
+    # 128 decode slots bound its KV cache. Checked by `gac-jax plan` on one device
+    # (benchmarks/README.md, "One accelerator"). LoRA (rank 64 on every projection) for
+    # the 1.7B model: its full fine-tune state (fp32 params, gradients, Adam and GAC's two
+    # references) alone is about 40 GB.
+    return TrainConfig(
+        task="gsm8k",
+        model=model,
+        init=init,
+        system_prompt=GSM8K_SYSTEM_PROMPT,
+        enable_thinking=False,
+        steps=300,
+        eval_every=50,
+        eval_size=256,
+        eval_at_start=True,
+        checkpoint_every=50,
+        optimizer=OptimizerConfig(learning_rate=2e-5 if lora else 1e-6, weight_decay=0.0),
+        gac=GACConfig(monitor_only=True),
+        learner=LearnerConfig(max_tokens_per_micro_batch=4096, logits_chunk_size=128),
+        lora=LoraConfig(rank=64, alpha=128.0, targets=LORA_ALL) if lora else LoraConfig(),
+        generation=GenerationConfig(
+            group_size=8, prompt_length=256, max_new_tokens=512, temperature=1.0, slots=128
+        ),
+        rollout=RolloutConfig(mode="sync", groups_per_batch=32),
+        mesh=MeshConfig(data=1, fsdp=-1),
+        compute=ComputeConfig(remat="full"),
+    )
+
+
+LORA_ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
 def _preset_calculator() -> TrainConfig:
     # Multi-turn tool use (issue #35): the calculator task from a 300-step supervised warm
     # start on worked tool-using transcripts (greedy 0.52, pass@1 0.21 on 200 test problems).
@@ -488,6 +531,13 @@ PRESETS: dict[str, Any] = {
     "qwen3_1_7b_gsm8k": lambda: _preset_qwen3_gsm8k(
         "qwen3_1_7b", "checkpoints/Qwen3-1.7B", micro_batches=32
     ),
+    # One accelerator of 80 GB (issue #42): the way most researchers start.
+    "qwen3_0_6b_gsm8k_1gpu": lambda: _preset_qwen3_gsm8k_one_device(
+        "qwen3_0_6b", "checkpoints/Qwen3-0.6B", lora=False
+    ),
+    "qwen3_1_7b_gsm8k_1gpu_lora": lambda: _preset_qwen3_gsm8k_one_device(
+        "qwen3_1_7b", "checkpoints/Qwen3-1.7B", lora=True
+    ),
 }
 
 
@@ -501,6 +551,8 @@ PRESET_DESCRIPTIONS = {
     "calculator": "multi-turn tool use: a*b+c with a calculator tool, sync GRPO on episodes",
     "qwen3_0_6b_gsm8k": "Qwen3-0.6B on GSM8K, FSDP over all devices (needs the HF checkpoint)",
     "qwen3_1_7b_gsm8k": "Qwen3-1.7B on GSM8K, FSDP over all devices (needs the HF checkpoint)",
+    "qwen3_0_6b_gsm8k_1gpu": "Qwen3-0.6B on GSM8K, one 80 GB accelerator, sync (HF checkpoint)",
+    "qwen3_1_7b_gsm8k_1gpu_lora": "Qwen3-1.7B, LoRA, GSM8K, one 80 GB accelerator (HF checkpoint)",
 }
 
 

@@ -212,11 +212,9 @@ def train(
 
     Under `jax.distributed` every process calls `train` with the same config and
     `out_dir` (shared storage): each makes its share of every batch, process 0 writes the
-    files that are not checkpoints, and all of them write their checkpoint shards.
+    files that are not checkpoints, and all of them write their checkpoint shards. A fresh
+    run refused, failed or interrupted before its first step leaves nothing behind.
     """
-    from gac_jax.train.metrics import NullMetricWriter, ProgressLine, run_writer
-    from gac_jax.train.samples import sample_logger
-
     out_dir = Path(out_dir)
     primary = processes.is_primary()
     if primary:
@@ -224,8 +222,38 @@ def train(
     # Built before the run directory is made: a run refused here (bad data, a bad reward
     # path) leaves nothing behind that the next attempt would take for a run.
     run = build_run(config)
+    made_directory = primary and not out_dir.exists()
     if primary:
         out_dir.mkdir(parents=True, exist_ok=True)
+    stepped: list[int] = []  # Steps done by this call: none means nothing worth keeping.
+    try:
+        return _train_into(run, config, out_dir, resume, stepped)
+    except BaseException:
+        # Refused, failed or interrupted before its first step: a fresh run leaves nothing
+        # that the next attempt would take for a run (a resumed one keeps what it had).
+        if primary and not resume and not stepped:
+            _remove_run_files(out_dir, made_directory)
+        raise
+
+
+def _remove_run_files(out_dir: Path, directory_too: bool) -> None:
+    for name in RUN_FILES:
+        path = out_dir / name
+        if path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+        elif path.exists():
+            path.unlink()
+    if directory_too:
+        shutil.rmtree(out_dir, ignore_errors=True)
+
+
+def _train_into(run: Run, config: TrainConfig, out_dir: Path, resume: bool, stepped: list):
+    """`train` once its run is built and its directory exists; appends each step done to
+    `stepped`."""
+    from gac_jax.train.metrics import NullMetricWriter, ProgressLine, run_writer
+    from gac_jax.train.samples import sample_logger
+
+    primary = processes.is_primary()
     processes.barrier("gac_jax.train: run directory ready")
     unfinished = sorted((out_dir / "checkpoints").glob("*.orbax-checkpoint-tmp*"))
     checkpoints = CheckpointManager(out_dir / "checkpoints", max_to_keep=config.keep_checkpoints)
@@ -255,6 +283,7 @@ def train(
     try:
         with StopSignals() as stop, writer, samples:
             hooks = Hooks()
+            hooks.add(lambda info: stepped.append(info.step))
             output_hooks(hooks, run, writer, samples, progress, jax.random.key(config.seed + 1))
             checkpoint_hooks(hooks, checkpoints, config.checkpoint_every, stop, out_dir)
             if primary:

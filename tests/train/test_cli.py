@@ -226,7 +226,7 @@ def test_plot(tmp_path, capsys):
             for step in range(5):
                 writer.write(step, {"reward": step / 5})
     assert main(["plot", str(tmp_path / "a")]) == 0
-    assert (tmp_path / "a" / "metrics.png").read_bytes()[:4] == b"\x89PNG"
+    assert (tmp_path / "a" / "plot.png").read_bytes()[:4] == b"\x89PNG"
     out = tmp_path / "cmp.png"
     assert (
         main(
@@ -239,3 +239,18 @@ def test_plot(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         main(["plot", str(tmp_path / "a"), "--key", "nosuch"])
     assert e.value.code == 2 and "nosuch" in capsys.readouterr().err
+
+
+def test_version_and_the_help_a_first_run_reads(capsys):
+    from gac_jax import __version__
+
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out.strip() == f"gac-jax {__version__}"
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "(default: demo)" in help_text and "example: gac-jax train" in help_text
+    with pytest.raises(SystemExit):
+        main(["eval", "--help"])
+    assert "JSON" in capsys.readouterr().out

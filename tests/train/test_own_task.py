@@ -117,6 +117,19 @@ def test_a_bad_reward_path_fails_before_anything_is_built(own_task, tmp_path, ca
     assert not (tmp_path / "bad" / "metrics.jsonl").exists()
 
 
+def test_a_run_refused_before_its_first_step_leaves_nothing(own_task, tmp_path, capsys):
+    out = tmp_path / "mine"
+    argv = ["train", "--set", f"task={own_task}", *SMALL, "--out", str(out)]
+    with pytest.raises(SystemExit) as e:
+        main([*argv, "--set", "generation.prompt_length=4"])  # Every prompt is longer.
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "generation.prompt_length=4" in err[0], err
+    assert not out.exists()
+    assert main(argv) == 0  # The retry is not refused as "already holds a run".
+    assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == [0, 1, 2]
+
+
 def _readme_commands():
     """The ``gac-jax`` commands of the README's "Bring your own task" section, as argv."""
     text = README.read_text()
@@ -139,7 +152,11 @@ def test_the_readme_commands_run(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "data").mkdir()
     for split, n in (("train", 8), ("test", 2)):
-        rows = [{"prompt": f"{i}+1=", "answer": str(i + 1)} for i in range(n)]
+        # The README's own row shape, a system message included.
+        rows = [
+            {"prompt": f"What is {i}+1?", "answer": str(i + 1), "system": "Reply with a number."}
+            for i in range(n)
+        ]
         (tmp_path / "data" / f"{split}.jsonl").write_text(
             "".join(json.dumps(r) + "\n" for r in rows)
         )
@@ -153,7 +170,9 @@ def test_the_readme_commands_run(tmp_path, monkeypatch):
         )
     )
     monkeypatch.syspath_prepend(str(tmp_path))
-    small = [*SMALL, "eval_every=3", "eval_size=2", "eval_samples=2"]
+    # The README's own prompt length stands (SMALL's would override it).
+    small = [x for x in SMALL if not x.startswith("generation.prompt_length=")]
+    small += ["eval_every=3", "eval_size=2", "eval_samples=2"]
     try:
         for argv in commands:
             assert main([*argv, "--set", *small]) == 0

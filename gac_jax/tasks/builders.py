@@ -30,6 +30,7 @@ import contextlib
 import dataclasses
 import logging
 import random
+import sys
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from pathlib import Path
 
@@ -109,6 +110,20 @@ class _LocalBuilder(tfds.core.GeneratorBasedBuilder, skip_registration=True):
 
     def _problems(self) -> list:
         raise NotImplementedError
+
+    # tfds prints "Downloading and preparing dataset Unknown size ..." before preparing and
+    # a "downloaded and prepared" line after: nothing is downloaded for an embedded task, so
+    # one line says what happens instead (on stderr, with the run's other notices).
+    def _log_download_bytes(self) -> None:
+        print(
+            f"preparing the embedded task data {self.info.full_name} in {self.data_dir} "
+            "(once; nothing is downloaded)",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    def _log_download_done(self) -> None:
+        pass
 
     def _example(self, problem) -> dict:
         raise NotImplementedError

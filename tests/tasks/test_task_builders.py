@@ -92,6 +92,17 @@ def test_arithmetic_prepares_offline_and_reads_back(tmp_path, no_network):
         assert ex["scratchpad"] == scratchpad(ex["a"], "-", ex["b"]).encode()
 
 
+def test_preparing_an_embedded_task_says_so_in_one_line_and_no_download(tmp_path, capfd):
+    _read(Arithmetic, _arithmetic_config(op="+", digits=2), tmp_path)
+    out, err = capfd.readouterr()
+    assert "Downloading and preparing" not in out + err
+    assert "downloaded and prepared" not in out + err
+    notes = [line for line in err.splitlines() if "preparing the embedded task data" in line]
+    assert len(notes) == 1 and "nothing is downloaded" in notes[0]
+    _read(Arithmetic, _arithmetic_config(op="+", digits=2), tmp_path)  # Prepared: silent.
+    assert "preparing" not in "".join(capfd.readouterr())
+
+
 @pytest.mark.parametrize(
     ("builder_cls", "make_config", "key"),
     [

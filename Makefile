@@ -5,6 +5,9 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
+# The test extra (torch, transformers, datasets, wandb, pytest: about 2.5 GB) on top, for
+# `make test` and the benchmarks; `make demo` needs none of it.
+TEST_STAMP := $(VENV)/.test-stamp
 # Two workers (xdist), each running whole files: the loop tests share runs within a file.
 PYTEST_ARGS ?= -n 2 --dist loadfile --durations=20
 
@@ -13,43 +16,47 @@ PYTEST_ARGS ?= -n 2 --dist loadfile --durations=20
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e '.[test]'
+	$(BIN)/pip install --quiet -e .
 	touch $(STAMP)
 
-install: $(STAMP)
+$(TEST_STAMP): $(STAMP)
+	$(BIN)/pip install --quiet -e '.[test]'
+	touch $(TEST_STAMP)
+
+install: $(TEST_STAMP)
 
 # The demo starts afresh each time (the CLI refuses to train over an existing run).
 demo: $(STAMP)
 	rm -rf runs/demo
 	$(BIN)/gac-jax train --config demo --out runs/demo
 
-lint: $(STAMP)
+lint: $(TEST_STAMP)
 	$(BIN)/ruff check gac_jax tests benchmarks experiments
 
-test: $(STAMP) lint
+test: $(TEST_STAMP) lint
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
-bench: $(STAMP)
+bench: $(TEST_STAMP)
 	$(BIN)/python benchmarks/transforms.py
 	$(BIN)/python benchmarks/learner.py --quick
 	$(BIN)/python benchmarks/pipeline.py --quick
 
 # The sampler's throughput with and without slot refill, heavy-tailed and equal lengths.
-bench-sampler: $(STAMP)
+bench-sampler: $(TEST_STAMP)
 	$(BIN)/python benchmarks/sampler.py
 
 # Sync vs async rollouts through the training loop, and the split layout simulated (about 3 minutes).
-bench-async: $(STAMP)
+bench-async: $(TEST_STAMP)
 	$(BIN)/python benchmarks/async_throughput.py
 
 # Multi-turn episodes with a slow tool (median 50 ms): sync vs async, measured and simulated.
-bench-tools: $(STAMP)
+bench-tools: $(TEST_STAMP)
 	$(BIN)/python benchmarks/tool_episodes.py
 
 # The learner's MFU, the sampler against its bandwidth roofline and GAC + ESS against AdamW
 # on whatever backend JAX finds (a GPU or TPU: full shapes; see the script for the offline
 # install on the accelerator machine). Writes benchmarks/results/accelerator.{json,md}.
-bench-accelerator: $(STAMP)
+bench-accelerator: $(TEST_STAMP)
 	$(BIN)/python benchmarks/accelerator.py
 
 # Tunix goes into its own environment (.venv-bench), created by the script itself.

@@ -163,3 +163,31 @@ def test_chat_settings_fail_with_one_line(tmp_path):
     with pytest.raises(ValueError, match=r"chat_template: the template of init=") as info:
         _config(tmp_path, f"init={broken}").validate()
     assert "\n" not in str(info.value)
+
+
+def test_the_one_gpu_gsm8k_presets_prompt_and_score_as_qwen3_is_run(tmp_path):
+    import dataclasses
+
+    from gac_jax.train.config import GSM8K_SYSTEM_PROMPT, get_preset
+
+    model = _model_dir(tmp_path / "model", THINKING_TEMPLATE)
+    (model / "config.json").write_text("{}")
+    example = {
+        "question": b"Ann has 3 bags of 6 apples. How many apples?",
+        "answer": b"3 * 6 = 18\n#### 18",
+        "short_answer": b"18",
+    }
+    for name in ("qwen3_0_6b_gsm8k_1gpu", "qwen3_1_7b_gsm8k_1gpu_lora"):
+        preset = get_preset(name)
+        assert (preset.rollout.mode, preset.mesh.data, preset.enable_thinking) == ("sync", 1, False)
+        g = preset.generation
+        assert (g.temperature, g.max_new_tokens, g.group_size) == (1.0, 512, 8)
+        task = build_task(dataclasses.replace(preset, init=str(model)))
+        prompt = task.prompt(example)
+        assert prompt.startswith(f"<|im_start|>system\n{GSM8K_SYSTEM_PROMPT}<|im_end|>\n")
+        assert "<|im_start|>user\nQuestion: Ann has 3 bags of 6 apples." in prompt
+        assert prompt.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")  # Thinking off.
+        # The final-number reward: the boxed answer the system prompt asks for, or ####.
+        assert task.reward("3 bags of 6 is \\boxed{18}.", example) == 1.0
+        assert task.reward("#### 18", example) == 1.0
+        assert task.reward("\\boxed{17}", example) == 0.0

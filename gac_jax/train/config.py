@@ -560,10 +560,12 @@ def preset_names() -> list[str]:
     return sorted(PRESETS)
 
 
-def get_preset(name: str) -> TrainConfig:
-    """A preset by name, validated; ValueError listing the names otherwise."""
+def get_preset(name: str, *, validate: bool = True) -> TrainConfig:
+    """A preset by name, validated unless `validate` is false (a base that overrides will
+    change before it is validated whole); ValueError listing the names otherwise."""
     if name not in PRESETS:
         raise ValueError(f"Unknown config preset {name!r}; known presets: {preset_names()}.")
     config = PRESETS[name]()
-    config.validate()
+    if validate:
+        config.validate()
     return config

@@ -138,7 +138,7 @@ def config_from_dict(values: Mapping[str, Any], base: TrainConfig | None = None)
     the field."""
     values = dict(values)
     if "base" in values:
-        base = get_preset(values.pop("base"))
+        base = get_preset(values.pop("base"), validate=False)  # Validated whole below.
     _check_keys(TrainConfig, values)
     values = _wrap_strings(TrainConfig, values)
     merged = _merge(config_to_dict(base or TrainConfig()), values)
@@ -205,10 +205,15 @@ def save_config(config: TrainConfig, path: str | os.PathLike) -> Path:
 
 
 def load_config(name_or_path: str | os.PathLike) -> TrainConfig:
-    """A preset by name, or a YAML/JSON config file (partial; ``base:`` names a preset)."""
+    """A preset by name, or a YAML/JSON config file (partial; ``base:`` names a preset).
+
+    A preset comes back as defined, not yet validated: `apply_overrides` validates the
+    result, so an override can settle what the preset alone would fail on (a preset's
+    checkpoint directory holding another architecture, with ``--set model=...``).
+    """
     name = str(name_or_path)
     if name in PRESETS:
-        return get_preset(name)
+        return get_preset(name, validate=False)
     path = Path(name)
     if not path.is_file():
         raise ValueError(

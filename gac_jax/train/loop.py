@@ -174,6 +174,12 @@ def checkpoint_hooks(
     hooks.add(stop_check)
 
 
+def show_evaluation(when: str, scores: dict) -> None:
+    """One console line of an evaluation's scores (their names without the prefix)."""
+    shown = " ".join(f"{k.split('/', 1)[-1]} {v:.3f}" for k, v in scores.items())
+    say(f"eval {when}: {shown}")
+
+
 def output_hooks(hooks: Hooks, run: Run, writer, samples, progress, eval_key) -> None:
     """Evaluation every `eval_every` steps, then the metrics record (one per optimizer
     step: `learner.mini_batches` x `learner.epochs`), samples and the progress line."""
@@ -182,8 +188,7 @@ def output_hooks(hooks: Hooks, run: Run, writer, samples, progress, eval_key) ->
     def evaluate(info: StepInfo) -> None:
         scores = info.run.evaluate(jax.random.fold_in(eval_key, info.step))
         info.metrics.update(scores)
-        shown = " ".join(f"{k.removeprefix('eval/')} {v:.3f}" for k, v in scores.items())
-        say(f"eval after step {info.step + 1}: {shown}")
+        show_evaluation(f"after step {info.step + 1}", scores)
 
     def record(info: StepInfo) -> None:
         metrics = dict(info.metrics)
@@ -323,6 +328,7 @@ def _drive(run: Run, hooks: Hooks, start_step: int) -> None:
         initial = {}
         if step == 0 and config.eval_at_start:
             initial = run.evaluate(jax.random.key(config.seed + 3), prefix="eval_start/")
+            show_evaluation("before the first step", initial)
         metrics, rollouts = run.step(step)
         info = StepInfo(run, step, {**initial, **metrics}, rollouts, step + 1 == config.steps)
         hooks(info)

@@ -32,7 +32,7 @@ import jax
 from gac_jax.train import config_io, processes
 from gac_jax.train.checkpoint import CheckpointManager
 from gac_jax.train.config import TrainConfig
-from gac_jax.train.run import Run, build_run
+from gac_jax.train.run import Run, build_run, evaluation_key
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -180,13 +180,13 @@ def show_evaluation(when: str, scores: dict) -> None:
     say(f"eval {when}: {shown}")
 
 
-def output_hooks(hooks: Hooks, run: Run, writer, samples, progress, eval_key) -> None:
+def output_hooks(hooks: Hooks, run: Run, writer, samples, progress) -> None:
     """Evaluation every `eval_every` steps, then the metrics record (one per optimizer
     step: `learner.mini_batches` x `learner.epochs`), samples and the progress line."""
     config = run.config
 
     def evaluate(info: StepInfo) -> None:
-        scores = info.run.evaluate(jax.random.fold_in(eval_key, info.step))
+        scores = info.run.evaluate(evaluation_key(config.seed, info.step + 1))
         info.metrics.update(scores)
         show_evaluation(f"after step {info.step + 1}", scores)
 
@@ -289,7 +289,7 @@ def _train_into(run: Run, config: TrainConfig, out_dir: Path, resume: bool, step
         with StopSignals() as stop, writer, samples:
             hooks = Hooks()
             hooks.add(lambda info: stepped.append(info.step))
-            output_hooks(hooks, run, writer, samples, progress, jax.random.key(config.seed + 1))
+            output_hooks(hooks, run, writer, samples, progress)
             checkpoint_hooks(hooks, checkpoints, config.checkpoint_every, stop, out_dir)
             if primary:
                 hooks.add(lambda _: _plot(config, out_dir), every=0, at_end=True)

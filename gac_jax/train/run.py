@@ -327,12 +327,19 @@ def load_checkpoint(
     return run, run.load(checkpoint_dir, step)
 
 
+def evaluation_key(seed: int, updates: int) -> jax.Array:
+    """The key of the held-out evaluation of the params after `updates` updates: the run's
+    own evaluations and `evaluate_checkpoint` of its checkpoints draw the same samples."""
+    return jax.random.fold_in(jax.random.key(seed + 1), updates - 1)  # As runs always did.
+
+
 def evaluate_checkpoint(
     config: TrainConfig, checkpoint_dir: str | os.PathLike, *, step: int | None = None
 ) -> dict:
-    """Held-out evaluation of a checkpoint (see `Run.load` for the arguments)."""
+    """Held-out evaluation of a checkpoint (see `Run.load` for the arguments), with the
+    draws the run's own evaluation of that step used (`evaluation_key`)."""
     run, step = load_checkpoint(config, checkpoint_dir, step=step)
-    scores = run.evaluate(jax.random.key(config.seed + 2))
+    scores = run.evaluate(evaluation_key(config.seed, step))
     scores["step"] = step
     return scores
 

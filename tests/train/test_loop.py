@@ -248,3 +248,21 @@ def test_hooks_run_at_their_cadence_in_order_and_at_the_end():
         ("end", 4),
         ("ckpt", 4),
     ]
+
+
+def test_a_checkpoints_evaluation_draws_what_the_runs_own_did(tmp_path, digit_task):
+    # digit_share scores partial answers, so the sampled reward is a fine-grained number
+    # that other draws would change.
+    config = dataclasses.replace(_config(tmp_path, 3), eval_every=3, checkpoint_every=3)
+    loop.train(config, tmp_path / "run")
+    own = read_metrics(tmp_path / "run" / "metrics.jsonl")[-1]
+    standalone = run_lib.evaluate_checkpoint(config, tmp_path / "run", step=3)
+    assert own["eval/sampled_reward"] > 0
+    for name in ("eval/sampled_reward", "eval/pass@1", "eval/greedy_accuracy"):
+        assert standalone[name] == own[name], name
+    run, _ = run_lib.load_checkpoint(config, tmp_path / "run", step=3)
+    draws = {
+        run.evaluate(run_lib.evaluation_key(config.seed, n))["eval/sampled_reward"]
+        for n in range(1, 9)
+    }
+    assert len(draws) > 1, draws  # Other draws give other scores: the match means something.

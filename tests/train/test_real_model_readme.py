@@ -91,11 +91,17 @@ def test_the_real_model_section_runs_step_by_step(tmp_path, monkeypatch, capsys)
         if argv[0] == "eval":
             argv[argv.index("--step") + 1] = "2"  # The shrunk run's last checkpoint.
         extra = [] if argv[0] == "export-hf" else ["--set", *SMALL, f"data_dir={tmp_path / 'tfds'}"]
+        capsys.readouterr()
         assert main([*argv, *extra]) == 0, argv
+        if argv[0] == "eval":
+            evaluated = json.loads(capsys.readouterr().out)
     run = tmp_path / "runs" / "q06"
     records = read_metrics(run / "metrics.jsonl")
     assert [r["step"] for r in records] == [0, 1] and "eval/pass@1" in records[-1]
     assert "eval_start/pass@1" in records[0]
+    # The standalone evaluation of the step-2 checkpoint draws what the run's own did.
+    for name in ("pass@1", "pass@2", "greedy_accuracy"):
+        assert evaluated[f"eval/{name}"] == records[-1][f"eval/{name}"], name
     samples = [json.loads(line) for line in (run / "samples.jsonl").read_text().splitlines()]
     assert samples and all("<think>\n\n</think>" in s["prompt"] for s in samples)
     assert (tmp_path / "exported" / "q06" / "config.json").is_file()

@@ -86,6 +86,24 @@ def _run_layer(layer, x_btd, positions_bt, mask_bts, cache, cache_index, rope):
     return layer(x_btd, positions_bt, mask_bts, cache, cache_index, rope)
 
 
+def _rematerialized(policy_name: str):
+    """`_run_layer`, its activations recomputed in the backward pass (`jax.checkpoint` over
+    the layer's state). Not `nnx.remat`: it writes the state back into the layer's
+    variables afterwards, which fails ("Cannot mutate Param from a different trace level")
+    when some come from another trace, as a LoRA run's frozen base weights do; a training
+    forward pass changes no variable, so nothing needs writing back."""
+
+    def run(layer, *args):
+        graphdef, state = nnx.split(layer)
+
+        def pure(state, *args):
+            return _run_layer(nnx.merge(graphdef, state), *args)
+
+        return jax.checkpoint(pure, policy=_remat_policy(policy_name))(state, *args)
+
+    return run
+
+
 def _checked_inputs(
     tokens_bt: jax.Array, positions_bt: jax.Array | None, input_mask_bt: jax.Array | None
 ) -> tuple[jax.Array, jax.Array, int | None]:
@@ -224,7 +242,7 @@ class Decoder(nnx.Module):
 
         run = _run_layer
         if cfg.remat != "none" and cache is None:  # Decoding has no backward pass.
-            run = nnx.remat(_run_layer, policy=_remat_policy(cfg.remat))
+            run = _rematerialized(cfg.remat)
         if rope is None:
             rope = self.rope_tables(positions_bt, max_position)  # Shared by every layer.
         new_layer_caches = []

@@ -78,10 +78,21 @@ def _eval_points(records, key: str) -> dict[str, tuple[list[int], list[float]]]:
     return {name: series for name, series in points.items() if series[0]}
 
 
+def _plain_axes(ax) -> None:
+    """Plain numbers on the y axis (no "1e-7+1" offset for a metric that barely moves,
+    such as an ESS ratio of 1) and whole steps on the x axis."""
+    from matplotlib.ticker import MaxNLocator
+
+    ax.ticklabel_format(axis="y", useOffset=False, style="plain")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+
+
 def _draw_panel(ax, key: str, series, evals, smoothing: float, lines=()) -> None:
     steps, values = series
-    for value, label in lines:  # Reference levels, e.g. GAC's thresholds on the cosine.
-        ax.axhline(value, color="grey", linestyle="--", linewidth=0.8, label=label)
+    # Reference levels, e.g. GAC's thresholds on the cosine: each its own style, so that
+    # two of them can be told apart.
+    for (value, label), style in zip(lines, ("--", ":", "-.", (0, (5, 5))), strict=False):
+        ax.axhline(value, color="grey", linestyle=style, linewidth=1.0, label=label)
     if key.startswith("eval/"):  # Already sparse: every point is an evaluation.
         ax.plot(steps, values, marker="o", linewidth=1.2)
     else:
@@ -94,6 +105,7 @@ def _draw_panel(ax, key: str, series, evals, smoothing: float, lines=()) -> None
         ax.legend(fontsize="small")
     ax.set_ylabel(key)
     ax.grid(True, alpha=0.3)
+    _plain_axes(ax)
 
 
 def run_figure(
@@ -182,6 +194,7 @@ def plot_runs(
     ax.set_xlabel("step")
     ax.set_ylabel(key)
     ax.grid(True, alpha=0.3)
+    _plain_axes(ax)
     ax.legend()
     ax.set_title(title if title is not None else key)
     return _save(fig, png_path)

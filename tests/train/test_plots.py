@@ -180,3 +180,18 @@ def test_plot_run_draws_reference_lines_pass_at_k_and_the_title(tmp_path):
     levels = {ln.get_label(): _line_data(ln)[1][0] for ln in cosine_ax.get_lines()}
     assert levels["tau_low"] == 0.2 and levels["tau_high"] == 0.8
     assert reward_ax.get_legend() is not None and cosine_ax.get_legend() is not None
+
+
+def test_the_run_plot_reads_plainly(tmp_path):
+    # An ESS ratio that barely moves would get a "1e-7+1" offset; four steps, half-step ticks.
+    with MetricWriter(tmp_path, tensorboard=False) as writer:
+        for step in range(4):
+            writer.write(step, {"ess_ratio": 1.0 - 1e-7 * step, "gac_cosine": 0.1 * step})
+    lines = {"gac_cosine": [(0.2, "tau_low"), (0.8, "tau_high")]}
+    fig = run_figure(tmp_path / "metrics.jsonl", lines=lines)
+    fig.canvas.draw()
+    ess_ax, cosine_ax = fig.axes
+    assert ess_ax.yaxis.get_offset_text().get_text() == ""
+    assert all(float(t).is_integer() for t in ess_ax.get_xticks())
+    styles = {ln.get_label(): ln.get_linestyle() for ln in cosine_ax.get_lines()}
+    assert styles["tau_low"] != styles["tau_high"]

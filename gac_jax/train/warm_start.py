@@ -38,6 +38,7 @@ import dataclasses
 import functools
 import hashlib
 import os
+import sys
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -567,7 +568,14 @@ def ensure_warm_start(
         return cached
     with exclusive_lock(cached.parent / f".{digest}.lock"):
         if not _holds(cached, digest):  # Not trained by another process meanwhile.
-            warm_start(config, cached, data_dir=data_dir)
+            # Minutes of work on first use: said, and shown as it goes, not silent.
+            print(
+                f"training the warm start once ({config.steps} supervised steps on "
+                f"{config.task}), cached in {cached}",
+                file=sys.stderr,
+                flush=True,
+            )
+            warm_start(config, cached, data_dir=data_dir, progress=True)
     return cached
 
 

@@ -287,3 +287,6 @@ def test_processes_asking_for_one_warm_start_at_once_train_it_once(tmp_path, dat
     assert read_metadata(trained)["config"]["seed"] == 7
     # Trained once: one metrics log of 3 steps, not three runs appended.
     assert [r["step"] for r in read_metrics(trained / "sft_metrics")] == [0, 1, 2]
+    # The one that trained said so first (the others found it trained and said nothing).
+    said = [err for _, err in outputs if "training the warm start once (3 supervised" in err]
+    assert len(said) == 1, [err[-500:] for _, err in outputs]

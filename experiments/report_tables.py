@@ -38,3 +38,16 @@ def figure(panels: int, width: float = 7.0):
 
     fig = Figure(figsize=(width, 2.6 * panels + 0.4), layout="constrained")
     return fig, [fig.add_subplot(panels, 1, i + 1) for i in range(panels)]
+
+
+def eval_curves_figure(curves: dict, path, title: str) -> None:
+    """Held-out pass@1 (mean of the seeds) against updates, one line per method.
+
+    `curves` maps a method's label to ``{updates: [pass@1 of each seed]}``."""
+    fig, (ax,) = figure(1, width=8.0)
+    for label, evals in curves.items():
+        xs = sorted(s for s in evals if evals[s])
+        ax.plot(xs, [np.mean(evals[s]) for s in xs], "-o", label=label)
+    ax.set(xlabel="updates", ylabel="held-out pass@1 (mean of the seeds)", title=title)
+    ax.legend(fontsize="small", ncol=2)
+    fig.savefig(path, dpi=100)

@@ -23,7 +23,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 # ruff: noqa: E402  (experiments/ is importable first)
 from report import by_label, publish
-from report_tables import ci_cell, figure, values_of
+from report_tables import ci_cell, eval_curves_figure, values_of
 from report_v3 import _evals_at, _separation
 
 from gac_jax.lab.sweeps import load_summaries
@@ -106,13 +106,8 @@ def tools_cell(runs: dict, root: Path, out: Path) -> dict[str, str]:
         "final vs v3 sync",
         "final vs naive",
     )
-    fig, (ax,) = figure(1, width=8.0)
-    for label in labels:
-        xs = [s for s in steps if evals[label].get(s)]
-        ax.plot(xs, [np.mean(evals[label][s]) for s in xs], "-o", label=_name(label))
-    ax.set(xlabel="updates", ylabel="held-out pass@1 (mean of the seeds)", title="Calculator")
-    ax.legend(fontsize="small")
-    fig.savefig(out / "tools_cell.png", dpi=100)
+    curves = {_name(label): evals[label] for label in labels}
+    eval_curves_figure(curves, out / "tools_cell.png", "Calculator")
     return {"tools_cell": markdown_table(header, rows, escape=False)}
 
 

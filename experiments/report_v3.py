@@ -20,7 +20,7 @@ from pathlib import Path
 
 import lab
 import numpy as np
-from report_tables import ci_cell, figure, interval, median_cell, values_of
+from report_tables import ci_cell, eval_curves_figure, figure, interval, median_cell, values_of
 
 from gac_jax.train.metrics import markdown_table, read_metrics
 
@@ -70,6 +70,26 @@ def _matched_control(cure: list[dict], controls: dict[str, list[dict]]) -> str |
     return best
 
 
+def comparisons(name, seeds, methods, controls, baselines=()) -> tuple[str, str, str]:
+    """The last three cells of a cell's row: whether the final pass@1 of `name` separates
+    from synchronous training's, from naive asynchrony's, and from its matched control's
+    (the control whose per-step KL is nearest; `baselines` and the controls get none)."""
+    final = values_of(seeds, "final_accuracy")
+    matched = "-"
+    if name not in ("sync", "naive", *baselines) and name not in controls:
+        control = _matched_control(seeds, controls)
+        if control is not None:
+            verdict = _separation(final, values_of(controls[control], "final_accuracy"))
+            matched = f"{control}: {verdict}"
+    return (
+        "-" if name == "sync" else _separation(final, values_of(methods["sync"], "final_accuracy")),
+        "-"
+        if name in ("sync", "naive")
+        else _separation(final, values_of(methods["naive"], "final_accuracy")),
+        matched,
+    )
+
+
 def cell(runs: dict, root: Path, out: Path) -> dict[str, str]:
     methods = _prefix(runs)
     if "sync" not in methods or "naive" not in methods:
@@ -78,17 +98,8 @@ def cell(runs: dict, root: Path, out: Path) -> dict[str, str]:
     evals = {n: _evals_at(root, labels[n], s) for n, s in methods.items()}
     steps = sorted(evals["sync"])
     controls = {n: s for n, s in methods.items() if n.startswith("naive_lr")}
-    sync_final = values_of(methods["sync"], "final_accuracy")
-    naive_final = values_of(methods["naive"], "final_accuracy")
     rows = []
     for name, seeds in methods.items():
-        final = values_of(seeds, "final_accuracy")
-        matched = "-"
-        if name not in ("sync", "naive", "naive_cap8") and name not in controls:
-            control = _matched_control(seeds, controls)
-            if control is not None:
-                verdict = _separation(final, values_of(controls[control], "final_accuracy"))
-                matched = f"{control}: {verdict}"
         rows.append(
             (
                 name,
@@ -101,9 +112,7 @@ def cell(runs: dict, root: Path, out: Path) -> dict[str, str]:
                 median_cell(seeds, "policy_kl_median"),
                 median_cell(seeds, "ess_ratio_median"),
                 median_cell(seeds, "c_t_median"),
-                "-" if name == "sync" else _separation(final, sync_final),
-                "-" if name in ("sync", "naive") else _separation(final, naive_final),
-                matched,
+                *comparisons(name, seeds, methods, controls, baselines=("naive_cap8",)),
             )
         )
     header = (
@@ -118,13 +127,7 @@ def cell(runs: dict, root: Path, out: Path) -> dict[str, str]:
         "final vs naive",
         "vs matched control",
     )
-    fig, (ax,) = figure(1, width=8.0)
-    for name in methods:
-        means = [np.mean(evals[name][s]) for s in steps if evals[name].get(s)]
-        ax.plot([s for s in steps if evals[name].get(s)], means, "-o", label=name)
-    ax.set(xlabel="updates", ylabel="held-out pass@1 (mean of the seeds)", title="Laboratory v3")
-    ax.legend(fontsize="small", ncol=2)
-    fig.savefig(out / "v3_cell.png", dpi=100)
+    eval_curves_figure(evals, out / "v3_cell.png", "Laboratory v3")
     text = markdown_table(header, rows, escape=False)
     return {"v3_cell": text}
 

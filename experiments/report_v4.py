@@ -33,8 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import lab
 import optax
 from report import by_label, publish
-from report_tables import ci_cell, figure, median_cell, values_of
-from report_v3 import _evals_at, _matched_control, _separation
+from report_tables import ci_cell, eval_curves_figure, figure, median_cell, values_of
+from report_v3 import _evals_at, _separation, comparisons
 
 from gac_jax.lab.sweeps import load_summaries
 from gac_jax.toys.delayed_quadratic import DelayedQuadratic, sgd_stability_limit, stability_boundary
@@ -72,17 +72,8 @@ def cell(runs: dict, root: Path, out: Path) -> dict[str, str]:
     evals = {n: _evals_at(root, s[0]["label"], s) for n, s in methods.items()}
     steps = sorted(evals["sync"])
     controls = {n: s for n, s in methods.items() if n.startswith("naive_")}
-    sync_final = values_of(methods["sync"], "final_accuracy")
-    naive_final = values_of(methods["naive"], "final_accuracy")
     rows = []
     for name, seeds in methods.items():
-        final = values_of(seeds, "final_accuracy")
-        matched = "-"
-        if name not in ("sync", "naive") and name not in controls:
-            control = _matched_control(seeds, controls)
-            if control is not None:
-                verdict = _separation(final, values_of(controls[control], "final_accuracy"))
-                matched = f"{control}: {verdict}"
         rows.append(
             (
                 name,
@@ -94,9 +85,7 @@ def cell(runs: dict, root: Path, out: Path) -> dict[str, str]:
                 f"{_early_c_t(root, seeds):.3g}",
                 median_cell(seeds, "update_cosine_median"),
                 median_cell(seeds, "ess_ratio_median"),
-                "-" if name == "sync" else _separation(final, sync_final),
-                "-" if name in ("sync", "naive") else _separation(final, naive_final),
-                matched,
+                *comparisons(name, seeds, methods, controls),
             )
         )
     header = (
@@ -113,13 +102,7 @@ def cell(runs: dict, root: Path, out: Path) -> dict[str, str]:
         "final vs naive",
         "vs matched control",
     )
-    fig, (ax,) = figure(1, width=8.0)
-    for name in methods:
-        xs = [s for s in steps if evals[name].get(s)]
-        ax.plot(xs, [np.mean(evals[name][s]) for s in xs], "-o", label=name)
-    ax.set(xlabel="updates", ylabel="held-out pass@1 (mean of the seeds)", title="Laboratory v4")
-    ax.legend(fontsize="small", ncol=2)
-    fig.savefig(out / "v4_cell.png", dpi=100)
+    eval_curves_figure(evals, out / "v4_cell.png", "Laboratory v4")
     return {"v4_cell": markdown_table(header, rows, escape=False)}
 
 

@@ -188,7 +188,9 @@ def output_hooks(hooks: Hooks, run: Run, writer, samples, progress) -> None:
     def evaluate(info: StepInfo) -> None:
         scores = info.run.evaluate(evaluation_key(config.seed, info.step + 1))
         info.metrics.update(scores)
-        show_evaluation(f"after step {info.step + 1}", scores)
+        # Both numberings: the record's 0-based step, and the updates done, which name the
+        # checkpoint `gac-jax eval --step` reads.
+        show_evaluation(f"at step {info.step} (after {info.step + 1} updates)", scores)
 
     def record(info: StepInfo) -> None:
         metrics = dict(info.metrics)

@@ -213,3 +213,19 @@ def test_config_acts_where_it_says_and_refuses_bad_choices():
     for field, bad in (("acts_on", "params"), ("reference_after_skip", "never")):
         with pytest.raises(ValueError, match=f"{field}="):
             GACConfig(**{field: bad}).validate()
+
+
+def test_an_injected_control_skips_and_holds_its_reference_the_same():
+    grads = _grads(7, 6, 0.0)
+    grads = [grads[0], grads[0], grads[1], grads[1], grads[2], grads[2]]  # Repeats: skips.
+
+    def run(control):
+        tx = alignment_controlled(optax.adam(1e-2), control, reference_after_skip="held")
+        return [alignment_statistics(s) for *_, s in _run(tx, grads)]
+
+    plain = run(gradient_alignment_control(0.1, 0.5))
+    injected = run(optax.inject_hyperparams(gradient_alignment_control)(tau_low=0.1, tau_high=0.5))
+    assert [float(s["gac_skipped"]) for s in plain] == [0, 1, 0, 1, 0, 1]
+    for a, b in zip(plain, injected, strict=True):
+        for name in ("gac_skipped", "gac_regime", "gac_cosine", "gac_update_cosine"):
+            np.testing.assert_allclose(float(a[name]), float(b[name]), rtol=1e-5, atol=1e-6)

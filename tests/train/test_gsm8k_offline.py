@@ -137,6 +137,6 @@ def test_without_the_files_the_cli_fails_at_once_with_one_line(
 
 def test_the_readme_names_that_place():
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    section = readme.split("**GSM8K data.**", 1)[1].split("\n\n", 1)[0]
+    section = readme.split("**3. Data.**", 1)[1].split("\n\n", 1)[0]
     assert "`DATA_DIR/downloads/manual/`" in section
     assert "`~/tensorflow_datasets/downloads/manual/`" in section

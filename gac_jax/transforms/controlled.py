@@ -28,6 +28,16 @@ into skipping, since nothing moves it.
         scale_by_ess(),
     )
 
+As measured (experiments/RESULTS.md, laboratory v4, one seed a method): in a GRPO cell
+where stale rollouts trained as if on-policy collapse and their gradients are more aligned
+than synchronous ones, no variant held (defaults, thresholds from the synchronous cosine
+with a true skip, adaptive, on applied updates), nor did its step-size and momentum
+controls, while PPO-clip and VCPO did; on a noisy quadratic with delayed gradients
+(`gac_jax.toys.delayed_quadratic`), control of applied updates widened Adam's stable step
+10x at a staleness of 16. A skip at thresholds below a problem's own synchronous cosine
+skips every step and stalls: choose them from a synchronous run's `gac_cosine` /
+`gac_update_cosine`.
+
 Cost over the bare optimizer: the two alignment passes (inner products, and one reference
 copy each) and a select over the optimizer state.
 """

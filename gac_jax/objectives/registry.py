@@ -33,13 +33,12 @@ from gac_jax.objectives.losses import (
     cispo_loss,
     decoupled_ppo_loss,
     gspo_loss,
-    naive_pg_loss,
     ppo_clip_loss,
-    ppo_recompute_loss,
     reinforce_loss,
     topr_loss,
 )
 from gac_jax.objectives.m2po import m2po_batch_statistics, m2po_loss
+from gac_jax.objectives.naive import naive_pg_loss, ppo_recompute_loss
 from gac_jax.objectives.trajectory_balance import trajectory_balance_loss
 
 

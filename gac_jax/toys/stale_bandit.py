@@ -22,6 +22,7 @@ import optax
 
 from gac_jax import objectives
 from gac_jax.numerics import effective_sample_size
+from gac_jax.transforms import alignment_statistics
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,10 +86,8 @@ def _log_policy(params, features_bd):
 
 
 def _stat(state, name, default):
-    try:
-        return optax.tree.get(state, name)
-    except (KeyError, ValueError):
-        return jnp.asarray(default)
+    """GAC's statistic `name` of a chain (bare or `alignment_controlled`), else `default`."""
+    return alignment_statistics(state).get(name, jnp.asarray(default))
 
 
 def run_stale_bandit(

@@ -1,0 +1,102 @@
+"""The field's naive asynchronous baselines: stale rollouts trained as if on-policy.
+
+The stacks the asynchronous-RL papers build on train a stale batch as if the policy that
+sampled it were the current one: no importance weight (`naive_pg_loss`), or PPO's clip
+against the learner's own log-probs at the start of the batch (`ppo_recompute_loss`,
+verl's recompute default). They are the baselines GAC and VCPO are judged against
+(laboratory v4, issue #41); `ppo_clip_loss` clips against the behaviour policy instead.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from gac_jax.objectives.losses import ppo_clip_loss, reinforce_loss
+
+
+def naive_pg_loss(
+    logp: jax.Array,
+    behaviour_logp: jax.Array,
+    advantages: jax.Array,
+    mask: jax.Array,
+    *,
+    aggregation: str = "token-mean",
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    r"""Stale rollouts trained as if they were on-policy: the policy gradient with no
+    importance weight at all,
+
+    .. math::
+
+        \mathcal{L} = -\operatorname{agg}_{b,t}\; A_{bt}\, \log\pi_\theta(y_{bt}),
+        \qquad \nabla\mathcal{L} = -\operatorname{agg}\; A\, \nabla\log\pi_\theta .
+
+    This is what a stack computes whose learner recomputes the "old" log-probs itself and
+    makes one update a batch (verl's default, https://github.com/volcengine/verl,
+    ``verl/trainer/ppo/ray_trainer.py``: the actor's ``compute_log_prob`` pass gives
+    ``old_log_prob``, so the PPO ratio is 1 at the first update; `ppo_recompute_loss` is
+    that loss with its clip for later updates). The behaviour policy enters only the
+    diagnostics (``ratio_mean``, ``approx_kl``): the field's naive asynchronous baseline,
+    against which GAC and VCPO are judged. It is `reinforce_loss` with unit weights.
+
+    Args:
+      logp, behaviour_logp, advantages, mask: see the module docstring.
+      aggregation: see `aggregate`.
+
+    Returns:
+      ``(loss, aux)`` as `reinforce_loss` (``weight_mean`` is 1).
+    """
+    ones_b = jnp.ones(jnp.shape(logp)[:1], jnp.float32)
+    return reinforce_loss(
+        logp, behaviour_logp, advantages, mask, is_weights=ones_b, aggregation=aggregation
+    )
+
+
+def ppo_recompute_loss(
+    logp: jax.Array,
+    behaviour_logp: jax.Array,
+    advantages: jax.Array,
+    mask: jax.Array,
+    *,
+    proximal_logp: jax.Array,
+    eps_low: float = 0.2,
+    eps_high: float = 0.2,
+    dual_clip: float | None = None,
+    aggregation: str = "token-mean",
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    r"""PPO-clip against the learner's own log-probs at the start of the batch (the
+    "recompute" default of verl, https://github.com/volcengine/verl, where ``old_log_prob``
+    is the actor's forward pass before the batch's first update), with no correction for
+    the behaviour policy (Schulman et al., arXiv 1707.06347, Eq. 7):
+
+    .. math::
+
+        \ell_{bt} = \max\!\big(-A u,\; -A\,\operatorname{clip}(u, 1-\epsilon_{low},
+        1+\epsilon_{high})\big), \qquad u = \frac{\pi_\theta}{\pi_{\mathrm{prox}}}
+
+    The learner supplies `proximal_logp`: the params before the batch's first update when
+    it makes several updates a batch, the current log-probs (stop-gradient) when it makes
+    one, where the ratio is 1 and the gradient is `naive_pg_loss`'s. Decoupled PPO
+    (`decoupled_ppo_loss`) is this loss times the behaviour weight
+    :math:`\pi_{prox}/\pi_{behav}`.
+
+    Args:
+      logp, behaviour_logp, advantages, mask: see the module docstring
+        (`behaviour_logp` is not used by the loss).
+      proximal_logp: [B, T] the learner's log-probs at the start of the batch.
+      eps_low, eps_high, dual_clip, aggregation: as `ppo_clip_loss`.
+
+    Returns:
+      ``(loss, aux)``: `ppo_clip_loss`'s diagnostics, measured against `proximal_logp`.
+    """
+    del behaviour_logp  # Trained as if on-policy: the behaviour policy is not consulted.
+    return ppo_clip_loss(
+        logp,
+        proximal_logp,
+        advantages,
+        mask,
+        eps_low=eps_low,
+        eps_high=eps_high,
+        dual_clip=dual_clip,
+        aggregation=aggregation,
+    )

@@ -25,14 +25,19 @@ from report_tables import ci_cell, eval_curves_figure, figure, interval, median_
 from gac_jax.train.metrics import markdown_table, read_metrics
 
 
-def _prefix(runs: dict) -> dict[str, list[dict]]:
-    """The cell's runs by method name (labels ``v3/<name>/k<lag>``)."""
+def runs_by_method(runs: dict, names, tag: str = "v3") -> dict[str, list[dict]]:
+    """A cell's runs by method name (labels ``<tag>/<name>/k<lag>``), in `names`' order."""
     found = {}
-    for name in lab.CELL:
+    for name in names:
         for label, seeds in runs.items():
-            if label.startswith(f"v3/{name}/k"):
+            if label.startswith(f"{tag}/{name}/k"):
                 found[name] = seeds
     return found
+
+
+def _prefix(runs: dict) -> dict[str, list[dict]]:
+    """Laboratory v3's runs by method name."""
+    return runs_by_method(runs, lab.CELL)
 
 
 def _evals_at(root: Path, label: str, seeds: list[dict]) -> dict[int, list[float]]:

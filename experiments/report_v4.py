@@ -34,7 +34,7 @@ import lab
 import optax
 from report import by_label, publish
 from report_tables import ci_cell, eval_curves_figure, figure, median_cell, values_of
-from report_v3 import _evals_at, _separation, comparisons
+from report_v3 import _evals_at, _separation, comparisons, runs_by_method
 
 from gac_jax.lab.sweeps import load_summaries
 from gac_jax.toys.delayed_quadratic import DelayedQuadratic, sgd_stability_limit, stability_boundary
@@ -46,12 +46,7 @@ EARLY_STEPS = 40  # The pilot's naive runs had not yet collapsed by step 40.
 
 def _methods(runs: dict) -> dict[str, list[dict]]:
     """The cell's runs by method name (labels ``v4/<name>/k<lag>``), in the cell's order."""
-    found = {}
-    for name in lab.V4_ORDER:
-        for label, seeds in runs.items():
-            if label.startswith(f"v4/{name}/k"):
-                found[name] = seeds
-    return found
+    return runs_by_method(runs, lab.V4_ORDER, "v4")
 
 
 def _early_c_t(root: Path, seeds: list[dict]) -> float:

@@ -26,14 +26,11 @@ peak or HBM bandwidth to compare with: the peak is a timed 2048^2 fp32 matmul an
 bandwidth a timed copy of 256 MiB, and `--smoke` shrinks every shape so the whole script
 runs in about a minute.
 
-On the accelerator machine (no network; its image has JAX with CUDA, flax, optax, orbax
-and chex): build the wheels gac_jax needs beyond those here, carry them, install offline.
-
-    pip wheel --no-deps -w wheels .      # gac_jax itself
-    pip download -d wheels draccus tensorflow-datasets importlib_resources tqdm \\
-        --python-version 3.11 --only-binary=:all:   # the rest of pyproject's dependencies
-    # on the device, with wheels/ carried beside the tree:
-    pip install --no-index --find-links wheels gac_jax && python benchmarks/accelerator.py
+On the accelerator machine (no network; its image has JAX with CUDA, flax, optax, orbax,
+chex and most of the rest): `benchmarks/accelerator_wheels.sh` here builds the wheels it
+lacks into `.accelerator-wheels/`; carry that folder, install them with `--no-index`, then
+`make bench-accelerator ACCEL_PYTHON=python3` runs this script and `real_shapes.py` (the
+one-GPU preset's own steps) with this tree on the path.
 """
 
 from __future__ import annotations

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import process_env
+
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
@@ -31,12 +33,29 @@ def test_the_accelerator_benchmark_runs_its_smoke_form_and_writes_its_table(tmp_
     assert table.count("\n| ") == 5  # The header row, the learner, two samplers, the update.
 
 
-def _run(script: str, *args: str, timeout: int = 600) -> str:
+@pytest.mark.slow
+def test_the_real_shapes_benchmark_trains_the_one_gpu_preset_in_its_smoke_form(tmp_path):
+    # The preset's own run on a tiny Qwen3 written as `hf download` leaves one (random
+    # weights, a BPE of fewer ids than the model draws), planned then trained.
+    out = tmp_path / "real_shapes"
+    _run("real_shapes.py", "--smoke", "--steps", "1", "--out", str(out), env=process_env(1))
+    result = json.loads(out.with_suffix(".json").read_text())
+    assert result["preset"].startswith("tiny, gsm8k, sync") and result["batch"] == [4, 520]
+    assert result["timed_steps"] == 1 and 0 < result["generated_tokens"] <= 4 * 8
+    assert result["step_seconds"] >= result["learner_seconds"] > 0
+    assert 0 < result["learner_mfu"] < 1 and result["generate_tokens_per_s"] > 0
+    assert result["plan_learner_peak_gib"] > 0 and result["plan_sampler_peak_gib"] > 0
+    assert result["measured_peak_gib"] is None  # XLA:CPU keeps no allocator statistics.
+    assert out.with_suffix(".md").read_text().count("\n| ") == 8
+
+
+def _run(script: str, *args: str, timeout: int = 600, env=None) -> str:
     done = subprocess.run(
         [sys.executable, str(BENCHMARKS / script), *args],
         capture_output=True,
         text=True,
         timeout=timeout,
+        env=env,
     )
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
     return done.stdout

@@ -135,6 +135,7 @@ class Run:
             generated_tokens=float(tokens),
             generate_tokens_per_s=tokens / generate if generate > 0 else float("nan"),
             wait_seconds=waited,
+            train_seconds=train_seconds,
             train_tokens_per_s=float(np.sum(batch.loss_mask)) / max(train_seconds, 1e-9),
             buffer_depth=stats.depth,
             buffer_dropped=stats.dropped,

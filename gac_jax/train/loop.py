@@ -81,6 +81,56 @@ class StopSignals:
         self._previous.clear()
 
 
+class SignalNotice:
+    """Says on stderr the moment SIGINT or SIGTERM arrives what the run will do (`message`,
+    which may change while active), also while the main thread is inside a long native call
+    (an XLA compile, a data preparation), where Python runs its own handlers only once that
+    call returns. A thread reads the signal numbers Python's C-level handler writes to the
+    wakeup fd (`signal.set_wakeup_fd`); the previous fd comes back on exit. Only signals
+    with a Python handler are written (SIGTERM's default ends the process at once). Outside
+    the main thread it does nothing."""
+
+    def __init__(self, message: str):
+        self.message = message
+        self._fds: tuple[int, int] | None = None
+        self._previous_fd = -1
+        self._thread: threading.Thread | None = None
+
+    def __enter__(self) -> SignalNotice:
+        if threading.current_thread() is not threading.main_thread():
+            return self
+        read, write = os.pipe()
+        os.set_blocking(write, False)
+        self._previous_fd = signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+        self._fds = (read, write)
+        self._thread = threading.Thread(target=self._watch, args=(read,), daemon=True)
+        self._thread.start()
+        return self
+
+    def _watch(self, read: int) -> None:
+        seen = 0
+        while data := os.read(read, 64):
+            for signum in data:
+                if signum in SIGNALS:
+                    seen += 1
+                    name = signal.Signals(signum).name
+                    say(f"{name}: {self.message}" if seen == 1 else f"{name}: stopping at once")
+
+    def __exit__(self, *exc_info) -> None:
+        if self._fds is None:
+            return
+        signal.set_wakeup_fd(self._previous_fd)
+        os.close(self._fds[1])  # The reader sees the end of the pipe and returns.
+        self._thread.join()
+        os.close(self._fds[0])
+        self._fds = None
+
+
+# What `train` says when a signal comes, before its steps and during them.
+STARTING_NOTICE = "stopping once the current start-up work returns (a compile can take a while)"
+STEPPING_NOTICE = "finishing the current step, then saving a checkpoint (Ctrl-C again: at once)"
+
+
 @dataclasses.dataclass
 class StepInfo:
     """What a hook sees after a step: the step done (0-based), its metrics (a hook may add
@@ -215,14 +265,19 @@ def train(
     Writes `metrics.jsonl`, `tensorboard/`, `checkpoints/`, `config.json` and, at the end,
     `plot.png`. A directory that holds a run is refused unless `resume` (continue from its
     newest checkpoint) or `overwrite` (delete it first). SIGINT or SIGTERM finish the
-    current step, checkpoint it and raise `RunInterrupted`. Returns `out_dir`.
+    current step, checkpoint it and raise `RunInterrupted`; each is acknowledged on stderr
+    at once, also during start-up (`SignalNotice`). Returns `out_dir`.
 
     Under `jax.distributed` every process calls `train` with the same config and
     `out_dir` (shared storage): each makes its share of every batch, process 0 writes the
     files that are not checkpoints, and all of them write their checkpoint shards. A fresh
     run refused, failed or interrupted before its first step leaves nothing behind.
     """
-    out_dir = Path(out_dir)
+    with SignalNotice(STARTING_NOTICE) as notice:
+        return _train(config, Path(out_dir), resume, overwrite, notice)
+
+
+def _train(config: TrainConfig, out_dir: Path, resume: bool, overwrite: bool, notice) -> Path:
     primary = processes.is_primary()
     if primary:
         _prepare_directory(out_dir, resume=resume, overwrite=overwrite)
@@ -234,7 +289,7 @@ def train(
         out_dir.mkdir(parents=True, exist_ok=True)
     stepped: list[int] = []  # Steps done by this call: none means nothing worth keeping.
     try:
-        return _train_into(run, config, out_dir, resume, stepped)
+        return _train_into(run, config, out_dir, resume, stepped, notice)
     except BaseException:
         # Refused, failed or interrupted before its first step: a fresh run leaves nothing
         # that the next attempt would take for a run (a resumed one keeps what it had).
@@ -254,7 +309,7 @@ def _remove_run_files(out_dir: Path, directory_too: bool) -> None:
         shutil.rmtree(out_dir, ignore_errors=True)
 
 
-def _train_into(run: Run, config: TrainConfig, out_dir: Path, resume: bool, stepped: list):
+def _train_into(run: Run, config: TrainConfig, out_dir: Path, resume: bool, stepped: list, notice):
     """`train` once its run is built and its directory exists; appends each step done to
     `stepped`."""
     from gac_jax.train.metrics import NullMetricWriter, ProgressLine, run_writer
@@ -289,6 +344,7 @@ def _train_into(run: Run, config: TrainConfig, out_dir: Path, resume: bool, step
     run.start(rollout_state)
     try:
         with StopSignals() as stop, writer, samples:
+            notice.message = STEPPING_NOTICE
             hooks = Hooks()
             hooks.add(lambda info: stepped.append(info.step))
             output_hooks(hooks, run, writer, samples, progress)

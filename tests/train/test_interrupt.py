@@ -78,6 +78,8 @@ def test_sigterm_checkpoints_and_the_resumed_run_continues_exactly(config_file, 
     assert process.returncode == 128 + signal.SIGTERM, err
     last = err.strip().splitlines()[-1]
     assert last.startswith("SIGTERM: stopped after step ") and "--resume`." in last
+    # Acknowledged when it came, before the step it let finish.
+    assert "SIGTERM: finishing the current step, then saving a checkpoint" in err
     stopped_at = _lines(run / "metrics.jsonl")
     assert 2 <= stopped_at < STEPS
     assert (run / "checkpoints" / str(stopped_at)).is_dir()

@@ -1,0 +1,45 @@
+"""Ctrl-C is acknowledged at once (issue #42: during start-up it was said 22 s later): a
+real process inside one long native call (an SVD, as an XLA compile would be) prints the
+notice while the call still runs, and Python's own KeyboardInterrupt comes after it."""
+
+import signal
+import subprocess
+import sys
+import time
+
+from tests.conftest import process_env
+
+CHILD = """
+import sys, time, numpy as np
+from gac_jax.train.loop import SignalNotice
+a = np.random.default_rng(0).standard_normal((1200, 1200))
+with SignalNotice("stopping once the current work returns"):
+    print("ready", flush=True)
+    started = time.monotonic()
+    try:
+        np.linalg.svd(a)  # One native call: no Python handler runs inside it.
+    except KeyboardInterrupt:
+        pass
+    print(f"returned {time.monotonic() - started:.3f}", flush=True)
+"""
+
+
+def test_a_signal_is_acknowledged_while_the_main_thread_is_in_native_code():
+    child = subprocess.Popen(
+        [sys.executable, "-c", CHILD],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=process_env(1),
+    )
+    assert child.stdout.readline().strip() == "ready"
+    time.sleep(0.2)  # Inside the SVD.
+    sent = time.monotonic()
+    child.send_signal(signal.SIGINT)
+    notice = child.stderr.readline().strip()
+    noticed = time.monotonic() - sent
+    out, err = child.communicate(timeout=120)
+    assert child.returncode == 0, err
+    assert notice == "SIGINT: stopping once the current work returns"
+    ran = float(out.split()[-1])  # The call's whole time, from before the signal.
+    assert noticed < ran - 0.2, (noticed, ran)  # Said while the call was still running.

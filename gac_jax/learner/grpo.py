@@ -18,7 +18,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from gac_jax.learner.batch import TrainBatch
-from gac_jax.learner.learner import BATCH_AXES, ShardedLearner, _is_abstract, _with_shardings
+from gac_jax.learner.learner import BATCH_AXES, ShardedLearner, is_abstract, with_shardings
 from gac_jax.learner.objective import LossConfig, Objective
 from gac_jax.learner.step import LearnerConfig, make_train_step
 from gac_jax.learner.token_budget import budget_micro_batches, trim_padding, used_columns
@@ -100,8 +100,8 @@ class GRPOLearner(ShardedLearner):
         shardings = self.param_shardings
         if self.config.reference_offload:
             shardings = jax.tree.map(lambda s: s.with_memory_kind("pinned_host"), shardings)
-        if _is_abstract(state):
-            return _with_shardings(state, shardings)
+        if is_abstract(state):
+            return with_shardings(state, shardings)
         return jax.device_put(state, shardings)
 
     def step_for(self, micro_batches: int):

@@ -50,11 +50,12 @@ def _replaced_leaves(opt_state) -> set[int]:
     }
 
 
-def _is_abstract(tree) -> bool:
+def is_abstract(tree) -> bool:
+    """Whether `tree` holds abstract leaves (`jax.ShapeDtypeStruct`: from `nnx.eval_shape`)."""
     return any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(tree))
 
 
-def _with_shardings(tree, shardings):
+def with_shardings(tree, shardings):
     """Abstract leaves carrying their shardings, as `jax.jit(...).lower` reads them."""
     return jax.tree.map(
         lambda x, sharding: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
@@ -108,9 +109,9 @@ class ShardedLearner:
         self.frozen = self._place_frozen(frozen)
         self.param_shardings = state_shardings(params, mesh, rules)
         self.opt_shardings = optimizer_shardings(tx, params, self.param_shardings, mesh)
-        if _is_abstract(params):  # From `nnx.eval_shape`: a learner to `lower`, not to run.
-            self.params = _with_shardings(params, self.param_shardings)
-            self.opt_state = _with_shardings(jax.eval_shape(tx.init, params), self.opt_shardings)
+        if is_abstract(params):  # From `nnx.eval_shape`: a learner to `lower`, not to run.
+            self.params = with_shardings(params, self.param_shardings)
+            self.opt_state = with_shardings(jax.eval_shape(tx.init, params), self.opt_shardings)
         else:
             self.params = jax.device_put(params, self.param_shardings)
             self.opt_state = jax.jit(tx.init, out_shardings=self.opt_shardings)(self.params)
@@ -135,8 +136,8 @@ class ShardedLearner:
         if frozen is None:
             return None
         self.frozen_shardings = state_shardings(frozen, self.mesh, self.rules)
-        if _is_abstract(frozen):
-            return _with_shardings(frozen, self.frozen_shardings)
+        if is_abstract(frozen):
+            return with_shardings(frozen, self.frozen_shardings)
         return jax.device_put(frozen, self.frozen_shardings)
 
     def compile_step(self, step):

@@ -31,7 +31,7 @@ from gac_jax.models.config import ModelConfig
 from gac_jax.models.layers import (
     DecoderLayer,
     RMSNorm,
-    _param,
+    param,
     rope_inverse_frequencies,
     rope_tables,
 )
@@ -184,7 +184,7 @@ class Decoder(nnx.Module):
         self.config = config
         self.rules = ShardingRules() if rules is None else rules
         pdt = config.parameter_dtype
-        self.embedding_vd = _param(
+        self.embedding_vd = param(
             rngs, (config.vocab_size, config.embed_dim), ("vocab", "embed"), pdt, 0.02
         )
         self.layers = nnx.List(
@@ -196,7 +196,7 @@ class Decoder(nnx.Module):
         if config.tie_word_embeddings:
             self.lm_head_dv = None
         else:
-            self.lm_head_dv = _param(
+            self.lm_head_dv = param(
                 rngs, (config.embed_dim, config.vocab_size), ("embed", "vocab"), pdt, 0.02
             )
 

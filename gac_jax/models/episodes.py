@@ -5,7 +5,7 @@ An episode is one row of the sampler: its prompt, then policy turns and observat
 interleaved in the row's N = `max_new_tokens` columns (the episode's token budget). A
 policy turn ends when it samples one of `turn_end_ids` (a tool call's closing token,
 say, or the last token of a sequence of them); its slot then *waits*
-(`_SlotState.waiting_b`): it neither decodes nor takes another row, while the other
+(`SlotState.waiting_b`): it neither decodes nor takes another row, while the other
 slots go on decoding. The host hands the row's tokens so far to `respond`, which returns
 a `concurrent.futures.Future`; the environment runs off the decode loop (in the caller's
 threads), so a slow tool stalls only its own slot. When the future is done, its
@@ -17,13 +17,13 @@ nothing); a reply of None ends the episode (the slot takes the next waiting row,
 after EOS). EOS and the row's token budget end an episode too; an observation that would
 leave no room for one more policy token ends it.
 
-The decode loop is the sampler's own (`Sampler._decode_loop` / `_decode_step`: refill,
-per-row keys, versions), run in chunks of at most `chunk_steps` decode steps as
-`Sampler.sample_inflight` runs it; a chunk also returns to the host as soon as a slot
-starts waiting. `params_fn` is asked for the newest params every `chunk_steps` decode steps,
-so with in-flight updates a new version can land between two turns or inside one, and
-every policy token records the version that sampled it. No tail compaction: a waiting
-slot keeps its place.
+The decode loop is the sampler's own, driven through its public slot API (`start`,
+`run_chunk`, `append_observation`, `end_slot`: refill, per-row keys, versions), in chunks
+of at most `chunk_steps` decode steps as `Sampler.sample_inflight` runs it; a chunk also
+returns to the host as soon as a slot starts waiting. `params_fn` is asked for the newest
+params every `chunk_steps` decode steps, so with in-flight updates a new version can land
+between two turns or inside one, and every policy token records the version that sampled
+it. No tail compaction: a waiting slot keeps its place.
 
 `prefill_tokens` counts the tokens every prefill fed through the model (the first slots'
 prompts, each refill's prompt, each observation block): R prompts and the observation
@@ -42,12 +42,7 @@ import numpy as np
 from flax import nnx
 
 from gac_jax._validation import check_int
-from gac_jax.models.sampler import (
-    InflightSampleOutput,
-    Sampler,
-    _published,
-    _SlotState,
-)
+from gac_jax.models.sampler import InflightSampleOutput, Prompts, Sampler, published
 
 #: `respond(row, tokens)`: the row's tokens so far (policy and observation tokens, in order)
 #: at the end of one of its turns -> a future of the observation's token ids, or None to end
@@ -80,11 +75,6 @@ class EpisodeSampler:
 
     def __init__(self, sampler: Sampler):
         self.sampler = sampler
-        self._start = jax.jit(self._start_program)
-        # The in-flight sampler's chunk program, stopping where a slot starts waiting.
-        self._chunk = jax.jit(sampler._chunk_program, donate_argnames="s")
-        self._observe = jax.jit(self._observe_program, donate_argnames="s")
-        self._end = jax.jit(self._end_program, donate_argnames="s")
 
     def sample(
         self,
@@ -129,100 +119,38 @@ class EpisodeSampler:
         check_int("chunk_steps", chunk_steps, 1)
         check_int("max_observation_tokens", max_observation_tokens, 1)
         check_int("max_turns", max_turns, 1, allow_none=True)
-        sampler = self.sampler
-        turn_ids = _turn_end_table(turn_end_ids)
-        prompt_tokens, prompt_mask, per_row = sampler._prepared(
-            prompt_tokens, prompt_mask, temperature, top_k, top_p, max_new_tokens
+        turn_ids = jnp.asarray(_turn_end_table(turn_end_ids))
+        prompts = self.sampler.prepare(
+            prompt_tokens,
+            prompt_mask,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            max_new_tokens=max_new_tokens,
         )
-        loop = _HostLoop(
-            self,
-            graphdef,
-            params_fn,
-            (prompt_tokens, prompt_mask, key, per_row, jnp.asarray(turn_ids)),
-            respond,
-            max_observation_tokens,
-            max_turns,
-        )
-        return loop.run(chunk_steps)
-
-    # ----------------------------------------------------------------------- programs
-
-    def _start_program(self, graphdef, state, prompt_tokens, prompt_mask):
-        """The first B rows prefilled; nothing waiting, observed or versioned yet."""
-        s = self.sampler._first_slots(nnx.merge(graphdef, state), prompt_tokens, prompt_mask)
-        return dataclasses.replace(
-            s,
-            versions_rn=jnp.full(s.tokens_rn.shape, -1, jnp.int32),
-            waiting_b=jnp.zeros(s.row_b.shape, bool),
-            observed_rn=jnp.zeros(s.tokens_rn.shape, bool),
-        )
-
-    def _observe_program(self, graphdef, state, s: _SlotState, slot, block_k, length):
-        """Feeds the first `length` tokens of `block_k` into `slot`'s cache at its next
-        positions (one prefill of K tokens, the rest masked), writes them into its row as
-        observation tokens, and lets the slot decode again from the last one's logits."""
-        model = nnx.merge(graphdef, state)
-        k = block_k.shape[0]
-        real_1k = (jnp.arange(k) < length)[None, :]
-        tokens_1k = block_k[None, :]
-
-        def row_of(x):
-            return jax.lax.dynamic_slice_in_dim(x, slot, 1, axis=0)
-
-        one = jax.tree.map(row_of, s.cache)
-        positions_1k = s.positions_b[slot] + jnp.arange(k, dtype=jnp.int32)[None, :]
-        rope = model.rope_tables(positions_1k, one["key_mask"].shape[1])
-        hidden, one = model.hidden_states(tokens_1k, positions_1k, real_1k, one, rope)
-        logits_v = model.logits(jax.lax.dynamic_slice_in_dim(hidden, length - 1, 1, axis=1))[0, 0]
-        zero = jnp.zeros((), jnp.int32)
-
-        def put_row(big, small):
-            return jax.lax.dynamic_update_slice(big, small, (slot,) + (zero,) * (big.ndim - 1))
-
-        cache = {
-            "index": s.cache["index"].at[slot].add(length),
-            "key_mask": put_row(s.cache["key_mask"], one["key_mask"]),
-            "layers": jax.tree.map(put_row, s.cache["layers"], one["layers"]),
-        }
-        row, step = s.row_b[slot], s.step_b[slot]
-        columns = jnp.where(real_1k[0], step + jnp.arange(k, dtype=jnp.int32), s.tokens_rn.shape[1])
-        return dataclasses.replace(
-            s,
-            cache=cache,
-            logits_bv=s.logits_bv.at[slot].set(logits_v.astype(s.logits_bv.dtype)),
-            step_b=s.step_b.at[slot].add(length),
-            positions_b=s.positions_b.at[slot].add(length),
-            tokens_rn=s.tokens_rn.at[row, columns].set(block_k, mode="drop"),
-            observed_rn=s.observed_rn.at[row, columns].set(True, mode="drop"),
-            waiting_b=s.waiting_b.at[slot].set(False),
-        )
-
-    def _end_program(self, graphdef, state, s: _SlotState, slot, prompt_tokens, prompt_mask):
-        """Ends `slot`'s episode at its turn's end; the slot takes the next waiting row."""
-        ended_b = jnp.arange(s.row_b.shape[0]) == slot
-        s = dataclasses.replace(s, waiting_b=s.waiting_b & ~ended_b)
-        model = nnx.merge(graphdef, state)
-        return self.sampler._refill(model, s, ended_b, prompt_tokens, prompt_mask)
+        loop = _HostLoop(self.sampler, graphdef, params_fn, prompts, respond)
+        return loop.run(key, turn_ids, chunk_steps, max_observation_tokens, max_turns)
 
 
 class _HostLoop:
     """`EpisodeSampler.sample`'s host side: decode chunks, hand ended turns to `respond`,
     feed the observations that came back (or end the episodes), refresh the params."""
 
-    def __init__(self, episodes, graphdef, params_fn, inputs, respond, k, max_turns):
-        self.episodes, self.graphdef, self.params_fn = episodes, graphdef, params_fn
-        self.inputs, self.respond, self.k, self.max_turns = inputs, respond, k, max_turns
-        prompt_tokens, _, _, per_row, _ = inputs
-        self.rows, self.prompt_len = prompt_tokens.shape
-        self.limits = np.asarray(per_row[3])
+    def __init__(self, sampler: Sampler, graphdef, params_fn, prompts: Prompts, respond):
+        self.sampler, self.graphdef, self.params_fn = sampler, graphdef, params_fn
+        self.prompts, self.respond = prompts, respond
+        self.rows, self.prompt_len = prompts.tokens.shape
+        self.limits = np.asarray(prompts.per_row[3])
         self.pending: dict[int, tuple[int, concurrent.futures.Future]] = {}
         self.turns = np.zeros(self.rows, np.int64)
         self.observed_blocks = 0
+        self.k, self.max_turns = 0, None  # Set by `run`.
 
-    def run(self, chunk_steps: int) -> EpisodeOutput:
-        e, graphdef = self.episodes, self.graphdef
-        state, version = _published(self.params_fn)
-        st = e._start(graphdef, state, *self.inputs[:2])
+    def run(self, key, turn_ids, chunk_steps: int, k: int, max_turns) -> EpisodeOutput:
+        sampler, graphdef = self.sampler, self.graphdef
+        self.k, self.max_turns = k, max_turns
+        state, version = published(self.params_fn)
+        st, _ = sampler.start(graphdef, state, self.prompts, episodes=True)
         width = st.row_b.shape[0]
         remaining, refresh, ran = chunk_steps, False, jnp.zeros((), jnp.int32)
         while True:
@@ -232,7 +160,7 @@ class _HostLoop:
             )
             remaining -= int(steps)
             if remaining <= 0:
-                new_state, new_version = _published(self.params_fn)
+                new_state, new_version = published(self.params_fn)
                 refresh = new_version != version
                 state, version, remaining = new_state, new_version, chunk_steps
             self._ask(st, row_b, waiting_b, step_b)
@@ -245,16 +173,10 @@ class _HostLoop:
                     return_when=concurrent.futures.FIRST_COMPLETED,
                 )
             st = self._answer(st, state, step_b)
-            st, progress = e._chunk(
-                graphdef,
-                state,
-                st,
-                *self.inputs[:4],
-                jnp.int32(version),
-                jnp.int32(remaining),
-                jnp.asarray(refresh),
-                turn_end_ids=self.inputs[4],
-            )
+            st, progress = sampler.run_chunk(
+                graphdef, state, st, self.prompts, key, version=version, budget=remaining,
+                refresh=refresh, turn_end_ids=turn_ids,
+            )  # fmt: skip
             ran, refresh = progress[0], False
         return self._output(st, width)
 
@@ -272,7 +194,7 @@ class _HostLoop:
 
     def _answer(self, st, state, step_b):
         """Feeds each observation that came back into its slot, or ends its episode."""
-        e, k = self.episodes, self.k
+        sampler, k = self.sampler, self.k
         for slot, (row, future) in list(self.pending.items()):
             if not future.done():
                 continue
@@ -284,13 +206,11 @@ class _HostLoop:
                 continue
             room = int(self.limits[row]) - int(step_b[slot]) - 1  # One policy token at least.
             if tokens is None or len(tokens) > room:
-                st = e._end(self.graphdef, state, st, jnp.int32(slot), *self.inputs[:2])
+                st = sampler.end_slot(self.graphdef, state, st, slot, self.prompts)
                 continue
-            block = np.full(k, e.sampler.pad_id, np.int32)
+            block = np.full(k, sampler.pad_id, np.int32)
             block[: len(tokens)] = tokens
-            st = e._observe(
-                self.graphdef, state, st, jnp.int32(slot), block, jnp.int32(len(tokens))
-            )
+            st = sampler.append_observation(self.graphdef, state, st, slot, block, len(tokens))
             self.observed_blocks += 1
         return st
 

@@ -23,7 +23,8 @@ from gac_jax.models.sharding import ShardingRules, constrain
 _MASKED_SCORE = float(np.finfo(np.float32).min)
 
 
-def _param(rngs: nnx.Rngs, shape, logical_axes, dtype, stddev: float | None) -> nnx.Param:
+def param(rngs: nnx.Rngs, shape, logical_axes, dtype, stddev: float | None) -> nnx.Param:
+    """A weight of `shape` named by `logical_axes`: normal(0, stddev), or ones if None."""
     if stddev is None:
         value = jnp.ones(shape, dtype)
     else:
@@ -43,7 +44,7 @@ class RMSNorm(nnx.Module):
 
     def __init__(self, dim: int, *, eps: float, param_dtype, rngs: nnx.Rngs):
         self.eps = eps
-        self.scale = _param(rngs, (dim,), ("norm",), param_dtype, None)
+        self.scale = param(rngs, (dim,), ("norm",), param_dtype, None)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         x32 = x.astype(jnp.float32)
@@ -176,10 +177,10 @@ class Attention(nnx.Module):
         d, n, k, h = config.embed_dim, config.num_heads, config.num_kv_heads, config.head_dim
         pdt = config.parameter_dtype
         std = 0.02
-        self.q_dnh = _param(rngs, (d, n, h), ("embed", "heads", "head_dim"), pdt, std)
-        self.k_dkh = _param(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"), pdt, std)
-        self.v_dkh = _param(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"), pdt, std)
-        self.o_nhd = _param(rngs, (n, h, d), ("heads", "head_dim", "embed"), pdt, std)
+        self.q_dnh = param(rngs, (d, n, h), ("embed", "heads", "head_dim"), pdt, std)
+        self.k_dkh = param(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"), pdt, std)
+        self.v_dkh = param(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"), pdt, std)
+        self.o_nhd = param(rngs, (n, h, d), ("heads", "head_dim", "embed"), pdt, std)
         if config.qk_norm:
             self.q_norm = RMSNorm(h, eps=config.rms_norm_eps, param_dtype=pdt, rngs=rngs)
             self.k_norm = RMSNorm(h, eps=config.rms_norm_eps, param_dtype=pdt, rngs=rngs)
@@ -337,9 +338,9 @@ class MLP(nnx.Module):
         self.config = config
         self.rules = rules
         d, f, pdt = config.embed_dim, config.mlp_dim, config.parameter_dtype
-        self.gate_df = _param(rngs, (d, f), ("embed", "mlp"), pdt, 0.02)
-        self.up_df = _param(rngs, (d, f), ("embed", "mlp"), pdt, 0.02)
-        self.down_fd = _param(rngs, (f, d), ("mlp", "embed"), pdt, 0.02)
+        self.gate_df = param(rngs, (d, f), ("embed", "mlp"), pdt, 0.02)
+        self.up_df = param(rngs, (d, f), ("embed", "mlp"), pdt, 0.02)
+        self.down_fd = param(rngs, (f, d), ("mlp", "embed"), pdt, 0.02)
 
     def __call__(self, x_btd: jax.Array) -> jax.Array:
         """[B, T, D] -> [B, T, D]."""

@@ -30,8 +30,13 @@ behind its loops:
   instead of holding its batch on the old ones; each token records the version that
   sampled it (`InflightSampleOutput`).
 * `gac_jax.models.episodes.EpisodeSampler` (multi-turn episodes) runs the same chunks:
-  a slot whose turn ends on a turn-end token waits (`_SlotState.waiting_b`), writing and
+  a slot whose turn ends on a turn-end token waits (`SlotState.waiting_b`), writing and
   decoding nothing, until the host appends its environment's observation to its cache.
+
+Both host drivers use the sampler's public slot API only: `prepare` (the checked prompts),
+`start` (the first slots prefilled), `run_chunk` (decode steps), `append_observation` and
+`end_slot` (a waiting slot's observation, or the end of its row), each a jitted program
+over a public `SlotState` that stays on the device between calls.
 
 Temperature, top-k, top-p and each row's length limit are array arguments (one value per
 row, or one for all), so changing them does not recompile; `(graphdef, state)` are jit
@@ -98,7 +103,20 @@ class InflightSampleOutput(SampleOutput):
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class _SlotState:
+class Prompts:
+    """A call's prompts as `Sampler.prepare` checked them, and their per-row settings."""
+
+    tokens: jax.Array  # int32 [R, P], left-padded.
+    mask: jax.Array  # bool [R, P]
+    per_row: tuple  # [R] arrays (temperature f32, top_k i32, top_p f32, max_new_tokens i32).
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SlotState:
+    """The decode slots on the device between two calls of the slot API: B slots' KV cache
+    and next-token logits, the row each serves, and the R rows' outputs so far."""
+
     cache: dict  # the decoder's KV cache of B slots x S positions; "index" int32 [B].
     logits_bv: jax.Array  # f32 [B, V]: logits for each slot's next token.
     row_b: jax.Array  # int32 [B]: the prompt row a slot serves; R when it is idle.
@@ -129,12 +147,12 @@ class _Inputs:
     row_keys: jax.Array  # [R] keys: row r's is fold_in(key, r).
     per_row: tuple  # [R] arrays (temperature f32, top_k i32, top_p f32, max_new_tokens i32).
     # Episodes only: int32 [T, L], the token sequences that end a policy turn (the slot then
-    # waits for its environment, `_SlotState.waiting_b`), right-aligned, -1 before a
+    # waits for its environment, `SlotState.waiting_b`), right-aligned, -1 before a
     # sequence shorter than L.
     turn_end_ids: jax.Array | None = None
 
 
-def _turn_ended(s: _SlotState, tokens_b, row_b, turn_tl) -> jax.Array:
+def _turn_ended(s: SlotState, tokens_b, row_b, turn_tl) -> jax.Array:
     """bool [B]: whether each slot's policy tokens end, with this step's `tokens_b`, in one
     of the sequences `turn_tl` (int32 [T, L], right-aligned, -1 padding). Earlier tokens
     are read from the slot's row; a sequence never spans an observation."""
@@ -337,9 +355,11 @@ class Sampler:
         self.cache_dtype = cache_dtype
         self.num_traces = 0  # How often `__call__`'s program was traced (recompilations).
         self._jitted = jax.jit(self._sample)
-        self._inflight_start = jax.jit(self._start_program)
-        self._inflight_chunk = jax.jit(self._chunk_program, donate_argnames="s")
-        self._inflight_compact = jax.jit(_compacted, static_argnames="width")
+        self._start = jax.jit(self._start_program, static_argnames="episodes")
+        self._chunk = jax.jit(self._chunk_program, donate_argnames="s")
+        self._compact = jax.jit(_compacted, static_argnames="width")
+        self._observe = jax.jit(self._observe_program, donate_argnames="s")
+        self._end = jax.jit(self._end_program, donate_argnames="s")
 
     def __call__(
         self,
@@ -372,10 +392,15 @@ class Sampler:
         Returns:
           A `SampleOutput`, one row per prompt, in prompt order.
         """
-        prompt_tokens, prompt_mask, per_row = self._prepared(
-            prompt_tokens, prompt_mask, temperature, top_k, top_p, max_new_tokens
+        p = self.prepare(
+            prompt_tokens,
+            prompt_mask,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            max_new_tokens=max_new_tokens,
         )
-        return self._jitted(graphdef, state, prompt_tokens, prompt_mask, key, per_row)
+        return self._jitted(graphdef, state, p.tokens, p.mask, key, p.per_row)
 
     def lower(self, graphdef, state, prompt_tokens, prompt_mask, key, **sampling):
         """`__call__`'s program lowered for these arguments, for ahead-of-time planning.
@@ -463,12 +488,17 @@ class Sampler:
           An `InflightSampleOutput`: `__call__`'s fields and `token_versions`.
         """
         check_int("chunk_steps", chunk_steps, 1)
-        prompt_tokens, prompt_mask, per_row = self._prepared(
-            prompt_tokens, prompt_mask, temperature, top_k, top_p, max_new_tokens
+        prompts = self.prepare(
+            prompt_tokens,
+            prompt_mask,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            max_new_tokens=max_new_tokens,
         )
-        rows = prompt_tokens.shape[0]
-        state, version = _published(params_fn)
-        st, progress = self._inflight_start(graphdef, state, prompt_tokens, prompt_mask)
+        rows = prompts.tokens.shape[0]
+        state, version = published(params_fn)
+        st, progress = self.start(graphdef, state, prompts)
         remaining, refresh = chunk_steps, False
         while True:
             steps, busy, next_row = (int(x) for x in jax.device_get(progress))
@@ -476,30 +506,38 @@ class Sampler:
                 return _output(st, InflightSampleOutput, token_versions=st.versions_rn)
             remaining -= steps
             if remaining == 0:
-                new_state, new_version = _published(params_fn)
+                new_state, new_version = published(params_fn)
                 refresh = new_version != version
                 state, version, remaining = new_state, new_version, chunk_steps
             narrower = _narrower(st.row_b.shape[0])
             if next_row >= rows and busy <= narrower:
-                st, progress = self._inflight_compact(st, width=narrower), (0, busy, next_row)
+                st, progress = self._compact(st, width=narrower), (0, busy, next_row)
                 continue
-            st, progress = self._inflight_chunk(
-                graphdef,
-                state,
-                st,
-                prompt_tokens,
-                prompt_mask,
-                key,
-                per_row,
-                jnp.asarray(version, jnp.int32),
-                jnp.asarray(remaining, jnp.int32),
-                jnp.asarray(refresh),
-            )
+            st, progress = self.run_chunk(
+                graphdef, state, st, prompts, key, version=version, budget=remaining,
+                refresh=refresh,
+            )  # fmt: skip
             refresh = False
 
-    def _prepared(self, prompt_tokens, prompt_mask, temperature, top_k, top_p, max_new_tokens):
-        """The call's checks and conversions: `(tokens, mask, per_row)`, with `per_row` the
-        [R] arrays `(temperature, top_k, top_p, max_new_tokens)`."""
+    def compiled_programs(self) -> dict[str, int]:
+        """How many programs each jitted entry point holds (`__call__`'s "sample", the slot
+        API's "start", "chunk", "compact", "observe", "end"): recompilation checks."""
+        jitted = {
+            "sample": self._jitted,
+            "start": self._start,
+            "chunk": self._chunk,
+            "compact": self._compact,
+            "observe": self._observe,
+            "end": self._end,
+        }
+        return {name: fn._cache_size() for name, fn in jitted.items()}
+
+    def prepare(
+        self, prompt_tokens, prompt_mask, *, temperature=1.0, top_k=0, top_p=1.0,
+        max_new_tokens=None,
+    ) -> Prompts:  # fmt: skip
+        """A call's prompts checked and converted, with their [R] sampling settings (the
+        arguments as for `__call__`); ValueError in one line for a bad one."""
         prompt_tokens = jnp.asarray(prompt_tokens)
         prompt_mask = jnp.asarray(prompt_mask)
         self._check_prompts(prompt_tokens, prompt_mask)
@@ -507,7 +545,43 @@ class Sampler:
             prompt_tokens.shape[0], temperature, top_k, top_p, max_new_tokens
         )
         self._check_sampling(*per_row, self.max_new_tokens)
-        return prompt_tokens.astype(jnp.int32), prompt_mask.astype(bool), per_row
+        return Prompts(prompt_tokens.astype(jnp.int32), prompt_mask.astype(bool), per_row)
+
+    # ------------------------------------------------------------------- the slot API
+
+    def start(
+        self, graphdef, state, prompts: Prompts, *, episodes: bool = False
+    ) -> tuple[SlotState, jax.Array]:
+        """The first B rows prefilled with `state` into the slots, every token's version
+        recorded from here on (-1 until sampled); with `episodes`, the slots can also wait
+        for an environment and rows hold observation tokens. Returns the slots and their
+        progress (int32 [3]: decode steps just run, busy slots, first row no slot took)."""
+        return self._start(graphdef, state, prompts.tokens, prompts.mask, episodes=episodes)
+
+    def run_chunk(
+        self, graphdef, state, slots: SlotState, prompts: Prompts, key, *, version: int,
+        budget: int, refresh: bool = False, turn_end_ids=None,
+    ) -> tuple[SlotState, jax.Array]:  # fmt: skip
+        """At most `budget` decode steps with `state` (version `version`; the busy slots'
+        last tokens fed again first if `refresh`), stopping early where `__call__` would
+        compact, or, given `turn_end_ids` (int32 [T, L], right-aligned turn-end sequences,
+        -1 before shorter ones), as soon as one more slot waits for its environment.
+        `slots` is donated. Returns the new slots and their progress (as `start`)."""
+        return self._chunk(
+            graphdef, state, slots, prompts, key, jnp.asarray(version, jnp.int32),
+            jnp.asarray(budget, jnp.int32), jnp.asarray(refresh), turn_end_ids,
+        )  # fmt: skip
+
+    def append_observation(self, graphdef, state, slots: SlotState, slot: int, block, length):
+        """Feeds the first `length` tokens of `block` (int32 [K]) into waiting slot `slot`'s
+        cache at its next positions, writes them into its row as observation tokens and
+        lets the slot decode again. `slots` is donated."""
+        return self._observe(graphdef, state, slots, jnp.int32(slot), block, jnp.int32(length))
+
+    def end_slot(self, graphdef, state, slots: SlotState, slot: int, prompts: Prompts):
+        """Ends waiting slot `slot`'s row at its turn's end; the slot takes the next row
+        no slot has taken (prefilled with `state`), or idles. `slots` is donated."""
+        return self._end(graphdef, state, slots, jnp.int32(slot), prompts.tokens, prompts.mask)
 
     def _per_row_arrays(self, rows, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=None):
         """The [R] arrays `(temperature, top_k, top_p, max_new_tokens)` of a call."""
@@ -578,42 +652,35 @@ class Sampler:
                 return _output(s, SampleOutput)
             s = _compacted(s, _narrower(s.row_b.shape[0]))
 
-    def _start_program(self, graphdef, state, prompt_tokens, prompt_mask):
-        """The first B rows prefilled (`_first_slots`), no version recorded yet."""
+    def _start_program(self, graphdef, state, prompt_tokens, prompt_mask, episodes):
+        """`start`'s program: `_first_slots`, no version recorded yet."""
         s = self._first_slots(nnx.merge(graphdef, state), prompt_tokens, prompt_mask)
-        versions_rn = jnp.full(s.tokens_rn.shape, -1, jnp.int32)
-        return dataclasses.replace(s, versions_rn=versions_rn), _progress(s, 0)
+        s = dataclasses.replace(s, versions_rn=jnp.full(s.tokens_rn.shape, -1, jnp.int32))
+        if episodes:
+            s = dataclasses.replace(
+                s,
+                waiting_b=jnp.zeros(s.row_b.shape, bool),
+                observed_rn=jnp.zeros(s.tokens_rn.shape, bool),
+            )
+        return s, _progress(s, 0)
 
     def _chunk_program(
-        self,
-        graphdef,
-        state,
-        s,
-        prompt_tokens,
-        prompt_mask,
-        key,
-        per_row,
-        version,
-        budget,
-        refresh,
-        turn_end_ids=None,
+        self, graphdef, state, s, prompts: Prompts, key, version, budget, refresh, turn_end_ids
     ):
-        """At most `budget` decode steps of `__call__`'s loop at the state's width, with
-        `state` (version `version`, fed again to the busy slots first if `refresh`);
-        stops early where `__call__` would compact (or, for episodes, where a slot starts
-        waiting for its environment: `turn_end_ids`). Returns the new state and
-        `_progress`."""
+        """`run_chunk`'s program: at most `budget` steps of `__call__`'s loop at the state's
+        width. Returns the new state and `_progress`."""
+        prompt_tokens, prompt_mask = prompts.tokens, prompts.mask
         row_keys = _row_keys(key, len(prompt_tokens))
-        inputs = _Inputs(prompt_tokens, prompt_mask, row_keys, per_row, turn_end_ids)
+        inputs = _Inputs(prompt_tokens, prompt_mask, row_keys, prompts.per_row, turn_end_ids)
 
-        def refreshed(s: _SlotState) -> _SlotState:
+        def refreshed(s: SlotState) -> SlotState:
             return self._fed_again(nnx.merge(graphdef, state), s, prompt_tokens)
 
         s = jax.lax.cond(refresh, refreshed, lambda s: s, s)
         s, steps = self._decode_loop(graphdef, state, s, inputs, budget, version)
         return s, _progress(s, steps)
 
-    def _decode_loop(self, graphdef, state, s: _SlotState, inputs: _Inputs, budget, version=None):
+    def _decode_loop(self, graphdef, state, s: SlotState, inputs: _Inputs, budget, version=None):
         """Decode steps at `s`'s width until `budget` steps are run, every row has ended,
         or no row waits and the busy slots fit the next width. The widest state refills
         the slots that end; narrower ones only follow their rows to the end.
@@ -658,7 +725,7 @@ class Sampler:
 
         return jax.lax.while_loop(cond, body, (s, jnp.zeros((), jnp.int32)))
 
-    def _decode_step(self, model, s: _SlotState, inputs: _Inputs, refill: bool) -> _SlotState:
+    def _decode_step(self, model, s: SlotState, inputs: _Inputs, refill: bool) -> SlotState:
         """The one decode step: samples a token in every busy slot, records it in its row,
         feeds it to the decoder, then hands each slot whose row has just ended the next
         waiting row (`refill`) or leaves it idle."""
@@ -702,7 +769,53 @@ class Sampler:
             return self._refill(model, s, ended_b, inputs.prompt_tokens, inputs.prompt_mask)
         return dataclasses.replace(s, row_b=jnp.where(ended_b, rows, s.row_b))
 
-    def _fed_again(self, model, s: _SlotState, prompt_tokens) -> _SlotState:
+    def _observe_program(self, graphdef, state, s: SlotState, slot, block_k, length):
+        """`append_observation`'s program: one prefill of K tokens (the rest masked) into
+        the slot's row of the cache; the last real one's logits become the slot's."""
+        model = nnx.merge(graphdef, state)
+        k = block_k.shape[0]
+        real_1k = (jnp.arange(k) < length)[None, :]
+        tokens_1k = block_k[None, :]
+
+        def row_of(x):
+            return jax.lax.dynamic_slice_in_dim(x, slot, 1, axis=0)
+
+        one = jax.tree.map(row_of, s.cache)
+        positions_1k = s.positions_b[slot] + jnp.arange(k, dtype=jnp.int32)[None, :]
+        rope = model.rope_tables(positions_1k, one["key_mask"].shape[1])
+        hidden, one = model.hidden_states(tokens_1k, positions_1k, real_1k, one, rope)
+        logits_v = model.logits(jax.lax.dynamic_slice_in_dim(hidden, length - 1, 1, axis=1))[0, 0]
+        zero = jnp.zeros((), jnp.int32)
+
+        def put_row(big, small):
+            return jax.lax.dynamic_update_slice(big, small, (slot,) + (zero,) * (big.ndim - 1))
+
+        cache = {
+            "index": s.cache["index"].at[slot].add(length),
+            "key_mask": put_row(s.cache["key_mask"], one["key_mask"]),
+            "layers": jax.tree.map(put_row, s.cache["layers"], one["layers"]),
+        }
+        row, step = s.row_b[slot], s.step_b[slot]
+        columns = jnp.where(real_1k[0], step + jnp.arange(k, dtype=jnp.int32), s.tokens_rn.shape[1])
+        return dataclasses.replace(
+            s,
+            cache=cache,
+            logits_bv=s.logits_bv.at[slot].set(logits_v.astype(s.logits_bv.dtype)),
+            step_b=s.step_b.at[slot].add(length),
+            positions_b=s.positions_b.at[slot].add(length),
+            tokens_rn=s.tokens_rn.at[row, columns].set(block_k, mode="drop"),
+            observed_rn=s.observed_rn.at[row, columns].set(True, mode="drop"),
+            waiting_b=s.waiting_b.at[slot].set(False),
+        )
+
+    def _end_program(self, graphdef, state, s: SlotState, slot, prompt_tokens, prompt_mask):
+        """`end_slot`'s program: the slot stops waiting and is refilled like an ended row."""
+        ended_b = jnp.arange(s.row_b.shape[0]) == slot
+        s = dataclasses.replace(s, waiting_b=s.waiting_b & ~ended_b)
+        model = nnx.merge(graphdef, state)
+        return self._refill(model, s, ended_b, prompt_tokens, prompt_mask)
+
+    def _fed_again(self, model, s: SlotState, prompt_tokens) -> SlotState:
         """Each busy slot's last fed token (its row's latest sample, or the last prompt
         token of a row with none yet) fed again through `model` at its own position:
         its KV entry and the slot's next-token logits become `model`'s."""
@@ -720,13 +833,13 @@ class Sampler:
             logits_bv=jnp.where(busy_b[:, None], logits_bv, s.logits_bv),
         )
 
-    def _first_slots(self, model, prompt_tokens, prompt_mask) -> _SlotState:
+    def _first_slots(self, model, prompt_tokens, prompt_mask) -> SlotState:
         """Rows [0, B) prefilled together into the B slots, and empty output buffers."""
         rows, prompt_len = prompt_tokens.shape
         slots, n = self._width(rows), self.max_new_tokens
         cache = init_cache(self.config, slots, prompt_len + n, self.cache_dtype)
         hidden, cache = model.hidden_states(prompt_tokens[:slots], None, prompt_mask[:slots], cache)
-        return _SlotState(
+        return SlotState(
             cache=cache | {"index": jnp.full((slots,), prompt_len, jnp.int32)},
             logits_bv=model.logits(hidden[:, -1:])[:, 0],
             row_b=jnp.arange(slots, dtype=jnp.int32),
@@ -739,7 +852,7 @@ class Sampler:
             policy_logps_rn=jnp.zeros((rows, n), jnp.float32),
         )
 
-    def _refill(self, model, s: _SlotState, ended_b, prompt_tokens, prompt_mask):
+    def _refill(self, model, s: SlotState, ended_b, prompt_tokens, prompt_mask):
         """Gives each ended slot the next waiting row (in slot order), or leaves it idle
         when none waits, and prefills the new rows one at a time."""
         rows = prompt_tokens.shape[0]
@@ -761,7 +874,7 @@ class Sampler:
         s, _ = jax.lax.while_loop(lambda c: jnp.any(c[1]), prefill_one, (s, pending_b))
         return s
 
-    def _prefill_slot(self, model, s: _SlotState, slot, prompt_tokens, prompt_mask):
+    def _prefill_slot(self, model, s: SlotState, slot, prompt_tokens, prompt_mask):
         """Prefills slot `slot` with its (new) row's prompt: positions [0, P) of the slot's
         cache, the key mask of the rest cleared so the previous row's keys are ignored."""
         prompt_len = prompt_tokens.shape[1]
@@ -790,7 +903,7 @@ class Sampler:
         )
 
 
-def _written_rows(s: _SlotState, rows: int) -> jax.Array:
+def _written_rows(s: SlotState, rows: int) -> jax.Array:
     """int32 [B]: the row each slot's next token is written to; R (out of bounds, so the
     write is dropped) for idle slots and slots waiting for an environment."""
     if s.waiting_b is None:
@@ -804,7 +917,7 @@ def _narrower(width: int) -> int:
     return (width + 1) // 2 if width > _MIN_WIDTH else 0
 
 
-def _compacted(s: _SlotState, width: int) -> _SlotState:
+def _compacted(s: SlotState, width: int) -> SlotState:
     """`s` with only `width` slots: the busy ones first, in slot order (the caller knows
     at most `width` are busy)."""
     rows = s.tokens_rn.shape[0]
@@ -839,7 +952,7 @@ def _row_keys(key: jax.Array, rows: int) -> jax.Array:
     return jax.vmap(jax.random.fold_in, (None, 0))(key, jnp.arange(rows, dtype=jnp.int32))
 
 
-def _output(s: _SlotState, cls: type, **extra):
+def _output(s: SlotState, cls: type, **extra):
     return cls(
         tokens=s.tokens_rn,
         completion_mask=s.mask_rn,
@@ -850,14 +963,15 @@ def _output(s: _SlotState, cls: type, **extra):
     )
 
 
-def _progress(s: _SlotState, steps) -> jax.Array:
+def _progress(s: SlotState, steps) -> jax.Array:
     """int32 [3]: decode steps just run, busy slots, first row no slot has taken."""
     rows = s.tokens_rn.shape[0]
     busy = jnp.sum(s.row_b < rows, dtype=jnp.int32)
     return jnp.stack([jnp.asarray(steps, jnp.int32), busy, s.next_row])
 
 
-def _published(params_fn) -> tuple[nnx.State, int]:
+def published(params_fn) -> tuple[nnx.State, int]:
+    """`params_fn()`'s `(state, version)`, the version checked to be an int."""
     state, version = params_fn()
     if isinstance(version, bool) or not isinstance(version, int | np.integer):
         raise ValueError(f"params_fn() returned version {version!r}; it must be an int.")

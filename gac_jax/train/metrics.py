@@ -80,6 +80,14 @@ def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
     return records
 
 
+def _cleaned(record: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: to_json_scalar(v, k) for k, v in record.items()}
+
+
+def _json_line(record: Mapping[str, Any]) -> str:
+    return json.dumps(_cleaned(record), allow_nan=False) + "\n"
+
+
 def keep_before(path: Path, start_step: int) -> None:
     """Drops the records of steps >= `start_step` from a JSON-lines file (atomically): a
     resumed run writes them again."""
@@ -87,7 +95,7 @@ def keep_before(path: Path, start_step: int) -> None:
     tmp = path.with_suffix(".jsonl.tmp")
     with tmp.open("w") as f:
         for record in kept:
-            f.write(MetricWriter._dumps(record))
+            f.write(_json_line(record))
     os.replace(tmp, path)
 
 
@@ -214,14 +222,6 @@ class MetricWriter:
             purge = (start_step or 0) * updates_per_step or None
             self._tb = SummaryWriter(logdir=str(self.out_dir / TENSORBOARD_DIR), purge_step=purge)
 
-    @staticmethod
-    def _clean(record: Mapping[str, Any]) -> dict[str, Any]:
-        return {k: to_json_scalar(v, k) for k, v in record.items()}
-
-    @staticmethod
-    def _dumps(record: Mapping[str, Any]) -> str:
-        return json.dumps(MetricWriter._clean(record), allow_nan=False) + "\n"
-
     def write(self, step: int, metrics: Mapping[str, Any]) -> None:
         """Records `metrics` (name -> scalar) at `step`; flushed before returning."""
         if self._file is None:
@@ -230,7 +230,7 @@ class MetricWriter:
         if "step" in metrics and int(metrics["step"]) != step:
             raise ValueError(f"metrics['step']={metrics['step']} differs from step={step}.")
         record = {"step": step, **{k: v for k, v in metrics.items() if k != "step"}}
-        clean = self._clean(record)  # Converts (and checks) every value before writing any.
+        clean = _cleaned(record)  # Converts (and checks) every value before writing any.
         self._file.write(json.dumps(clean, allow_nan=False) + "\n")
         self._file.flush()
         values = {k: _from_json_value(v) for k, v in clean.items() if k != "step"}

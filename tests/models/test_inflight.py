@@ -159,7 +159,7 @@ def test_params_fn_called_once_per_chunk(model, sampler):
         np.testing.assert_array_equal(got.tokens, want.tokens)
         np.testing.assert_allclose(got.policy_logps, want.policy_logps, atol=1e-5, rtol=0)
         np.testing.assert_allclose(got.logps, want.logps, atol=1e-5, rtol=0)
-    assert sampler._inflight_chunk._cache_size() == 2  # One program per width (8 and 4).
+    assert sampler.compiled_programs()["chunk"] == 2  # One program per width (8 and 4).
 
 
 SEGMENT = PROMPT_LEN + N_NEW  # Room for any run of one version in a row.

@@ -140,7 +140,7 @@ def test_left_padding_gives_the_unpadded_continuation(model, sampler, prompts, b
 
 def test_sampling_parameters_do_not_recompile(model, sampler, batch):
     graphdef, state = nnx.split(model)
-    before, cached_before = sampler.num_traces, sampler._jitted._cache_size()
+    before, cached_before = sampler.num_traces, sampler.compiled_programs()["sample"]
     settings = [
         dict(temperature=1.0, top_k=0, top_p=1.0),
         dict(temperature=0.3, top_k=5, top_p=0.8),
@@ -154,7 +154,7 @@ def test_sampling_parameters_do_not_recompile(model, sampler, batch):
     traces = sampler.num_traces
     sampler(graphdef, new_state, *batch, jax.random.key(9), temperature=0.9)
     assert sampler.num_traces == traces
-    assert sampler._jitted._cache_size() == cached_before + (sampler.num_traces - before)
+    assert sampler.compiled_programs()["sample"] == cached_before + (sampler.num_traces - before)
 
 
 def test_logps_match_teacher_forcing_at_temperature_one(model, sampler, batch):

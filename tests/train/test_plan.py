@@ -10,7 +10,7 @@ from gac_jax.train.build import model_config
 from gac_jax.train.cli import main
 from gac_jax.train.config import TrainConfig, get_preset
 from gac_jax.train.config_io import apply_overrides
-from gac_jax.train.plan import plan
+from gac_jax.train.plan import CHEAP_CPU_COMPILE_FLAGS, plan, with_cheap_cpu_compiles
 
 SMALL = [
     "mesh.data=1",
@@ -101,3 +101,14 @@ def test_lora_and_split_devices_change_the_plan():
     assert split["devices"] == 4 and split["rollout_devices"] == 4 == plain["rollout_devices"] + 4
     assert split["learner"]["params_gib"] > plain["learner"]["params_gib"]  # fsdp 4, not 8.
     assert split["sampler"]["peak_gib"] != plain["sampler"]["peak_gib"]
+
+
+def test_plan_compiles_without_llvm_optimisations_unless_the_user_set_them():
+    assert with_cheap_cpu_compiles("") == " ".join(CHEAP_CPU_COMPILE_FLAGS)
+    mine = "--xla_backend_optimization_level=2 --xla_cpu_foo=1"
+    assert with_cheap_cpu_compiles(mine).split() == [
+        *mine.split(),
+        "--xla_llvm_disable_expensive_passes=true",
+    ]
+    once = with_cheap_cpu_compiles("")
+    assert with_cheap_cpu_compiles(once) == once

@@ -101,20 +101,22 @@ def turn_end_ids(tokenizer: Tokenizer, turn_end: Sequence[str]) -> list[list[int
 
 @dataclasses.dataclass
 class EpisodeRows:
-    """One call's episodes as host arrays (R rows of N columns) and their telemetry."""
+    """One call's episodes as host arrays (R rows of N columns) and their telemetry. A
+    single answer (`gac_jax.rollout.answers.AnswerRunner`: no environment) has no
+    observation, turn, state or tool fields (None), and versions only in flight."""
 
     tokens: np.ndarray  # int32 [R, N]: policy and observation tokens.
     policy_mask: np.ndarray  # bool [R, N]
-    observation_mask: np.ndarray  # bool [R, N]
     policy_logps: np.ndarray  # f32 [R, N]
-    token_versions: np.ndarray  # int32 [R, N], -1 off policy tokens.
-    turns: np.ndarray  # int [R]
+    token_versions: np.ndarray | None  # int32 [R, N], -1 off policy tokens.
     transcripts: list[str]  # The context's text (policy and observations) of each row.
-    states: list[Any]  # Each row's environment state, for its reward.
-    tool_calls: np.ndarray  # int [R]
-    tool_errors: dict[str, np.ndarray]  # kind -> int [R]
-    tool_seconds: np.ndarray  # f [R]: summed latency of the steps that answered in time.
-    prefill_tokens: int
+    observation_mask: np.ndarray | None = None  # bool [R, N]
+    turns: np.ndarray | None = None  # int [R]
+    states: list[Any] | None = None  # Each row's environment state, for its reward.
+    tool_calls: np.ndarray | None = None  # int [R]
+    tool_errors: dict[str, np.ndarray] | None = None  # kind -> int [R]
+    tool_seconds: np.ndarray | None = None  # f [R]: latency of the steps answered in time.
+    prefill_tokens: int = 0
 
 
 class _Telemetry:
@@ -200,8 +202,12 @@ class EpisodeRunner:
         sampling: Mapping[str, Any],
         chunk_steps: int,
         place_inputs=None,
+        inflight: bool = False,
     ) -> EpisodeRows:
-        """One episode per prompt (`examples[i]` is prompt i's example)."""
+        """One episode per prompt (`examples[i]` is prompt i's example). `params_fn` is
+        asked every `chunk_steps` decode steps (`inflight` or not: episodes always run in
+        chunks, back to the host at each turn's end)."""
+        del inflight
         rows = len(prompts)
         states = [self.environment.start(example) for example in examples]
         telemetry = _Telemetry(rows)
@@ -286,11 +292,19 @@ class EpisodeRunner:
 
         return respond
 
+    @staticmethod
+    def items(rows: EpisodeRows) -> list[tuple[Any, str]]:
+        """What `score` takes for each row: its environment state and transcript."""
+        return list(zip(rows.states, rows.transcripts, strict=True))
+
+    def score(self, items: Sequence[tuple[Any, str]], example):
+        """The rewards of one group's episodes: the environment's `reward`, guarded (one
+        deadline per group, failures scored and counted)."""
+        return self.reward.score_group(list(items), example)
+
     def scores(self, rows: EpisodeRows, row_slice: slice, example):
-        """The rewards of the episodes in `row_slice` (one group): the environment's
-        `reward`, guarded (one deadline per group, failures scored and counted)."""
-        items = list(zip(rows.states[row_slice], rows.transcripts[row_slice], strict=True))
-        return self.reward.score_group(items, example)
+        """The rewards of the episodes in `row_slice` (one group)."""
+        return self.score(self.items(rows)[row_slice], example)
 
     def _check_chat(self, name: str) -> None:
         """The template's end of turn becomes a turn end; its frame around a tool's result

@@ -11,10 +11,9 @@ from flax import nnx
 
 from gac_jax.models import Sampler
 from gac_jax.models.tokenizers import Tokenizer
-from gac_jax.rollout import generation
+from gac_jax.rollout.answers import AnswerRunner
 from gac_jax.rollout.episodes import EpisodeRunner
 from gac_jax.tasks import Task
-from gac_jax.tasks.custom import score_group
 
 
 def pass_at_k(num_samples: int, num_correct: int, k: int) -> float:
@@ -41,14 +40,14 @@ def evaluate_policy(
     key: jax.Array,
     batch_rows: int = 256,
     stop: Sequence[str] = (),
-    episodes: EpisodeRunner | None = None,
+    runner: EpisodeRunner | AnswerRunner | None = None,
 ) -> dict[str, float]:
     """Greedy accuracy, mean sampled reward and pass@1 / pass@k on the first problems.
 
     Args:
       graphdef, params: the policy.
-      sampler: its sampler (any `max_new_tokens`); the prompts go through
-        `gac_jax.rollout.generation.generate`, as the training rollouts do.
+      sampler: its sampler (any `max_new_tokens`); the prompts go through the runner
+        the training rollouts use (`runner`).
       task, examples, tokenizer: the task and its held-out split.
       prompt_length: prompts are left-padded to it.
       num_problems: how many problems (the first of the split).
@@ -57,8 +56,10 @@ def evaluate_policy(
       batch_rows: most rows per sampler call.
       stop: stop strings: a completion is scored up to the first (`cut_at_stop`), as
         the rollouts are.
-      episodes: a multi-turn task's `EpisodeRunner`: each sample is an episode with the
-        task's environment, scored by the environment's reward, as in training.
+      runner: how a sample is made and scored, the rollouts' own
+        (`TaskGroupGenerator.runner`): a multi-turn task's `EpisodeRunner` (an episode
+        with the task's environment, scored by its reward); None: an `AnswerRunner` of
+        `task.reward` and `stop` (one answer a sample).
 
     Returns:
       `{"greedy_accuracy", "sampled_reward", "pass@1", f"pass@{n}"}`.
@@ -71,43 +72,18 @@ def evaluate_policy(
         tokenizer.encode(task.prompt(ex), add_bos=tokenizer.bos_id is not None) for ex in problems
     ]
 
-    def rewards_of(rows_per_problem: int, temperature: float, call_key) -> np.ndarray:
-        rows = [p for p in prompts for _ in range(rows_per_problem)]
-        if episodes is not None:
-            return episode_rewards(rows, rows_per_problem, temperature, call_key)
-        texts = []
-        for start in range(0, len(rows), batch_rows):
-            chunk = slice(start, start + batch_rows)
-            call_key, sub = jax.random.split(call_key)
-            out = generation.generate(
-                sampler,
-                graphdef,
-                params,
-                rows[chunk],
-                sub,
-                pad_id=tokenizer.pad_id,
-                prompt_length=prompt_length,
-                sampling={"temperature": temperature},
-            )
-            for row, row_mask in zip(out.tokens, out.completion_mask, strict=True):
-                texts.append(generation.cut_at_stop(tokenizer, row, row_mask, stop)[0])
-        # Each problem's completions scored together, as training scores a group (a run's
-        # own reward then gets one deadline per problem, not one per completion).
-        r = rows_per_problem
-        return np.stack(
-            [
-                score_group(task.reward, texts[i * r : (i + 1) * r], ex).rewards
-                for i, ex in enumerate(problems)
-            ]
-        )
+    if runner is None:  # Every sample is an episode; this one is a single answer.
+        runner = AnswerRunner(sampler, tokenizer, task.reward, stop)
 
-    def episode_rewards(rows, r: int, temperature: float, call_key) -> np.ndarray:
+    def rewards_of(r: int, temperature: float, call_key) -> np.ndarray:
+        """[problems, r] rewards of r samples a problem at `temperature`."""
+        rows = [p for p in prompts for _ in range(r)]
         row_examples = [ex for ex in problems for _ in range(r)]
         items = []
         for start in range(0, len(rows), batch_rows):
             chunk = slice(start, start + batch_rows)
             call_key, sub = jax.random.split(call_key)
-            out = episodes.sample(
+            out = runner.sample(
                 graphdef,
                 lambda: (params, 0),
                 rows[chunk],
@@ -117,12 +93,11 @@ def evaluate_policy(
                 sampling={"temperature": temperature},
                 chunk_steps=64,
             )
-            items += list(zip(out.states, out.transcripts, strict=True))
+            items += runner.items(out)
+        # Each problem's samples scored together, as training scores a group (a run's
+        # own reward then gets one deadline per problem, not one per completion).
         return np.stack(
-            [
-                episodes.reward.score_group(items[i * r : (i + 1) * r], ex).rewards
-                for i, ex in enumerate(problems)
-            ]
+            [runner.score(items[i * r : (i + 1) * r], ex).rewards for i, ex in enumerate(problems)]
         )
 
     greedy_key, sample_key = jax.random.split(key)

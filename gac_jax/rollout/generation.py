@@ -12,14 +12,14 @@ import numpy as np
 from flax import nnx
 
 from gac_jax._validation import check_int
-from gac_jax.models import SampleOutput, Sampler, left_pad
-from gac_jax.models.tokenizers import Tokenizer, decode_completion
-from gac_jax.rollout.episodes import EpisodeRunner
+from gac_jax.models import Sampler
+from gac_jax.models.tokenizers import Tokenizer
+from gac_jax.rollout.answers import AnswerRunner
+from gac_jax.rollout.episodes import EpisodeRows, EpisodeRunner
 from gac_jax.rollout.placement import RolloutPlacement
 from gac_jax.rollout.record import Rollout
 from gac_jax.rollout.worker import GroupRequest
 from gac_jax.tasks import Task
-from gac_jax.tasks.custom import score_group
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,7 +108,9 @@ class TaskGroupGenerator:
       chunk_steps: decode steps between two looks at `latest_params`.
       episodes: a multi-turn task's `EpisodeRunner` (built on `sampler`): each row is an
         episode with the task's environment (`gac_jax.rollout.episodes`), scored by the
-        environment's reward; None samples one completion per row.
+        environment's reward; None: an `AnswerRunner` (one completion per row, cut at the
+        stop strings, scored by `task.reward`). Either is `self.runner`, the one path
+        every call takes.
     """
 
     def __init__(
@@ -144,7 +146,8 @@ class TaskGroupGenerator:
         temperature = 0.0 if config.greedy else config.temperature
         self.sampling = dict(temperature=temperature, top_k=config.top_k, top_p=config.top_p)
         self.stop = tuple(config.stop)
-        self.episodes = episodes
+        # Every row is an episode: with the task's environment, or a single answer.
+        self.runner = episodes or AnswerRunner(sampler, tokenizer, task.reward, self.stop)
 
     def encode_prompt(self, prompt_id: int) -> np.ndarray:
         text = self.task.prompt(self.examples[prompt_id])
@@ -162,66 +165,11 @@ class TaskGroupGenerator:
     ) -> list[Rollout]:
         g = self.group_size
         prompts = [self.encode_prompt(r.prompt_id) for r in requests]
-        if self.episodes is not None:
-            return self._episode_groups(params, version, requests, key, prompts)
-        rows = [p for p in prompts for _ in range(g)]
-        start = time.monotonic()
-        out = generate(
-            self.sampler,
-            self.graphdef,
-            params,
-            rows,
-            key,
-            pad_id=self.tokenizer.pad_id,
-            prompt_length=self.prompt_length,
-            sampling=self.sampling,
-            placement=self.placement,
-            params_fn=None if self.latest_params is None else self._params_fn(params, version),
-            chunk_steps=self.chunk_steps,
-        )
-        token_versions = getattr(out, "token_versions", None)
-        generate_seconds = (time.monotonic() - start) / len(requests)
-        rollouts = []
-        for i, request in enumerate(requests):
-            rows_i = slice(i * g, (i + 1) * g)
-            completion_tokens = np.array(out.tokens[rows_i], np.int32)
-            completion_mask = np.array(out.completion_mask[rows_i], bool)
-            behaviour_logp = np.array(out.policy_logps[rows_i], np.float32)
-            start = time.monotonic()
-            texts = self._texts(completion_tokens, completion_mask, behaviour_logp)
-            versions_i = None if token_versions is None else np.asarray(token_versions[rows_i])
-            group_version = version
-            if versions_i is not None and completion_mask.any():
-                group_version = int(versions_i[completion_mask].min())
-            example = self.examples[request.prompt_id]
-            scores = score_group(self.task.reward, texts, example)
-            rollouts.append(
-                Rollout(
-                    prompt_id=request.prompt_id,
-                    group_id=request.group_id,
-                    prompt_tokens=prompts[i],
-                    completion_tokens=completion_tokens,
-                    completion_mask=completion_mask,
-                    behaviour_logp=behaviour_logp,
-                    rewards=scores.rewards,
-                    policy_version=int(group_version),
-                    token_versions=versions_i,
-                    generate_seconds=generate_seconds,
-                    score_seconds=time.monotonic() - start,
-                    reward_failures=scores.failures,
-                    reward_timeouts=scores.timeouts,
-                )
-            )
-        return rollouts
-
-    def _episode_groups(self, params, version, requests, key, prompts) -> list[Rollout]:
-        """Multi-turn: one episode per row with the task's environment (`EpisodeRunner`)."""
-        g = self.group_size
         inflight = self.latest_params is not None
         params_fn = self._params_fn(params, version) if inflight else lambda: (params, version)
         examples = [self.examples[r.prompt_id] for r in requests]
         start = time.monotonic()
-        out = self.episodes.sample(
+        out = self.runner.sample(
             self.graphdef,
             params_fn,
             [p for p in prompts for _ in range(g)],
@@ -231,56 +179,28 @@ class TaskGroupGenerator:
             sampling=self.sampling,
             chunk_steps=self.chunk_steps,
             place_inputs=None if self.placement is None else self.placement.place_inputs,
+            inflight=inflight,
         )
         generate_seconds = (time.monotonic() - start) / len(requests)
         rollouts = []
         for i, request in enumerate(requests):
             rows_i = slice(i * g, (i + 1) * g)
-            policy = out.policy_mask[rows_i]
-            versions = out.token_versions[rows_i]
-            group_version = int(versions[policy].min()) if inflight and policy.any() else version
             start = time.monotonic()
-            scores = self.episodes.scores(out, rows_i, examples[i])
+            scores = self.runner.scores(out, rows_i, examples[i])
             rollouts.append(
                 Rollout(
                     prompt_id=request.prompt_id,
                     group_id=request.group_id,
                     prompt_tokens=prompts[i],
-                    completion_tokens=out.tokens[rows_i],
-                    completion_mask=policy,
-                    behaviour_logp=np.where(policy, out.policy_logps[rows_i], 0.0),
                     rewards=scores.rewards,
-                    policy_version=group_version,
-                    token_versions=versions if inflight else None,
                     generate_seconds=generate_seconds,
                     score_seconds=time.monotonic() - start,
                     reward_failures=scores.failures,
                     reward_timeouts=scores.timeouts,
-                    observation_mask=out.observation_mask[rows_i],
-                    turns=out.turns[rows_i],
-                    tool_calls=int(out.tool_calls[rows_i].sum()),
-                    tool_errors=int(
-                        out.tool_errors["raised"][rows_i].sum()
-                        + out.tool_errors["invalid"][rows_i].sum()
-                    ),
-                    tool_timeouts=int(out.tool_errors["timeout"][rows_i].sum()),
-                    tool_seconds=float(out.tool_seconds[rows_i].sum()),
+                    **_group_fields(out, rows_i, version, inflight),
                 )
             )
         return rollouts
-
-    def _texts(self, tokens: np.ndarray, mask: np.ndarray, logps: np.ndarray) -> list[str]:
-        """The rows' completion texts; rows that hold a stop string are cut in place (mask
-        shortened, the tokens after it padded, their log-probabilities zeroed)."""
-        texts = []
-        for row, (row_tokens, row_mask) in enumerate(zip(tokens, mask, strict=True)):
-            text, kept = cut_at_stop(self.tokenizer, row_tokens, row_mask, self.stop)
-            if not np.array_equal(kept, row_mask):
-                mask[row] = kept
-                tokens[row, ~kept] = self.tokenizer.pad_id
-                logps[row, ~kept] = 0.0
-            texts.append(text)
-        return texts
 
     def _params_fn(self, params, version):
         """In-flight `params_fn`: `(params, version)` first, then the newest version at
@@ -296,83 +216,31 @@ class TaskGroupGenerator:
         return params_fn
 
 
-def generate(
-    sampler: Sampler,
-    graphdef: nnx.GraphDef,
-    params: nnx.State,
-    prompts: Sequence[Sequence[int]],
-    key: jax.Array,
-    *,
-    pad_id: int,
-    prompt_length: int,
-    sampling: dict[str, Any],
-    placement: RolloutPlacement | None = None,
-    params_fn: Callable[[], tuple[Any, int]] | None = None,
-    chunk_steps: int = 16,
-) -> SampleOutput:
-    """Samples one completion per prompt: the one way training rollouts
-    (`TaskGroupGenerator`) and evaluation (`gac_jax.train.evaluate_policy`) generate.
-
-    Args:
-      sampler: the run's `Sampler`.
-      graphdef, params: the policy.
-      prompts: R token lists, left-padded to `prompt_length` with `pad_id`.
-      key: sampling key.
-      sampling: the sampler's keywords (`temperature`, `top_k`, `top_p`).
-      placement: puts the prompts on the sampler's mesh; None leaves them to the jit.
-      params_fn: in-flight updates (`Sampler.sample_inflight`, every `chunk_steps` decode
-        steps); None samples with `params` throughout.
-
-    Returns:
-      The `SampleOutput` (an `InflightSampleOutput` with `params_fn`) as host arrays.
-    """
-    tokens, mask = left_pad(prompts, pad_id, prompt_length)
-    if placement is not None:
-        tokens, mask = placement.place_inputs(tokens, mask)
-    if params_fn is None:
-        out = sampler(graphdef, params, tokens, mask, key, **sampling)
-    else:
-        out = sampler.sample_inflight(
-            graphdef, params_fn, tokens, mask, key, chunk_steps=chunk_steps, **sampling
-        )
-    return jax.device_get(out)
-
-
-def cut_at_stop(
-    tokenizer: Tokenizer, tokens: np.ndarray, mask: np.ndarray, stop: Sequence[str]
-) -> tuple[str, np.ndarray]:
-    """One sampled row's completion text and loss mask under stop strings.
-
-    The completion ends with the first token after which its text holds a stop string (the
-    shortest such prefix, found by bisection: a stop string in a prefix's text is in every
-    longer prefix's); the text is cut before the stop string, as vLLM returns it by
-    default, while the mask keeps the tokens through that last one: the policy sampled
-    them, the tokens after it are no longer part of the completion.
-
-    Args:
-      tokenizer: decodes the row (`decode_completion`: special tokens skipped).
-      tokens: [L] int, the sampled row.
-      mask: [L] bool, True on its generated tokens (a prefix of the row, EOS included).
-      stop: stop strings; none keeps the row whole.
-
-    Returns:
-      `(text, mask)`: the completion's text and its mask, `mask` itself when no stop
-      string occurs.
-    """
-    ids = tokens[mask]
-    text = decode_completion(tokenizer, ids)
-    if not any(s in text for s in stop):
-        return text, mask
-    low, high = 1, len(ids)  # The shortest prefix holding a stop string has `high` tokens.
-    while low < high:
-        middle = (low + high) // 2
-        if any(s in decode_completion(tokenizer, ids[:middle]) for s in stop):
-            high = middle
-        else:
-            low = middle + 1
-    text = decode_completion(tokenizer, ids[:high])
-    text = text[: min(text.find(s) for s in stop if s in text)]
-    return text, mask & (np.cumsum(mask) <= high)
+def _group_fields(out: EpisodeRows, rows: slice, version: int, inflight: bool) -> dict:
+    """A group's rows of `out` as `Rollout` fields: its tokens, masks and log-probs, its
+    oldest token's version (in flight) or the call's, and an episode's turns and tools."""
+    policy = out.policy_mask[rows]
+    versions = None if out.token_versions is None else out.token_versions[rows]
+    group_version = version
+    if inflight and versions is not None and policy.any():
+        group_version = int(versions[policy].min())
+    fields = dict(
+        completion_tokens=out.tokens[rows],
+        completion_mask=policy,
+        behaviour_logp=np.where(policy, out.policy_logps[rows], 0.0).astype(np.float32),
+        policy_version=group_version,
+        token_versions=versions if inflight else None,
+    )
+    if out.observation_mask is None:  # One answer: no observation, turn or tool.
+        return fields
+    return fields | dict(
+        observation_mask=out.observation_mask[rows],
+        turns=out.turns[rows],
+        tool_calls=int(out.tool_calls[rows].sum()),
+        tool_errors=int(sum(out.tool_errors[kind][rows].sum() for kind in ("raised", "invalid"))),
+        tool_timeouts=int(out.tool_errors["timeout"][rows].sum()),
+        tool_seconds=float(out.tool_seconds[rows].sum()),
+    )
 
 
 def make_sampler(model_config, tokenizer: Tokenizer, config: GenerationConfig) -> Sampler:

@@ -163,7 +163,7 @@ class Run:
             num_samples=c.eval_samples,
             key=key,
             stop=c.generation.stop,
-            episodes=self.generator.episodes,
+            runner=self.generator.runner,
         )
         return {f"{prefix}{k}": v for k, v in scores.items()}
 

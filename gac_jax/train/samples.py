@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from gac_jax.models.tokenizers import decode_completion
-from gac_jax.rollout.generation import cut_at_stop
+from gac_jax.rollout.sampling import cut_at_stop
 from gac_jax.train.metrics import keep_before, to_json_scalar
 
 SAMPLES_FILE = "samples.jsonl"

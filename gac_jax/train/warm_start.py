@@ -367,9 +367,9 @@ def evaluate_warm_start(
     )
     sampler = make_sampler(model.config, tokenizer, generation)
     graphdef, state = nnx.split(model)
-    episodes = None
+    runner = None  # One answer a sample, unless the task has an environment.
     if task.environment is not None:  # Multi-turn: episodes with the task's environment.
-        episodes = EpisodeRunner(sampler, tokenizer, task.environment(), EpisodeConfig())
+        runner = EpisodeRunner(sampler, tokenizer, task.environment(), EpisodeConfig())
     metrics = evaluate_policy(
         graphdef,
         state,
@@ -382,7 +382,7 @@ def evaluate_warm_start(
         num_samples=config.eval_samples,
         key=jax.random.key(config.seed + 1),
         batch_rows=config.eval_batch_size,
-        episodes=episodes,
+        runner=runner,
     )
     return {**metrics, "eval_problems": num_problems, "eval_samples": config.eval_samples}
 

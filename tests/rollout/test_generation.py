@@ -11,8 +11,8 @@ import pytest
 from flax import nnx
 
 from gac_jax import models
-from gac_jax.rollout import GenerationConfig, TaskGroupGenerator, generation, make_sampler
-from gac_jax.rollout.generation import cut_at_stop
+from gac_jax.rollout import GenerationConfig, TaskGroupGenerator, answers, make_sampler
+from gac_jax.rollout.sampling import cut_at_stop
 from gac_jax.rollout.worker import GroupRequest
 from gac_jax.tasks.custom import GuardedReward, RewardGuardConfig
 from gac_jax.train import evaluate_policy
@@ -72,19 +72,20 @@ def test_the_generator_gives_the_same_greedy_rollouts_whatever_the_slots():
 
 
 def test_training_and_evaluation_generate_through_one_function(monkeypatch):
-    """Rollouts and `evaluate_policy` both sample by `generation.generate`: a spy in its
-    place sees both, with the sampler, params and prompts each was given."""
+    """Rollouts and `evaluate_policy` both sample through one runner (`AnswerRunner`, by
+    `sampling.generate`): a spy in its place sees both, with the sampler, params and
+    prompts each was given."""
     model = models.create_model(models.get_config("tiny"), seed=0)
     graphdef, params = nnx.split(model)
     tokenizer = models.CharTokenizer()
     task = types.SimpleNamespace(prompt=lambda e: e, reward=lambda c, e: 1.0)
-    calls, real = [], generation.generate
+    calls, real = [], answers.generate
 
     def spy(sampler, graphdef, params, prompts, key, **kwargs):
         calls.append((sampler, len(prompts), kwargs["sampling"]["temperature"]))
         return real(sampler, graphdef, params, prompts, key, **kwargs)
 
-    monkeypatch.setattr(generation, "generate", spy)
+    monkeypatch.setattr(answers, "generate", spy)
     generator = _generator(model, task)
     requests = [GroupRequest(prompt_id=i, group_id=i) for i in range(2)]
     rollouts = generator(params, 0, requests, jax.random.key(0))

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from gac_jax import models
-from gac_jax.rollout.generation import decode_completion
+from gac_jax.models.tokenizers import decode_completion
 from gac_jax.tasks import get_task
 from gac_jax.train import run as run_lib
 from gac_jax.train.cli import main

@@ -1,0 +1,94 @@
+"""Sampling one completion per prompt, and cutting it at a stop string: what single-answer
+rollouts (`gac_jax.rollout.answers.AnswerRunner`) and the sample logs use."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+
+from gac_jax.models import SampleOutput, Sampler, left_pad
+from gac_jax.models.tokenizers import Tokenizer, decode_completion
+
+
+def generate(
+    sampler: Sampler,
+    graphdef: nnx.GraphDef,
+    params: nnx.State,
+    prompts: Sequence[Sequence[int]],
+    key: jax.Array,
+    *,
+    pad_id: int,
+    prompt_length: int,
+    sampling: dict[str, Any],
+    place_inputs: Callable | None = None,
+    params_fn: Callable[[], tuple[Any, int]] | None = None,
+    chunk_steps: int = 16,
+) -> SampleOutput:
+    """Samples one completion per prompt: the one way single-answer rollouts and their
+    evaluation generate (`AnswerRunner`).
+
+    Args:
+      sampler: the run's `Sampler`.
+      graphdef, params: the policy.
+      prompts: R token lists, left-padded to `prompt_length` with `pad_id`.
+      key: sampling key.
+      sampling: the sampler's keywords (`temperature`, `top_k`, `top_p`).
+      place_inputs: puts the prompts on the sampler's mesh (`RolloutPlacement.place_inputs`);
+        None leaves them to the jit.
+      params_fn: in-flight updates (`Sampler.sample_inflight`, every `chunk_steps` decode
+        steps); None samples with `params` throughout.
+
+    Returns:
+      The `SampleOutput` (an `InflightSampleOutput` with `params_fn`) as host arrays.
+    """
+    tokens, mask = left_pad(prompts, pad_id, prompt_length)
+    if place_inputs is not None:
+        tokens, mask = place_inputs(tokens, mask)
+    if params_fn is None:
+        out = sampler(graphdef, params, tokens, mask, key, **sampling)
+    else:
+        out = sampler.sample_inflight(
+            graphdef, params_fn, tokens, mask, key, chunk_steps=chunk_steps, **sampling
+        )
+    return jax.device_get(out)
+
+
+def cut_at_stop(
+    tokenizer: Tokenizer, tokens: np.ndarray, mask: np.ndarray, stop: Sequence[str]
+) -> tuple[str, np.ndarray]:
+    """One sampled row's completion text and loss mask under stop strings.
+
+    The completion ends with the first token after which its text holds a stop string (the
+    shortest such prefix, found by bisection: a stop string in a prefix's text is in every
+    longer prefix's); the text is cut before the stop string, as vLLM returns it by
+    default, while the mask keeps the tokens through that last one: the policy sampled
+    them, the tokens after it are no longer part of the completion.
+
+    Args:
+      tokenizer: decodes the row (`decode_completion`: special tokens skipped).
+      tokens: [L] int, the sampled row.
+      mask: [L] bool, True on its generated tokens (a prefix of the row, EOS included).
+      stop: stop strings; none keeps the row whole.
+
+    Returns:
+      `(text, mask)`: the completion's text and its mask, `mask` itself when no stop
+      string occurs.
+    """
+    ids = tokens[mask]
+    text = decode_completion(tokenizer, ids)
+    if not any(s in text for s in stop):
+        return text, mask
+    low, high = 1, len(ids)  # The shortest prefix holding a stop string has `high` tokens.
+    while low < high:
+        middle = (low + high) // 2
+        if any(s in decode_completion(tokenizer, ids[:middle]) for s in stop):
+            high = middle
+        else:
+            low = middle + 1
+    text = decode_completion(tokenizer, ids[:high])
+    text = text[: min(text.find(s) for s in stop if s in text)]
+    return text, mask & (np.cumsum(mask) <= high)

@@ -37,6 +37,7 @@ test: $(TEST_STAMP) lint
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 bench: $(TEST_STAMP)
+	$(BIN)/python benchmarks/canary.py
 	$(BIN)/python benchmarks/transforms.py
 	$(BIN)/python benchmarks/learner.py --quick
 	$(BIN)/python benchmarks/pipeline.py --quick

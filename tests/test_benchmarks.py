@@ -62,6 +62,13 @@ def _run(script: str, *args: str, timeout: int = 600, env=None) -> str:
 
 
 @pytest.mark.slow
+def test_the_speed_canary_runs_its_smoke_form():
+    # Its decode is checked token for token against the plain scan's inside the script.
+    out = _run("canary.py", "--smoke", env=process_env(1))
+    assert "canary (tiny, 1 rounds" in out and "sampler " in out and "learner step " in out
+
+
+@pytest.mark.slow
 def test_the_transforms_benchmark_runs_its_smoke_form():
     out = _run("transforms.py", "--smoke")
     for name in ("adamw", "gac+ess", "full chain", "full, ref donated"):

@@ -8,7 +8,7 @@
     `Sampler`; prints the overhead per group relative to sampling one group.
 (b) Throughput. Measures, with the tiny model, the generation cost per token and per group
     (at the simulation's max_new_tokens) and one `GRPOLearner` step on B groups of that
-    length, then feeds them to `gac_jax.rollout.simulation` with a heavy-tailed (clipped
+    length, then feeds them to `gac_jax.lab.simulation` with a heavy-tailed (clipped
     log-normal) response length, and prints async / sync throughput for staleness bounds
     1, 2, 4, 8 and 1, 2, 4, 8 workers: with the real buffer's block policy, with dropped
     groups' slots returned (a possible fix, see the simulation's docstring), and with the
@@ -33,15 +33,15 @@ import numpy as np
 from flax import nnx
 
 from gac_jax import models
-from gac_jax.learner import GRPOLearner, OptimizerConfig, TrainBatch, make_optimizer
-from gac_jax.rollout import Rollout, RolloutBuffer, collate
-from gac_jax.rollout.simulation import (
+from gac_jax.lab.simulation import (
     LengthDistribution,
     SimulationConfig,
     compare_async_to_sync,
     format_comparison,
     format_utilisation,
 )
+from gac_jax.learner import GRPOLearner, OptimizerConfig, TrainBatch, make_optimizer
+from gac_jax.rollout import Rollout, RolloutBuffer, collate
 
 GROUP_SIZE, PROMPT_LENGTH = 8, 16
 BOUNDS, WORKERS = (1, 2, 4, 8), (1, 2, 4, 8)

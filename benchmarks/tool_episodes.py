@@ -26,7 +26,7 @@ the learner pinned to core 0 and one Ray rollout actor on core 1 sampling the st
 groups in one call; `split-inflight`, the same with in-flight updates (a new version can
 land between two turns of an episode). Skipped with `--no-pinned`.
 
-Then the simulation (`gac_jax.rollout.simulation`, with `tool_calls`) is fed the costs
+Then the simulation (`gac_jax.lab.simulation`, with `tool_calls`) is fed the costs
 measured here: the learner step (median of the sync steps), a group's generation without
 tool latency (calls of one group with the tool's wait turned off, fitted as a fixed part
 plus a part per policy token of its longest episode), the episode lengths (a log-normal
@@ -53,8 +53,8 @@ import pinned_split
 import slow_tools
 from async_workload import fit_line
 
+from gac_jax.lab.simulation import LengthDistribution, SimulationConfig, compare_async_to_sync
 from gac_jax.rollout import GroupRequest
-from gac_jax.rollout.simulation import LengthDistribution, SimulationConfig, compare_async_to_sync
 from gac_jax.train.config import get_preset
 from gac_jax.train.config_io import apply_overrides
 from gac_jax.train.run import build_run
@@ -150,7 +150,7 @@ def simulate(sync: dict, config, sim_steps: int) -> None:
     calls = int(round(statistics.mean(sync["turns"])))
     groups, size = config.rollout.groups_per_batch, config.generation.group_size
     print(
-        f"\nSimulated (gac_jax.rollout.simulation): a group {1e3 * fixed:.1f} ms + "
+        f"\nSimulated (gac_jax.lab.simulation): a group {1e3 * fixed:.1f} ms + "
         f"{1e3 * per_token:.2f} ms per policy token of its longest episode, learner step "
         f"{1e3 * sync['learner']:.0f} ms, lengths {lengths.describe()}, {calls} tool calls "
         f"an episode of {1e3 * slow_tools.MEDIAN_SECONDS:.0f} ms median latency"

@@ -29,7 +29,7 @@ behind its loops:
   asks for the newest published params, so a long row is finished by newer weights
   instead of holding its batch on the old ones; each token records the version that
   sampled it (`InflightSampleOutput`).
-* `gac_jax.models.episodes.EpisodeSampler` (multi-turn episodes) runs the same chunks:
+* `gac_jax.rollout.episode_driver.EpisodeSampler` (multi-turn episodes) runs the same chunks:
   a slot whose turn ends on a turn-end token waits (`SlotState.waiting_b`), writing and
   decoding nothing, until the host appends its environment's observation to its cache.
 
@@ -130,7 +130,7 @@ class SlotState:
     # int32 [R, N]: the params version that sampled each token, -1 past a row's end;
     # in-flight sampling only (None: not recorded).
     versions_rn: jax.Array | None = None
-    # Episodes only (`gac_jax.models.episodes`; None otherwise): bool [B], the slot's turn
+    # Episodes only (`gac_jax.rollout.episode_driver`; None otherwise): bool [B], the slot's turn
     # has ended and it waits for its environment's observation (it neither decodes nor is
     # refilled); bool [R, N], the row's observation tokens (context, not sampled).
     waiting_b: jax.Array | None = None

@@ -1,7 +1,7 @@
 """Multi-turn rollouts: a task's environment answering the policy's turns, off the decode loop.
 
 `EpisodeConfig` holds a run's episode settings; `EpisodeRunner` samples one episode per
-row with `gac_jax.models.episodes.EpisodeSampler` (the run's one `Sampler`), calling the
+row with `gac_jax.rollout.episode_driver.EpisodeSampler` (the run's one `Sampler`), calling the
 environment through `GuardedEnvironment` (each step in its own thread, with a timeout; an
 error becomes an observation), and scores each finished episode with the environment's
 `reward` under the run's reward guard (`score_group`'s deadline). `TaskGroupGenerator`
@@ -35,8 +35,8 @@ import numpy as np
 
 from gac_jax._validation import check_int
 from gac_jax.models import left_pad
-from gac_jax.models.episodes import EpisodeSampler
 from gac_jax.models.tokenizers import Tokenizer, decode_completion
+from gac_jax.rollout.episode_driver import EpisodeSampler
 from gac_jax.tasks.chat_turns import ChatTurns
 from gac_jax.tasks.custom import GuardedReward, RewardGuardConfig
 from gac_jax.tasks.environments import (

@@ -31,11 +31,11 @@ from gac_jax.rollout.buffer import BufferConfig, BufferStats, RolloutBuffer, buf
 from gac_jax.rollout.param_store import ParamStore
 from gac_jax.rollout.record import Rollout
 from gac_jax.rollout.worker import (
-    VERSION_CHOICES,
     GenerateGroups,
     GroupRequest,
     PromptOrder,
     RolloutWorker,
+    check_version_choice,
     group_key,
 )
 
@@ -100,11 +100,7 @@ class RolloutConfig:
             ("max_draws", 1),
         ):
             check_int(name, getattr(self, name), low)
-        if self.version_choice not in VERSION_CHOICES:
-            raise ValueError(
-                f"version_choice={self.version_choice!r} is unknown; expected one of "
-                f"{list(VERSION_CHOICES)}."
-            )
+        check_version_choice(self.version_choice)
         if self.backend not in ROLLOUT_BACKENDS:
             raise ValueError(
                 f"backend={self.backend!r} is unknown; expected one of {list(ROLLOUT_BACKENDS)}."

@@ -19,6 +19,22 @@ logger = logging.getLogger(__name__)
 
 VERSION_CHOICES = ("latest", "oldest_allowed")
 
+
+def check_version_choice(version_choice: str, stale_policy: str | None = None) -> None:
+    """The one check of a `version_choice` (and, given the buffer's `stale_policy`, that
+    "oldest_allowed" has the block policy it needs): ValueError in one line."""
+    if version_choice not in VERSION_CHOICES:
+        raise ValueError(
+            f"version_choice={version_choice!r} is unknown; expected one of "
+            f"{list(VERSION_CHOICES)}."
+        )
+    if stale_policy is not None and version_choice == "oldest_allowed" and stale_policy != "block":
+        raise ValueError(
+            "version_choice='oldest_allowed' needs the buffer's stale_policy='block', got "
+            f"{stale_policy!r}."
+        )
+
+
 # How often blocked workers look up to see whether they were asked to stop (a newly
 # published version wakes them at once: see `RolloutWorker._reserve`).
 _POLL_SECONDS = 0.05
@@ -125,16 +141,7 @@ class RolloutWorker:
         group_id_stride: int = 1,
         version_choice: str = "latest",
     ):
-        if version_choice not in VERSION_CHOICES:
-            raise ValueError(
-                f"version_choice={version_choice!r} is unknown; expected one of "
-                f"{list(VERSION_CHOICES)}."
-            )
-        if version_choice == "oldest_allowed" and buffer.stale_policy != "block":
-            raise ValueError(
-                "version_choice='oldest_allowed' needs the buffer's block policy, got "
-                f"stale_policy={buffer.stale_policy!r}."
-            )
+        check_version_choice(version_choice, buffer.stale_policy)
         if num_threads < 1:
             raise ValueError(f"num_threads={num_threads} must be >= 1.")
         if groups_per_call < 1:

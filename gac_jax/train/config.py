@@ -31,6 +31,7 @@ from gac_jax.rollout.buffer import BATCHES_HELD, buffer_capacity
 from gac_jax.rollout.episodes import EpisodeConfig
 from gac_jax.rollout.placement import PlacementConfig
 from gac_jax.rollout.ray_cluster import RayConfig
+from gac_jax.rollout.worker import check_version_choice
 from gac_jax.tasks.custom import RewardGuardConfig
 from gac_jax.transforms import ESSConfig, GACConfig
 
@@ -347,12 +348,11 @@ def _validate_across_sections(config: TrainConfig) -> None:
         config.learner.validate(config.loss, config.batch_size)
     except ValueError as error:
         raise ValueError(_in_section("learner", config.learner, error)) from None
-    rollout, buffer = config.rollout, config.buffer
-    if rollout.version_choice == "oldest_allowed" and buffer.stale_policy != "block":
-        raise ValueError(
-            "rollout.version_choice='oldest_allowed' needs buffer.stale_policy='block', got "
-            f"{buffer.stale_policy!r}."
-        )
+    rollout = config.rollout
+    try:
+        check_version_choice(rollout.version_choice, config.buffer.stale_policy)
+    except ValueError as error:
+        raise ValueError(f"rollout.{error}") from None
     capacity = config.buffer.capacity
     if capacity is not None and capacity < config.rollout.groups_per_batch:
         raise ValueError(

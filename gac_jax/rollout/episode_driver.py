@@ -1,5 +1,7 @@
-"""Multi-turn episodes in the KV-cache sampler: a turn ends, an environment answers, the
-answer is appended to the slot's cache and decoding goes on, without re-running the prefix.
+"""The episode driver: the host loop that runs multi-turn episodes on the sampler's slots
+(its public slot API alone): a turn ends, an environment answers, the answer is appended
+to the slot's cache and decoding goes on, without re-running the prefix. It waits on the
+environments' futures, so it is rollout work and lives in `rollout/`, above the models.
 
 An episode is one row of the sampler: its prompt, then policy turns and observations
 interleaved in the row's N = `max_new_tokens` columns (the episode's token budget). A

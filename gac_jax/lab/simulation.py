@@ -57,7 +57,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from gac_jax.rollout.simulation_types import (
+from gac_jax.lab.simulation_types import (
     LENGTH_KINDS,
     MODES,
     LengthDistribution,

@@ -1,4 +1,4 @@
-"""The discrete-event simulation of the rollout pipeline (`gac_jax.rollout.simulation`).
+"""The discrete-event simulation of the rollout pipeline (`gac_jax.lab.simulation`).
 
 Exact cases are computed by hand; the async engine is replayed call by call against the
 real `RolloutBuffer`, so the simulation cannot drift from the buffer's semantics unnoticed.
@@ -11,14 +11,14 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gac_jax.rollout import Rollout, RolloutBuffer
-from gac_jax.rollout.simulation import (
+from gac_jax.lab.simulation import (
     LengthDistribution,
     SimulationConfig,
     compare_async_to_sync,
     format_comparison,
     simulate,
 )
+from gac_jax.rollout import Rollout, RolloutBuffer
 
 HEAVY = LengthDistribution("lognormal", scale=32.0, shape=1.0, max_tokens=256)
 BASE = SimulationConfig(

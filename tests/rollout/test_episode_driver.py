@@ -15,8 +15,8 @@ import pytest
 from flax import nnx
 
 from gac_jax.models import Sampler, create_model, get_config, left_pad
-from gac_jax.models.episodes import EpisodeSampler
 from gac_jax.models.scoring import per_token_logps
+from gac_jax.rollout.episode_driver import EpisodeSampler
 
 EOS, PAD = 2, 0
 PROMPT_LEN, BUDGET, K = 6, 40, 5

@@ -136,6 +136,16 @@ class GRPOLearner(ShardedLearner):
         rows, width = batch.num_sequences * jax.process_count(), batch.tokens.shape[1]
         return batch, self.budget_micro_batches(rows, width)
 
+    def check_batch_rows(self, rows: int) -> None:
+        """The one check that a global batch of `rows` sequences splits evenly over the
+        mesh's data x fsdp devices: ValueError in one line otherwise."""
+        if rows % self.batch_divisor:
+            raise ValueError(
+                f"the global batch of {rows} sequences is not divisible by the "
+                f"{self.batch_divisor} devices of the mesh's data x fsdp axes "
+                f"({dict(self.mesh.shape)})."
+            )
+
     def place_batch(self, local_batch: TrainBatch) -> TrainBatch:
         """Host rows -> one global batch sharded over ("data", "fsdp").
 
@@ -145,12 +155,7 @@ class GRPOLearner(ShardedLearner):
         are made globally distinct first: `id * process_count + process_index`.
         """
         rows = local_batch.num_sequences * jax.process_count()
-        if rows % self.batch_divisor:
-            raise ValueError(
-                f"the global batch of {rows} sequences is not divisible by the "
-                f"{self.batch_divisor} devices of the mesh's data x fsdp axes "
-                f"({dict(self.mesh.shape)})."
-            )
+        self.check_batch_rows(rows)
         if jax.process_count() == 1:
             return jax.device_put(local_batch, self.batch_sharding)
         group_ids = np.asarray(local_batch.group_ids)

@@ -292,12 +292,10 @@ def build_run(config: TrainConfig, *, abstract: bool = False) -> Run:
     if not abstract:  # The abstract model has both already.
         model = build.add_lora(config, models.with_compute(model, config.compute))
     learner = build.build_learner(config, model, mesh)
-    if config.batch_size % learner.batch_divisor:  # Found before any rollout is made.
-        raise ValueError(
-            f"the batch of {config.batch_size} sequences (rollout.groups_per_batch x "
-            f"generation.group_size) is not divisible by the learner's "
-            f"{learner.batch_divisor} data x fsdp devices ({dict(mesh.shape)})."
-        )
+    try:  # Found before any rollout is made.
+        learner.check_batch_rows(config.batch_size)
+    except ValueError as error:
+        raise ValueError(f"rollout.groups_per_batch x generation.group_size: {error}") from None
     sampler = make_sampler(model.config, tokenizer, config.generation)
     store = ParamStore(history=store_history(config.rollout, config.buffer))
     policy = Policy(learner)

@@ -139,7 +139,7 @@ def test_a_run_without_checkpoints_is_not_overwritten_unless_asked(tmp_path, dig
     [
         (dict(generation=GenerationConfig(group_size=1)), "generation.group_size=1"),
         (dict(mesh=MeshConfig(data=16)), "does not divide the 8 devices"),
-        (dict(mesh=MeshConfig(data=8)), "not divisible by the learner's 8 data x fsdp devices"),
+        (dict(mesh=MeshConfig(data=8)), "not divisible by the 8 devices of the mesh"),
         (dict(loss=LossConfig(policy_loss="ppo3")), "Unknown policy loss 'ppo3'"),
         (dict(gac=GACConfig(tau_low=0.9, tau_high=0.3)), "tau_low=0.9"),
     ],

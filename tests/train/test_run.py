@@ -46,6 +46,6 @@ def test_a_batch_the_learners_devices_cannot_split_is_refused_before_any_rollout
     # 128 sequences on the 6 devices left once 2 sample: one line, at build time.
     config = apply_overrides(get_preset("demo"), [*BASE, "placement.devices=2"])
     with pytest.raises(
-        ValueError, match="batch of 32 sequences .* not divisible by the learner's 6"
+        ValueError, match="group_size: the global batch of 32 sequences is not divisible by the 6"
     ):
         build_run(config, abstract=True)

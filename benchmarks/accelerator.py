@@ -312,13 +312,16 @@ def main(argv=None) -> dict:
         "sampler": bench_sampler(decode, shape, rounds, bandwidth),
         "update": bench_update(shape, max(rounds, 3)),
     }
-    out = Path(args.out)
+    write_result(Path(args.out), result, markdown(result))
+    return result
+
+
+def write_result(out: Path, result: dict, table: str) -> None:
+    """`out`.json (the figures) and `out`.md (their table), and the table printed."""
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(result, indent=2))
-    table = markdown(result)
     out.with_suffix(".md").write_text(table)
     print(table)
-    return result
 
 
 if __name__ == "__main__":

@@ -40,7 +40,7 @@ from pathlib import Path
 
 import jax
 import numpy as np
-from accelerator import _commit, device_peaks
+from accelerator import _commit, device_peaks, write_result
 from learner import flops_per_token
 
 from gac_jax import models
@@ -230,12 +230,7 @@ def main(argv=None) -> dict:
     with tempfile.TemporaryDirectory(prefix="real_shapes_") as work:
         result = measure(args.preset, args.steps, args.smoke, Path(work))
     result["command"] = "python benchmarks/real_shapes.py " + " ".join(argv or sys.argv[1:])
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(result, indent=2))
-    table = markdown(result)
-    out.with_suffix(".md").write_text(table)
-    print(table)
+    write_result(Path(args.out), result, markdown(result))
     return result
 
 

@@ -785,16 +785,7 @@ class Sampler:
         rope = model.rope_tables(positions_1k, one["key_mask"].shape[1])
         hidden, one = model.hidden_states(tokens_1k, positions_1k, real_1k, one, rope)
         logits_v = model.logits(jax.lax.dynamic_slice_in_dim(hidden, length - 1, 1, axis=1))[0, 0]
-        zero = jnp.zeros((), jnp.int32)
-
-        def put_row(big, small):
-            return jax.lax.dynamic_update_slice(big, small, (slot,) + (zero,) * (big.ndim - 1))
-
-        cache = {
-            "index": s.cache["index"].at[slot].add(length),
-            "key_mask": put_row(s.cache["key_mask"], one["key_mask"]),
-            "layers": jax.tree.map(put_row, s.cache["layers"], one["layers"]),
-        }
+        cache = _cache_with_row(s.cache, slot, one, s.cache["index"].at[slot].add(length))
         row, step = s.row_b[slot], s.step_b[slot]
         columns = jnp.where(real_1k[0], step + jnp.arange(k, dtype=jnp.int32), s.tokens_rn.shape[1])
         return dataclasses.replace(
@@ -884,20 +875,11 @@ class Sampler:
         mask_1p = jax.lax.dynamic_slice_in_dim(prompt_mask, row, 1, axis=0)
         fresh = init_cache(self.config, 1, seq_len, self.cache_dtype)
         hidden, fresh = model.hidden_states(tokens_1p, None, mask_1p, fresh)
-        zero = jnp.zeros((), jnp.int32)
-
-        def put_row(big, one):
-            return jax.lax.dynamic_update_slice(big, one, (slot,) + (zero,) * (big.ndim - 1))
-
-        cache = {
-            "index": s.cache["index"].at[slot].set(prompt_len),
-            "key_mask": put_row(s.cache["key_mask"], fresh["key_mask"]),
-            "layers": jax.tree.map(put_row, s.cache["layers"], fresh["layers"]),
-        }
+        cache = _cache_with_row(s.cache, slot, fresh, s.cache["index"].at[slot].set(prompt_len))
         return dataclasses.replace(
             s,
             cache=cache,
-            logits_bv=put_row(s.logits_bv, model.logits(hidden[:, -1:])[:, 0]),
+            logits_bv=_put_row(s.logits_bv, model.logits(hidden[:, -1:])[:, 0], slot),
             step_b=s.step_b.at[slot].set(0),
             positions_b=s.positions_b.at[slot].set(jnp.sum(mask_1p, dtype=jnp.int32)),
         )
@@ -909,6 +891,24 @@ def _written_rows(s: SlotState, rows: int) -> jax.Array:
     if s.waiting_b is None:
         return s.row_b
     return jnp.where(s.waiting_b, rows, s.row_b)
+
+
+def _put_row(big: jax.Array, one: jax.Array, slot) -> jax.Array:
+    """`big` with row `slot` replaced by `one` (a leading axis of 1)."""
+    zero = jnp.zeros((), jnp.int32)
+    return jax.lax.dynamic_update_slice(big, one, (slot,) + (zero,) * (big.ndim - 1))
+
+
+def _cache_with_row(cache: dict, slot, one: dict, index: jax.Array) -> dict:
+    """`cache` with slot `slot`'s keys, values and key mask replaced by the one-row cache
+    `one`'s, and the slots' write positions `index`."""
+    return {
+        "index": index,
+        "key_mask": _put_row(cache["key_mask"], one["key_mask"], slot),
+        "layers": jax.tree.map(
+            lambda big, small: _put_row(big, small, slot), cache["layers"], one["layers"]
+        ),
+    }
 
 
 def _narrower(width: int) -> int:

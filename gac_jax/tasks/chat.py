@@ -17,6 +17,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 from collections.abc import Callable, Mapping, Sequence
@@ -68,6 +69,14 @@ def _environment():
     return env
 
 
+@functools.lru_cache(maxsize=8)
+def compile_template(source: str):
+    """`source` compiled in the sandbox, once a process: a run's validation, its task and
+    its episodes each make a `ChatTemplate` of the same text (a compiled Jinja template is
+    immutable, so they share it). SyntaxError-like jinja2 errors propagate."""
+    return _environment().from_string(source)
+
+
 def _token_text(value) -> str | None:
     if isinstance(value, dict):  # Older files store AddedToken dicts.
         value = value.get("content")
@@ -85,7 +94,7 @@ class ChatTemplate:
     def __init__(self, source: str, special_tokens: Mapping[str, str | None] | None = None):
         self.source = source
         self.special_tokens = dict(special_tokens or {})
-        self._template = _environment().from_string(source)
+        self._template = compile_template(source)
 
     @classmethod
     def from_directory(cls, path: str | os.PathLike) -> ChatTemplate | None:

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from gac_jax.tasks import get_task
-from gac_jax.tasks.chat import ChatTemplate, with_chat_template
+from gac_jax.tasks.chat import ChatTemplate, compile_template, with_chat_template
 from gac_jax.train.build import build_task
 from gac_jax.train.config import TrainConfig
 from gac_jax.train.config_io import apply_overrides
@@ -151,6 +151,18 @@ def test_the_run_renders_prompts_with_the_init_directory_template(tmp_path):
     )
     plain = build_task(_config(tmp_path, "init=random", "system_prompt=Add."))
     assert plain.prompt(example) == f"Add.\n\n{raw}"
+
+
+def test_a_template_is_compiled_once_however_often_the_run_reads_it(tmp_path):
+    model = _model_dir(tmp_path / "model")
+    (model / "config.json").write_text("{}")
+    compile_template.cache_clear()
+    config = _config(tmp_path, f"init={model}", "system_prompt=Add.")
+    config.validate()  # Validation, the task and (multi-turn) the episodes each read it.
+    build_task(config)
+    build_task(config)
+    info = compile_template.cache_info()
+    assert info.misses == 1 and info.hits >= 2  # Compiled by the first read only.
 
 
 def test_chat_settings_fail_with_one_line(tmp_path):

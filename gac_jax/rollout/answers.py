@@ -58,9 +58,10 @@ class AnswerRunner:
         inflight: bool = False,
     ) -> EpisodeRows:
         """One completion per prompt (`examples` are not needed to sample one); with
-        `inflight`, `params_fn` is asked again every `chunk_steps` decode steps, else once."""
+        `inflight`, the sampler asks `params_fn` before its first chunk and again every
+        `chunk_steps` decode steps, else it is asked once here."""
         del examples
-        params, _ = params_fn()
+        params = None if inflight else params_fn()[0]  # In flight: the sampler asks.
         out = generate(
             self.sampler,
             graphdef,

@@ -205,3 +205,21 @@ def test_evaluation_scores_each_problems_completions_together_with_its_example()
     assert scores["sampled_reward"] == pytest.approx(1.0)  # Mean of the problems' 0, 1, 2.
     assert scores["greedy_accuracy"] == pytest.approx(2 / 3)  # Problems 1 and 2 score >= 1.
     assert reward.failures == reward.timeouts == 0
+
+
+def test_in_flight_rollouts_start_with_the_params_they_were_given():
+    # The first chunk samples with the call's params and version; a newer version only
+    # from the next chunk on (here there is none: one chunk covers every token).
+    model = models.create_model(models.get_config("tiny"), seed=0)
+    params = nnx.state(model)
+    newer = jax.tree.map(lambda x: x * 0.5, params)
+    task = types.SimpleNamespace(prompt=lambda e: e, reward=lambda c, e: float(len(c)))
+    requests = [GroupRequest(prompt_id=i, group_id=i) for i in range(2)]
+    plain = _generator(model, task)(params, 3, requests, jax.random.key(0))
+    inflight = _generator(model, task)
+    inflight.latest_params, inflight.chunk_steps = (lambda: (newer, 9)), 64
+    got = inflight(params, 3, requests, jax.random.key(0))
+    for a, b in zip(plain, got, strict=True):
+        np.testing.assert_array_equal(a.completion_tokens, b.completion_tokens)
+        assert b.policy_version == 3
+        assert set(np.unique(b.token_versions[b.completion_mask])) == {3}

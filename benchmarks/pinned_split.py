@@ -183,7 +183,7 @@ def _measure(args, split: bool) -> dict:
     if split:
         factory = PinnedActor(ActorGenerator(config), (ACTOR_CORE,), lengths, config.seed)
     elif lengths is None:  # Episodes: time the runner's calls.
-        sampling = TimedCalls(run.generator.episodes, "sample")
+        sampling = TimedCalls(run.generator.runner, "sample")
     else:
         run.generator.sampler = workload.HeavyTailedLengths(
             run.generator.sampler, lengths, config.seed

@@ -188,7 +188,12 @@ class EpisodeRunner:
 
     @property
     def sampler(self):
+        """The run's `Sampler` the episodes decode on (settable: a spy or a replacement)."""
         return self.episodes.sampler
+
+    @sampler.setter
+    def sampler(self, sampler) -> None:
+        self.episodes.sampler = sampler
 
     def sample(
         self,

@@ -134,7 +134,6 @@ class TaskGroupGenerator:
                 f"max_new_tokens={config.max_new_tokens}."
             )
         self.graphdef = graphdef
-        self.sampler = sampler
         self.task = task
         self.examples = examples
         self.tokenizer = tokenizer
@@ -148,6 +147,16 @@ class TaskGroupGenerator:
         self.stop = tuple(config.stop)
         # Every row is an episode: with the task's environment, or a single answer.
         self.runner = episodes or AnswerRunner(sampler, tokenizer, task.reward, self.stop)
+
+    @property
+    def sampler(self) -> Sampler:
+        """The sampler the runner decodes with; setting it sets the runner's (one
+        reference: a spy or a replacement put here is the one that samples)."""
+        return self.runner.sampler
+
+    @sampler.setter
+    def sampler(self, sampler: Sampler) -> None:
+        self.runner.sampler = sampler
 
     def encode_prompt(self, prompt_id: int) -> np.ndarray:
         text = self.task.prompt(self.examples[prompt_id])

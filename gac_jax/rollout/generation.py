@@ -230,7 +230,7 @@ def _group_fields(out: EpisodeRows, rows: slice, version: int, inflight: bool) -
     oldest token's version (in flight) or the call's, and an episode's turns and tools."""
     policy = out.policy_mask[rows]
     versions = None if out.token_versions is None else out.token_versions[rows]
-    group_version = version
+    group_version = int(version)
     if inflight and versions is not None and policy.any():
         group_version = int(versions[policy].min())
     fields = dict(

@@ -84,25 +84,27 @@ class AnswerRunner:
             policy_mask=mask,
             policy_logps=logps,
             token_versions=None if versions is None else np.asarray(versions),
-            transcripts=self._cut(tokens, mask, logps),
+            transcripts=[None] * len(tokens),  # Decoded and cut when scored (`_cut`).
         )
 
-    def _cut(self, tokens: np.ndarray, mask: np.ndarray, logps: np.ndarray) -> list[str]:
-        """The rows' completion texts; rows that hold a stop string are cut in place (mask
-        shortened, the tokens after it padded, their log-probabilities zeroed)."""
-        texts = []
-        for row, (row_tokens, row_mask) in enumerate(zip(tokens, mask, strict=True)):
-            text, kept = cut_at_stop(self.tokenizer, row_tokens, row_mask, self.stop)
-            if not np.array_equal(kept, row_mask):
-                mask[row] = kept
-                tokens[row, ~kept] = self.tokenizer.pad_id
-                logps[row, ~kept] = 0.0
-            texts.append(text)
-        return texts
+    def _cut(self, rows: EpisodeRows, row_slice: slice) -> None:
+        """Decodes the rows of `row_slice` not yet decoded into `rows.transcripts`; a row that
+        holds a stop string is cut in place (mask shortened, the tokens after it padded,
+        their log-probabilities zeroed). Done at scoring, so that its time is scoring's."""
+        for row in range(*row_slice.indices(len(rows.tokens))):
+            if rows.transcripts[row] is not None:
+                continue
+            mask = rows.policy_mask[row]
+            text, kept = cut_at_stop(self.tokenizer, rows.tokens[row], mask, self.stop)
+            if not np.array_equal(kept, mask):
+                rows.policy_mask[row] = kept
+                rows.tokens[row, ~kept] = self.tokenizer.pad_id
+                rows.policy_logps[row, ~kept] = 0.0
+            rows.transcripts[row] = text
 
-    @staticmethod
-    def items(rows: EpisodeRows) -> list[str]:
-        """What `score` takes for each row: its completion's text."""
+    def items(self, rows: EpisodeRows) -> list[str]:
+        """What `score` takes for each row: its completion's text (cut at a stop string)."""
+        self._cut(rows, slice(None))
         return list(rows.transcripts)
 
     def score(self, items: Sequence[str], example):
@@ -110,5 +112,6 @@ class AnswerRunner:
         return score_group(self.reward, list(items), example)
 
     def scores(self, rows: EpisodeRows, row_slice: slice, example):
-        """The rewards of the rows in `row_slice` (one group)."""
-        return self.score(self.items(rows)[row_slice], example)
+        """The rewards of the rows in `row_slice` (one group), cut at the stop strings."""
+        self._cut(rows, row_slice)
+        return self.score(rows.transcripts[row_slice], example)

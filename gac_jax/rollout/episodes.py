@@ -109,7 +109,7 @@ class EpisodeRows:
     policy_mask: np.ndarray  # bool [R, N]
     policy_logps: np.ndarray  # f32 [R, N]
     token_versions: np.ndarray | None  # int32 [R, N], -1 off policy tokens.
-    transcripts: list[str]  # The context's text (policy and observations) of each row.
+    transcripts: list[str | None]  # Each row's context text (a single answer's: once scored).
     observation_mask: np.ndarray | None = None  # bool [R, N]
     turns: np.ndarray | None = None  # int [R]
     states: list[Any] | None = None  # Each row's environment state, for its reward.

@@ -59,7 +59,8 @@ def evaluate_policy(
       runner: how a sample is made and scored, the rollouts' own
         (`TaskGroupGenerator.runner`): a multi-turn task's `EpisodeRunner` (an episode
         with the task's environment, scored by its reward); None: an `AnswerRunner` of
-        `task.reward` and `stop` (one answer a sample).
+        `sampler`, `task.reward` and `stop` (one answer a sample). A runner given samples
+        with its own sampler and stop strings: `sampler` and `stop` are then not used.
 
     Returns:
       `{"greedy_accuracy", "sampled_reward", "pass@1", f"pass@{n}"}`.

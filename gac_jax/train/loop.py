@@ -16,6 +16,7 @@ A second Ctrl-C stops at once (Python's default behaviour).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -87,8 +88,13 @@ class SignalNotice:
     (an XLA compile, a data preparation), where Python runs its own handlers only once that
     call returns. A thread reads the signal numbers Python's C-level handler writes to the
     wakeup fd (`signal.set_wakeup_fd`); the previous fd comes back on exit. Only signals
-    with a Python handler are written (SIGTERM's default ends the process at once). Outside
-    the main thread it does nothing."""
+    with a Python handler are written (SIGTERM's default ends the process at once). A
+    second SIGINT is said to stop at once (`StopSignals` raises on it). The exit never
+    waits on the pipe's end (a process forked meanwhile holds a copy of it): it writes a
+    stop byte and joins with a timeout; a forked child drops the wakeup fd. Outside the
+    main thread it does nothing."""
+
+    STOP = 0  # Not a signal number: the watcher's cue to return.
 
     def __init__(self, message: str):
         self.message = message
@@ -101,34 +107,56 @@ class SignalNotice:
             return self
         read, write = os.pipe()
         os.set_blocking(write, False)
-        self._previous_fd = signal.set_wakeup_fd(write, warn_on_full_buffer=False)
         self._fds = (read, write)
+        self._previous_fd = signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+        _NOTICES.append(self)
         self._thread = threading.Thread(target=self._watch, args=(read,), daemon=True)
         self._thread.start()
         return self
 
     def _watch(self, read: int) -> None:
-        seen = 0
+        interrupts = 0
         while data := os.read(read, 64):
             for signum in data:
+                if signum == self.STOP:
+                    return
                 if signum in SIGNALS:
-                    seen += 1
+                    interrupts += signum == signal.SIGINT
                     name = signal.Signals(signum).name
-                    say(f"{name}: {self.message}" if seen == 1 else f"{name}: stopping at once")
+                    again = signum == signal.SIGINT and interrupts > 1
+                    say(f"{name}: {'stopping at once' if again else self.message}")
 
     def __exit__(self, *exc_info) -> None:
         if self._fds is None:
             return
-        signal.set_wakeup_fd(self._previous_fd)
-        os.close(self._fds[1])  # The reader sees the end of the pipe and returns.
-        self._thread.join()
-        os.close(self._fds[0])
+        read, write = self._fds
         self._fds = None
+        try:
+            signal.set_wakeup_fd(self._previous_fd)
+            _NOTICES.remove(self)
+            os.write(write, bytes([self.STOP]))
+            self._thread.join(timeout=5)
+        finally:
+            os.close(write)
+            if not self._thread.is_alive():  # Else the daemon thread still reads it.
+                os.close(read)
+
+    @staticmethod
+    def _after_fork_in_child() -> None:
+        if _NOTICES:
+            _NOTICES.clear()
+            with contextlib.suppress(ValueError):  # Not the child's main thread.
+                signal.set_wakeup_fd(-1)
 
 
-# What `train` says when a signal comes, before its steps and during them.
+_NOTICES: list[SignalNotice] = []  # The active ones (a forked child drops their fd).
+os.register_at_fork(after_in_child=SignalNotice._after_fork_in_child)
+
+
+# What `train` says when a signal comes: before its steps, during them, and after them.
 STARTING_NOTICE = "stopping once the current start-up work returns (a compile can take a while)"
 STEPPING_NOTICE = "finishing the current step, then saving a checkpoint (Ctrl-C again: at once)"
+CLOSING_NOTICE = "stopping once the current work returns"
 
 
 @dataclasses.dataclass
@@ -353,6 +381,7 @@ def _train_into(run: Run, config: TrainConfig, out_dir: Path, resume: bool, step
                 hooks.add(lambda _: _plot(config, out_dir), every=0, at_end=True)
             _drive(run, hooks, start_step)
     finally:
+        notice.message = CLOSING_NOTICE  # StopSignals is gone: a signal now stops at once.
         run.close()
         checkpoints.close()
         progress.close()

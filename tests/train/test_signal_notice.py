@@ -43,3 +43,26 @@ def test_a_signal_is_acknowledged_while_the_main_thread_is_in_native_code():
     assert notice == "SIGINT: stopping once the current work returns"
     ran = float(out.split()[-1])  # The call's whole time, from before the signal.
     assert noticed < ran - 0.2, (noticed, ran)  # Said while the call was still running.
+
+
+FORKING = """
+import os, signal, time
+from gac_jax.train.loop import SignalNotice
+with SignalNotice("x"):
+    pid = os.fork()  # A child holds a copy of the notice's pipe (a user's process pool).
+    if pid == 0:
+        time.sleep(60)
+        os._exit(0)
+    started = time.monotonic()
+print(f"left {time.monotonic() - started:.3f}", flush=True)
+os.kill(pid, signal.SIGKILL)
+"""
+
+
+def test_leaving_does_not_wait_on_a_forked_childs_copy_of_the_pipe():
+    done = subprocess.run(
+        [sys.executable, "-c", FORKING], capture_output=True, text=True, timeout=60,
+        env=process_env(1),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert float(done.stdout.split()[-1]) < 2.0  # Not the child's 60 s, nor the 5 s timeout.

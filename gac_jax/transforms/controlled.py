@@ -28,7 +28,7 @@ into skipping, since nothing moves it.
         scale_by_ess(),
     )
 
-As measured (experiments/RESULTS.md, laboratory v4, two seeds a method): in a GRPO cell
+As measured (experiments/RESULTS.md, laboratory v4, two or three seeds a method): in a GRPO cell
 where stale rollouts trained as if on-policy collapse and their gradients are more aligned
 than synchronous ones, no variant held (defaults, thresholds from the synchronous cosine
 with a true skip, adaptive, on applied updates), nor did its step-size and momentum

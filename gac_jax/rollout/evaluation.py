@@ -13,6 +13,7 @@ from gac_jax.models import Sampler
 from gac_jax.models.tokenizers import Tokenizer
 from gac_jax.rollout.answers import AnswerRunner
 from gac_jax.rollout.episodes import EpisodeRunner
+from gac_jax.rollout.sampling import encode_prompt
 from gac_jax.tasks import Task
 
 
@@ -70,7 +71,8 @@ def evaluate_policy(
         raise ValueError(f"num_problems={num_problems} must be >= 1 (split has {len(examples)}).")
     problems = [examples[i] for i in range(num_problems)]
     prompts = [
-        tokenizer.encode(task.prompt(ex), add_bos=tokenizer.bos_id is not None) for ex in problems
+        encode_prompt(tokenizer, task.prompt(ex), prompt_length, f"test problem {i}")
+        for i, ex in enumerate(problems)
     ]
 
     if runner is None:  # Every sample is an episode; this one is a single answer.

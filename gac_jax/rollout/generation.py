@@ -18,6 +18,7 @@ from gac_jax.rollout.answers import AnswerRunner
 from gac_jax.rollout.episodes import EpisodeRows, EpisodeRunner
 from gac_jax.rollout.placement import RolloutPlacement
 from gac_jax.rollout.record import Rollout
+from gac_jax.rollout.sampling import encode_prompt
 from gac_jax.rollout.worker import GroupRequest
 from gac_jax.tasks import Task
 
@@ -160,14 +161,7 @@ class TaskGroupGenerator:
 
     def encode_prompt(self, prompt_id: int) -> np.ndarray:
         text = self.task.prompt(self.examples[prompt_id])
-        ids = self.tokenizer.encode(text, add_bos=self.tokenizer.bos_id is not None)
-        if len(ids) > self.prompt_length:
-            raise ValueError(
-                f"prompt {prompt_id} has {len(ids)} tokens, more than "
-                f"generation.prompt_length={self.prompt_length} (raise it with --set "
-                f"generation.prompt_length=N): {text!r}"
-            )
-        return np.asarray(ids, np.int32)
+        return encode_prompt(self.tokenizer, text, self.prompt_length, f"prompt {prompt_id}")
 
     def __call__(
         self, params: nnx.State, version: int, requests: Sequence[GroupRequest], key: jax.Array

@@ -1,5 +1,6 @@
-"""Sampling one completion per prompt, and cutting it at a stop string: what single-answer
-rollouts (`gac_jax.rollout.answers.AnswerRunner`) and the sample logs use."""
+"""Encoding a task's prompt, sampling one completion per prompt, and cutting it at a stop
+string: what single-answer rollouts (`gac_jax.rollout.answers.AnswerRunner`), evaluation
+and the sample logs use."""
 
 from __future__ import annotations
 
@@ -12,6 +13,18 @@ from flax import nnx
 
 from gac_jax.models import SampleOutput, Sampler, left_pad
 from gac_jax.models.tokenizers import Tokenizer, decode_completion
+
+
+def encode_prompt(tokenizer: Tokenizer, text: str, prompt_length: int, name: str) -> np.ndarray:
+    """`text`'s token ids (with BOS when the tokenizer has one); ValueError naming `name`
+    (e.g. "prompt 105") and `generation.prompt_length` when there are more than that."""
+    ids = tokenizer.encode(text, add_bos=tokenizer.bos_id is not None)
+    if len(ids) > prompt_length:
+        raise ValueError(
+            f"{name} has {len(ids)} tokens, more than generation.prompt_length={prompt_length} "
+            f"(raise it with --set generation.prompt_length=N): {text!r}"
+        )
+    return np.asarray(ids, np.int32)
 
 
 def generate(

@@ -61,13 +61,16 @@ def build_tokenizer(config: TrainConfig):
     return models.HFTokenizer.from_directory(path)
 
 
-def build_model(config: TrainConfig, mesh, *, abstract: bool = False):
+def build_model(config: TrainConfig, mesh, *, abstract: bool = False, num_layers=None):
     """(model, tokenizer) for `config.init`: a warm start of the task and model (the shipped
     one for countdown on `tiny`), random weights, or an HF checkpoint dir (these two built
     with `config.compute`'s settings at once, so no copy is cast; `build_run` applies them
-    to a warm start). `abstract`: shapes, dtypes and shardings only, with `compute`'s."""
+    to a warm start). `abstract`: shapes, dtypes and shardings only, with `compute`'s, and
+    with `num_layers` decoder layers if given (`plan`'s probes)."""
     if abstract:
         cfg = model_config(config)
+        if num_layers is not None:
+            cfg = cfg.replace(num_layers=num_layers)
         model = nnx.eval_shape(lambda: add_lora(config, models.create_model(cfg, seed=0)))
         return model, build_tokenizer(config)
     if config.init == "warm_start":

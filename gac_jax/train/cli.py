@@ -127,8 +127,10 @@ def _cmd_train(args, parser) -> int:
             "that time; is the reward hanging (reward_guard.timeout)?",
             1,
         )
-    except KeyboardInterrupt:  # Asked twice: stopped at once, without a checkpoint.
+    except loop.InterruptedAtOnce:  # Asked twice: stopped at once, without a checkpoint.
         _fail(parser, "interrupted twice: stopped without saving this step", 128 + 2)
+    except KeyboardInterrupt:  # Once, before the steps (no handler of the run's yet).
+        _fail(parser, "interrupted during start-up: stopped before the first step", 128 + 2)
     except OSError as error:  # The disk: full, read-only, not ours.
         _fail(parser, _disk_message(error, out_dir), DISK_EXIT)
     except loop.RunInterrupted as stopped:
@@ -167,6 +169,8 @@ def _json_value(value):
 
 def _checkpoint_config(args, parser, checkpoint: Path):
     """The config of the run `checkpoint` belongs to (or `--config`), with `--set`."""
+    if not checkpoint.exists():  # Said before the data, the model or a warm start is built.
+        _fail(parser, f"{checkpoint} does not exist: a run directory or one of its checkpoints.")
     config_name = args.config
     if config_name is None:
         found = _find_run_config(checkpoint)
@@ -235,7 +239,7 @@ def _cmd_plan(args, parser) -> int:
     from gac_jax.train.plan import plan
 
     try:
-        report = plan(config, device_memory_gib=args.device_memory_gib)
+        report = plan(config, args.device_memory_gib, extrapolate=args.extrapolate)
     except ValueError as error:
         _fail(parser, str(error))
     print(json.dumps(report, indent=2))
@@ -393,6 +397,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         metavar="N",
         help="plan on N fake CPU devices (the mesh a pod would have), not the local ones",
+    )
+    p.add_argument(
+        "--extrapolate",
+        action="store_true",
+        help="compile the learner step at 2, 3 and 4 layers and extend the line to the "
+        "model's (checked on the third; about a quarter of the time); the sampler whole",
     )
     p.set_defaults(func=_cmd_plan, parser=p)
 

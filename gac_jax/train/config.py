@@ -256,6 +256,29 @@ def _validate_init(config: TrainConfig) -> None:
             raise ValueError(f"model={config.model!r}: {error}") from None
     if config.init not in INIT_MODES and present and config.model != TrainConfig.model:
         _check_model_matches_init(config, preset)
+    if config.init == "random":
+        _check_random_model_speaks_characters(config, preset)
+
+
+def _check_random_model_speaks_characters(config: TrainConfig, preset) -> None:
+    """`init=random` has no checkpoint, so no tokenizer of its own: it runs on the character
+    tokenizer, which can never sample (or stop at) a special id beyond its own few."""
+    from gac_jax.models import CharTokenizer
+
+    size = CharTokenizer().vocab_size
+    special = {
+        "EOS": max(preset.eos_token_ids),
+        "BOS": preset.bos_token_id,
+        "padding": preset.pad_token_id,
+    }
+    for name, token in special.items():
+        if token is not None and token >= size:
+            raise ValueError(
+                f"model={config.model!r} with init=random: its {name} id {token} is beyond the "
+                f"{size} ids of the character tokenizer a random model runs on (it would never "
+                "stop); use a small preset (model=tiny or small), or init= a checkpoint "
+                "directory with its tokenizer."
+            )
 
 
 def _check_model_matches_init(config: TrainConfig, preset) -> None:

@@ -55,6 +55,10 @@ class RunInterrupted(RuntimeError):
         return 128 + self.signum
 
 
+class InterruptedAtOnce(KeyboardInterrupt):
+    """A second SIGINT while a step finished before its checkpoint: stop now, unsaved."""
+
+
 class StopSignals:
     """While active, the first SIGINT or SIGTERM is recorded in `signum` instead of
     stopping the process; the previous handlers come back on exit. Outside the main
@@ -67,7 +71,7 @@ class StopSignals:
     def _handle(self, signum, frame):
         del frame
         if self.signum is not None and signum == signal.SIGINT:
-            raise KeyboardInterrupt  # Asked twice: stop now.
+            raise InterruptedAtOnce  # Asked twice: stop now.
         self.signum = signum
 
     def __enter__(self) -> StopSignals:
@@ -203,7 +207,16 @@ class RunExistsError(ValueError):
     """`train` without `resume` or `overwrite` into a directory that holds a run."""
 
 
-RUN_FILES = ("checkpoints", "metrics.jsonl", "tensorboard", "config.json", "plot.png")
+# What a run writes into its directory (wandb's own folder is `wandb` under it).
+RUN_FILES = (
+    "checkpoints",
+    "metrics.jsonl",
+    "tensorboard",
+    "config.json",
+    "plot.png",
+    "samples.jsonl",
+    "wandb",
+)
 
 
 def _prepare_directory(out_dir: Path, *, resume: bool, overwrite: bool) -> None:

@@ -274,11 +274,14 @@ class Run:
             self.rollout_pool.close()
 
 
-def build_run(config: TrainConfig, *, abstract: bool = False) -> Run:
+def build_run(config: TrainConfig, *, abstract: bool = False, num_layers=None) -> Run:
     """Builds the task, model, learner, sampler and generator of a run.
 
     `abstract`: the same run without weights or data (params and optimizer state are
-    `jax.ShapeDtypeStruct`s with their shardings; the splits are None), for `plan`."""
+    `jax.ShapeDtypeStruct`s with their shardings; the splits are None), for `plan`;
+    `num_layers`, with `abstract` only: its model with that many decoder layers."""
+    if num_layers is not None and not abstract:
+        raise ValueError("build_run: num_layers changes only an abstract run's model.")
     config.validate()
     if not abstract:
         require_init(config)  # Before the data and the model are built.
@@ -288,7 +291,7 @@ def build_run(config: TrainConfig, *, abstract: bool = False) -> Run:
     )
     placement = RolloutPlacement.from_config(config.placement, config.mesh)
     mesh = placement.learner_mesh
-    model, tokenizer = build.build_model(config, mesh, abstract=abstract)
+    model, tokenizer = build.build_model(config, mesh, abstract=abstract, num_layers=num_layers)
     if not abstract:  # The abstract model has both already.
         model = build.add_lora(config, models.with_compute(model, config.compute))
     learner = build.build_learner(config, model, mesh)

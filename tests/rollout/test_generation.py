@@ -99,6 +99,23 @@ def test_training_and_evaluation_generate_through_one_function(monkeypatch):
     assert scores["greedy_accuracy"] == scores["pass@2"] == 1.0
 
 
+def test_an_evaluation_prompt_too_long_names_the_setting_as_training_does():
+    model = models.create_model(models.get_config("tiny"), seed=0)
+    graphdef, params = nnx.split(model)
+    task = types.SimpleNamespace(prompt=lambda e: e, reward=lambda c, e: 1.0)
+    generator = _generator(model, task)
+    problems = [*EXAMPLES[:2], "123456+7890="]  # 13 tokens with BOS, over 8.
+    message = (
+        r"test problem 2 has 13 tokens, more than generation.prompt_length=8 "
+        r"\(raise it with --set generation.prompt_length=N\): '123456\+7890='"
+    )
+    with pytest.raises(ValueError, match=message):
+        evaluate_policy(
+            graphdef, params, generator.sampler, task, problems, models.CharTokenizer(),
+            prompt_length=8, num_problems=3, num_samples=2, key=jax.random.key(1),
+        )  # fmt: skip
+
+
 class PieceTokenizer:
     """Ids are multi-character pieces, so a stop string can span tokens and end inside one."""
 

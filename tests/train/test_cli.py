@@ -11,7 +11,7 @@ import yaml
 from gac_jax.train.cli import main
 from gac_jax.train.config import get_preset, preset_names
 from gac_jax.train.config_io import RESUMABLE_FIELDS, apply_overrides, save_config
-from gac_jax.train.loop import RunInterrupted
+from gac_jax.train.loop import InterruptedAtOnce, RunInterrupted
 from gac_jax.train.metrics import MetricWriter
 
 
@@ -29,6 +29,10 @@ def fake_loop(monkeypatch):
             raise RunExistsError(f"{str(out_dir)!r} already holds a run")
         if out_dir.name == "preempted":
             raise RunInterrupted(out_dir, 7, signal.SIGTERM)
+        if out_dir.name == "ctrl-c-once":  # Before the run's handlers: Python's own.
+            raise KeyboardInterrupt
+        if out_dir.name == "ctrl-c-twice":
+            raise InterruptedAtOnce
 
     def evaluate_checkpoint(config, checkpoint_dir, step=None):
         calls.append(("eval", config, checkpoint_dir))
@@ -36,6 +40,7 @@ def fake_loop(monkeypatch):
 
     fake.RunExistsError = RunExistsError
     fake.RunInterrupted = RunInterrupted
+    fake.InterruptedAtOnce = InterruptedAtOnce
     fake.RESUMABLE_FIELDS = RESUMABLE_FIELDS
     fake.train = train
     fake_run = types.ModuleType("gac_jax.train.run")
@@ -121,6 +126,35 @@ def test_an_interrupted_run_says_how_to_resume_and_exits_with_the_signal(
         f"SIGTERM: stopped after step 7 and saved a checkpoint; resume with `gac-jax train "
         f"--out {tmp_path / 'preempted'} --resume`."
     ]
+
+
+@pytest.mark.parametrize(
+    ("out", "said"),
+    [
+        ("ctrl-c-once", "interrupted during start-up: stopped before the first step"),
+        ("ctrl-c-twice", "interrupted twice: stopped without saving this step"),
+    ],
+)
+def test_ctrl_c_says_whether_it_came_once_in_start_up_or_twice(
+    fake_loop, tmp_path, capsys, out, said
+):
+    with pytest.raises(SystemExit) as stop:
+        main(["train", "--out", str(tmp_path / out)])
+    assert stop.value.code == 128 + signal.SIGINT
+    assert capsys.readouterr().err.strip().splitlines() == [f"gac-jax train: error: {said}"]
+
+
+@pytest.mark.parametrize("command", ["eval --checkpoint", "export-hf"])
+def test_a_checkpoint_that_is_not_there_is_said_before_anything_is_built(
+    fake_loop, tmp_path, capsys, command
+):
+    missing = tmp_path / "runs" / "q06"
+    with pytest.raises(SystemExit) as stop:
+        main([*command.split(), str(missing), *(["--out", "x"] if command == "export-hf" else [])])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert stop.value.code == 2 and len(err) == 1
+    assert f"{missing} does not exist: a run directory or one of its checkpoints" in err[0]
+    assert not [call for call in fake_loop if call[0] == "eval"]
 
 
 def test_train_defaults(fake_loop, tmp_path, monkeypatch):

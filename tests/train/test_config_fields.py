@@ -524,6 +524,21 @@ def test_model_must_be_the_architecture_of_an_hf_init(tmp_path):
         dataclasses.replace(base, model="qwen3_1_7b", init=qwen).validate()
 
 
+def test_a_random_model_must_stop_within_the_character_tokenizer(capsys):
+    # Random weights run on the character tokenizer (no checkpoint, no tokenizer): Qwen3's
+    # EOS id 151645 is one it can never sample, so every completion would run to the end.
+    for model in ("tiny", "tiny_llama", "small"):
+        TrainConfig(task="arithmetic/add2", init="random", model=model).validate()
+    with pytest.raises(ValueError, match=r"model='qwen3_0_6b' with init=random: its EOS id 151645"):
+        TrainConfig(task="arithmetic/add2", init="random", model="qwen3_0_6b").validate()
+    argv = ["show-config", "--set", "init=random", "model=llama3_2_1b"]
+    with pytest.raises(SystemExit) as stop:
+        main(argv)
+    assert stop.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "use a small preset (model=tiny or small)" in err[0]
+
+
 @pytest.mark.parametrize(
     ("preset", "directory", "repo"),
     [

@@ -2,6 +2,8 @@
 whether they fit, without creating a weight."""
 
 import json
+import subprocess
+import sys
 
 import pytest
 
@@ -10,7 +12,17 @@ from gac_jax.train.build import model_config
 from gac_jax.train.cli import main
 from gac_jax.train.config import TrainConfig, get_preset
 from gac_jax.train.config_io import apply_overrides
-from gac_jax.train.plan import CHEAP_CPU_COMPILE_FLAGS, plan, with_cheap_cpu_compiles
+from gac_jax.train.plan import (
+    CHEAP_CPU_COMPILE_FLAGS,
+    PROBE_LAYERS,
+    extrapolate_layers,
+    plan,
+    plan_learner,
+    plan_learner_extrapolated,
+    with_cheap_cpu_compiles,
+)
+from gac_jax.train.run import build_run
+from tests.conftest import process_env
 
 SMALL = [
     "mesh.data=1",
@@ -112,3 +124,56 @@ def test_plan_compiles_without_llvm_optimisations_unless_the_user_set_them():
     ]
     once = with_cheap_cpu_compiles("")
     assert with_cheap_cpu_compiles(once) == once
+
+
+def test_extrapolation_extends_the_line_through_the_probes_and_refuses_a_bend():
+    def probe(layers, bend=0.0):
+        return {"batch": [4, 8], "peak_gib": 2.0 + 0.5 * layers + bend, "temp_gib": 0.25 * layers}
+
+    probes = [probe(n) for n in PROBE_LAYERS]
+    out = extrapolate_layers(probes, 28)
+    assert out["peak_gib"] == pytest.approx(16.0) and out["temp_gib"] == pytest.approx(7.0)
+    assert out["batch"] == [4, 8] and out["extrapolated_from_layers"] == list(PROBE_LAYERS)
+    bent = [probe(PROBE_LAYERS[0], bend=0.1), *probes[1:]]
+    with pytest.raises(ValueError, match=r"peak_gib is not affine in the layers \(3.1000"):
+        extrapolate_layers(bent, 28)
+    moved = [{**probes[0], "batch": [4, 4]}, *probes[1:]]
+    with pytest.raises(ValueError, match="batch changes with the layers"):
+        extrapolate_layers(moved, 28)
+
+
+def test_the_extrapolated_learner_is_the_whole_compile(monkeypatch):
+    # A 6-layer tiny model: the learner step compiled whole against the line through its
+    # compiles at 2, 3 and 4 layers.
+    monkeypatch.setitem(models.config.PRESETS, "tiny6", models.get_config("tiny", num_layers=6))
+    config = apply_overrides(
+        get_preset("demo"), [*SMALL, "init=random", "model=tiny6", "learner.micro_batches=2"]
+    )
+    whole = plan_learner(config, build_run(config, abstract=True).learner)
+    line = plan_learner_extrapolated(config, 6)
+    assert line.pop("extrapolated_from_layers") == [2, 3, 4] and line.keys() == whole.keys()
+    for name, value in whole.items():
+        assert line[name] == (pytest.approx(value, rel=1e-3) if isinstance(value, float) else value)
+
+
+@pytest.mark.parametrize("preset", ["qwen3_0_6b_gsm8k_1gpu", "qwen3_1_7b_gsm8k_1gpu_lora"])
+def test_the_one_gpu_presets_fit_one_device_with_room_to_spare(tmp_path, preset):
+    # As the README runs it (its checkpoint not downloaded: planned from the preset's
+    # model), on one fake CPU device; the learner from its 2-, 3- and 4-layer compiles.
+    done = subprocess.run(
+        [sys.executable, "-m", "gac_jax.train.cli", "plan", "--config", preset, "--extrapolate"],
+        env=process_env(None),
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout)
+    assert report["devices"] == 1 and report["fits"]
+    assert report["learner"]["extrapolated_from_layers"] == [2, 3, 4]
+    # The README's bound: both programs under 64 GiB of an 80 GB device.
+    assert max(report["learner"]["peak_gib"], report["sampler"]["peak_gib"]) <= 64
+    assert report["parameters"] > 5e8
+    assert done.stderr.strip().splitlines()[-1].startswith("fits: peak per device learner")

@@ -475,10 +475,10 @@ GSM8K_SYSTEM_PROMPT = "Please reason step by step, and put your final answer wit
 
 def _preset_qwen3_gsm8k_one_device(model: str, init: str, lora: bool) -> TrainConfig:
     # One accelerator (80 GB): synchronous GRPO, since on shared devices asynchrony changes
-    # the data, not the speed (README, "Scale"); micro-batches of at most 4096 padded tokens
-    # (5 sequences of 768) and remat keep the learner's activations small; the sampler's
-    # 128 decode slots bound its KV cache. Checked by `gac-jax plan` on one device
-    # (benchmarks/README.md, "One accelerator"). LoRA (rank 64 on every projection) for
+    # the data, not the speed (README, "Scaling out"); micro-batches of at most 4096 padded
+    # tokens (5 sequences of 768) and remat keep the learner's activations small; the
+    # sampler's 128 decode slots bound its KV cache. Checked by `gac-jax plan` on one device
+    # (README, "Will it fit?"; tests/train/test_plan.py). LoRA (rank 64 on every projection) for
     # the 1.7B model: its full fine-tune state (fp32 params, gradients, Adam and GAC's two
     # references) alone is about 40 GB.
     return TrainConfig(

@@ -150,8 +150,10 @@ def test_config_errors_are_clear(tmp_path, digit_task, change, fragment):
         loop.train(config, tmp_path / "bad")
 
 
-def test_eval_at_start_logs_the_initial_policys_evaluation(tmp_path, digit_task):
-    config = dataclasses.replace(_config(tmp_path, 2), eval_at_start=True, checkpoint_every=0)
+def test_eval_at_start_logs_the_initial_policys_evaluation(tmp_path, digit_task, capsys):
+    config = dataclasses.replace(
+        _config(tmp_path, 2), eval_at_start=True, eval_every=2, checkpoint_every=0
+    )
     loop.train(config, tmp_path / "run")
     records = read_metrics(tmp_path / "run" / "metrics.jsonl")
     initial = {k.removeprefix("eval_start/"): v for k, v in records[0].items() if "start/" in k}
@@ -159,6 +161,13 @@ def test_eval_at_start_logs_the_initial_policys_evaluation(tmp_path, digit_task)
     expected = fresh.evaluate(jax.random.key(config.seed + 3))
     assert initial == {k.removeprefix("eval/"): v for k, v in expected.items()}
     assert "pass@1" in initial and not any("eval_start/" in k for r in records[1:] for k in r)
+    # Every evaluation is printed too, with the record's numbers.
+    said = [line for line in capsys.readouterr().err.splitlines() if line.startswith("eval ")]
+    last = {k.removeprefix("eval/"): v for k, v in records[1].items() if k.startswith("eval/")}
+    assert said == [
+        "eval before the first step: " + " ".join(f"{k} {v:.3f}" for k, v in initial.items()),
+        "eval at step 1 (after 2 updates): " + " ".join(f"{k} {v:.3f}" for k, v in last.items()),
+    ]
 
 
 def test_a_warm_start_shorter_than_its_warm_up_is_refused(tmp_path):

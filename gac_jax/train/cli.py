@@ -254,8 +254,12 @@ def _cmd_plot(args, parser) -> int:
     try:
         if len(args.runs) == 1:
             run = Path(args.runs[0])
-            out = args.out or (run if run.is_dir() else run.parent) / "plot.png"
-            path = plots.plot_run(run, out, keys)
+            directory = run if run.is_dir() else run.parent
+            out = args.out or directory / "plot.png"
+            # A run's own config draws what its training-time plot drew (GAC's thresholds).
+            saved = directory / CONFIG_FILE
+            lines = plots.threshold_lines(load_config(saved).gac) if saved.is_file() else {}
+            path = plots.plot_run(run, out, keys, title=directory.name, lines=lines)
         else:
             if len(keys) != 1:
                 _fail(parser, "comparing several runs needs exactly one --key.")

@@ -404,12 +404,9 @@ def _train_into(run: Run, config: TrainConfig, out_dir: Path, resume: bool, step
 def _plot(config: TrainConfig, out_dir: Path) -> None:
     """The run's plot, titled with its directory's name, GAC's thresholds on the cosine
     panel when GAC acts (fixed thresholds; adaptive ones move and are not drawn)."""
-    from gac_jax.train.plots import plot_run
+    from gac_jax.train.plots import plot_run, threshold_lines
 
-    gac = config.gac
-    lines = {}
-    if not gac.monitor_only and gac.thresholds == "fixed":
-        lines["gac_cosine"] = [(gac.tau_low, "tau_low"), (gac.tau_high, "tau_high")]
+    lines = threshold_lines(config.gac)
     plot_run(out_dir / "metrics.jsonl", out_dir / "plot.png", title=out_dir.name, lines=lines)
 
 

@@ -120,7 +120,7 @@ def run_figure(
 
     Each training metric is drawn raw (faint) and smoothed with `ema_smooth`; the held-out
     evaluations of `EVAL_MARKERS` are markers on their panel; `lines` maps a key to
-    (value, label) reference levels drawn dashed on its panel.
+    (value, label) reference levels drawn on its panel, each in its own grey line style.
 
     Raises:
       ValueError: if none of `keys` has a numeric value in the run, listing the keys it has.
@@ -142,6 +142,14 @@ def run_figure(
     if title is not None:
         fig.suptitle(title)
     return fig
+
+
+def threshold_lines(gac) -> dict[str, list[tuple[float, str]]]:
+    """GAC's thresholds for the cosine panel of a run with GAC config `gac`: drawn when
+    GAC acts with fixed thresholds (adaptive ones move; a monitor has none)."""
+    if gac.monitor_only or gac.thresholds != "fixed":
+        return {}
+    return {"gac_cosine": [(gac.tau_low, "tau_low"), (gac.tau_high, "tau_high")]}
 
 
 def plot_run(

@@ -8,6 +8,7 @@ import types
 import pytest
 import yaml
 
+from gac_jax.train import plots
 from gac_jax.train.cli import main
 from gac_jax.train.config import get_preset, preset_names
 from gac_jax.train.config_io import RESUMABLE_FIELDS, apply_overrides, save_config
@@ -254,13 +255,23 @@ def test_presets_and_show_config(capsys):
     assert d["rollout"]["mode"] == get_preset("demo").rollout.mode
 
 
-def test_plot(tmp_path, capsys):
+def test_plot(tmp_path, capsys, monkeypatch):
     for name in ("a", "b"):
         with MetricWriter(tmp_path / name, tensorboard=False) as writer:
             for step in range(5):
                 writer.write(step, {"reward": step / 5})
     assert main(["plot", str(tmp_path / "a")]) == 0
     assert (tmp_path / "a" / "plot.png").read_bytes()[:4] == b"\x89PNG"
+    # A run's own config.json: the plot draws its GAC thresholds as training's plot did.
+    drawn = []
+    monkeypatch.setattr(plots, "plot_run", lambda *a, **k: drawn.append(k) or tmp_path / "p")
+    save_config(get_preset("demo"), tmp_path / "a" / "config.json")
+    assert main(["plot", str(tmp_path / "a")]) == 0
+    demo = get_preset("demo").gac
+    assert drawn[-1]["title"] == "a" and drawn[-1]["lines"] == {
+        "gac_cosine": [(demo.tau_low, "tau_low"), (demo.tau_high, "tau_high")]
+    }
+    monkeypatch.undo()
     out = tmp_path / "cmp.png"
     assert (
         main(

@@ -43,14 +43,11 @@ from gac_jax.rollout import (
 from gac_jax.rollout.evaluation import evaluate_policy
 from gac_jax.rollout.placement import RolloutPlacement
 from gac_jax.train import build, config_io, processes
+from gac_jax.train.batch_reports import BatchReport, batch_reports
 from gac_jax.train.checkpoint import CheckpointManager, DamagedCheckpointError
 from gac_jax.train.config import TrainConfig, require_init
 
 logger = logging.getLogger(__name__)
-
-
-class RewardFailedError(RuntimeError):
-    """The run's own reward failed on too many of a batch's completions."""
 
 
 @dataclasses.dataclass
@@ -75,7 +72,7 @@ class Run:
     placement: RolloutPlacement
     source: Any = None  # The rollout source (`start`).
     rollout_pool: Any = None  # The Ray actors of `rollout.backend=ray` (`start`).
-    _filtered: int = 0  # Groups dynamic sampling had discarded at the last step.
+    reports: tuple[BatchReport, ...] = ()  # What the components say of a batch (`start`).
 
     def start(self, resume_from: dict | None = None, actor_factory=None) -> None:
         """Makes the rollout source (sync, lagged or async, by `rollout.mode`);
@@ -97,7 +94,7 @@ class Run:
             process_index=jax.process_index(),
             num_processes=jax.process_count(),
         )
-        self._filtered = self.source.stats().filtered  # A resumed run's count goes on.
+        self.reports = tuple(batch_reports(c, self.source, self.rollout_pool))
 
     def publish(self, version: int) -> None:
         """Publishes the current policy as `version` (once), a copy on the sampler's
@@ -120,17 +117,6 @@ class Run:
         tokens = sum(int(r.completion_mask.sum()) for r in rollouts)
         generate = sum(r.generate_seconds for r in rollouts)
         stats = self.source.stats()
-        if self.config.rollout.dynamic_sampling:  # This batch's discarded groups.
-            filtered = stats.filtered - self._filtered
-            self._filtered = stats.filtered
-            metrics.update(
-                groups_filtered=float(filtered),
-                draws_per_batch=(filtered + len(rollouts)) / len(rollouts),
-            )
-        if self.config.reward is not None:  # The run's own reward: how often it failed.
-            metrics.update(self._reward_failures(rollouts, step))
-        if rollouts[0].observation_mask is not None:
-            metrics.update(episode_metrics(rollouts))
         metrics.update(
             generated_tokens=float(tokens),
             generate_tokens_per_s=tokens / generate if generate > 0 else float("nan"),
@@ -140,8 +126,8 @@ class Run:
             buffer_depth=stats.depth,
             buffer_dropped=stats.dropped,
         )
-        if self.rollout_pool is not None:
-            metrics["rollout_actor_replacements"] = self.rollout_pool.replacements
+        for report in self.reports:
+            metrics.update(report(rollouts, step))
         return metrics, rollouts
 
     def evaluate(self, key, prefix: str = "eval/") -> dict[str, float]:
@@ -250,22 +236,6 @@ class Run:
         self.learner.params = restored.state["params"]
         return restored.step
 
-    def _reward_failures(self, rollouts: list, step: int) -> dict[str, float]:
-        """``reward/failures`` and ``reward/timeouts`` of the batch; raises
-        `RewardFailedError` when their share reaches `reward_guard.max_failure_fraction`."""
-        failures = sum(r.reward_failures for r in rollouts)
-        timeouts = sum(r.reward_timeouts for r in rollouts)
-        completions = sum(r.group_size for r in rollouts)
-        bound = self.config.reward_guard.max_failure_fraction
-        if bound is not None and failures + timeouts >= bound * completions:
-            raise RewardFailedError(
-                f"step {step}: reward {self.config.reward} failed on {failures} and timed out "
-                f"on {timeouts} of the batch's {completions} completions (the run stops at "
-                f"reward_guard.max_failure_fraction={bound:g}); the first failure was logged "
-                "above"
-            )
-        return {"reward/failures": float(failures), "reward/timeouts": float(timeouts)}
-
     def close(self) -> None:
         """Stops the rollout source and the Ray actors (if any)."""
         if self.source is not None:
@@ -344,33 +314,6 @@ def evaluate_checkpoint(
     scores = run.evaluate(evaluation_key(config.seed, step))
     scores["step"] = step
     return scores
-
-
-def episode_metrics(rollouts) -> dict[str, float]:
-    """Multi-turn telemetry of a batch: turns per episode, tool calls, errors, timeouts and
-    latency, observation vs policy tokens, and the span of policy versions in an episode."""
-    turns = np.concatenate([r.turns for r in rollouts])
-    calls = sum(r.tool_calls for r in rollouts)
-    answered = calls - sum(r.tool_errors + r.tool_timeouts for r in rollouts)
-    spans = []
-    for r in rollouts:
-        if r.token_versions is None:
-            spans += [0] * r.group_size
-            continue
-        for row_mask, row_versions in zip(r.completion_mask, r.token_versions, strict=True):
-            v = row_versions[row_mask]
-            spans.append(int(v.max() - v.min()) if v.size else 0)
-    return {
-        "episode/turns_mean": float(turns.mean()),
-        "episode/turns_max": float(turns.max()),
-        "episode/policy_tokens": float(sum(r.completion_mask.sum() for r in rollouts)),
-        "episode/observation_tokens": float(sum(r.observation_mask.sum() for r in rollouts)),
-        "episode/version_span_mean": float(np.mean(spans)),
-        "tools/calls": float(calls),
-        "tools/errors": float(sum(r.tool_errors for r in rollouts)),
-        "tools/timeouts": float(sum(r.tool_timeouts for r in rollouts)),
-        "tools/latency_ms": 1e3 * sum(r.tool_seconds for r in rollouts) / max(answered, 1),
-    }
 
 
 @jax.jit

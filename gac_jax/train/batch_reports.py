@@ -1,0 +1,111 @@
+"""What each component of a run reports about a batch, beside the learner's own metrics.
+
+`Run.start` picks the reports its config needs once (`batch_reports`); `Run.step` calls
+each on the step's rollouts and merges what they return, so a new feature's metrics come
+with a new report, not with another branch in the step. A report is a callable
+`(rollouts, step) -> dict[str, float]`; it may raise to stop the run (`RewardFailures`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+BatchReport = Callable[[Sequence[Any], int], dict[str, float]]
+
+
+class RewardFailedError(RuntimeError):
+    """The run's own reward failed (or timed out) on too many of a batch's completions."""
+
+
+class RewardFailures:
+    """``reward/failures`` and ``reward/timeouts`` of a batch (the run's own reward, run
+    behind its guard); raises `RewardFailedError` when their share reaches
+    `max_failure_fraction` (None: never)."""
+
+    def __init__(self, reward: str, max_failure_fraction: float | None):
+        self.reward, self.bound = reward, max_failure_fraction
+
+    def __call__(self, rollouts, step: int) -> dict[str, float]:
+        failures = sum(r.reward_failures for r in rollouts)
+        timeouts = sum(r.reward_timeouts for r in rollouts)
+        completions = sum(r.group_size for r in rollouts)
+        if self.bound is not None and failures + timeouts >= self.bound * completions:
+            raise RewardFailedError(
+                f"step {step}: reward {self.reward} failed on {failures} and timed out "
+                f"on {timeouts} of the batch's {completions} completions (the run stops at "
+                f"reward_guard.max_failure_fraction={self.bound:g}); the first failure was "
+                "logged above"
+            )
+        return {"reward/failures": float(failures), "reward/timeouts": float(timeouts)}
+
+
+class FilteredGroups:
+    """Dynamic sampling's count for a batch: the groups it discarded since the last batch
+    (`groups_filtered`) and the batches' worth of groups drawn (`draws_per_batch`), from
+    the rollout source's running total (a resumed run's goes on from its checkpoint)."""
+
+    def __init__(self, source):
+        self.source = source
+        self.seen = source.stats().filtered
+
+    def __call__(self, rollouts, step: int) -> dict[str, float]:
+        del step
+        total = self.source.stats().filtered
+        filtered, self.seen = total - self.seen, total
+        return {
+            "groups_filtered": float(filtered),
+            "draws_per_batch": (filtered + len(rollouts)) / len(rollouts),
+        }
+
+
+def episode_metrics(rollouts, step: int | None = None) -> dict[str, float]:
+    """Multi-turn telemetry of a batch: turns per episode, tool calls, errors, timeouts and
+    latency, observation vs policy tokens, and the span of policy versions in an episode.
+    Nothing for single answers (no observation tokens)."""
+    del step
+    if rollouts[0].observation_mask is None:
+        return {}
+    turns = np.concatenate([r.turns for r in rollouts])
+    calls = sum(r.tool_calls for r in rollouts)
+    answered = calls - sum(r.tool_errors + r.tool_timeouts for r in rollouts)
+    spans = []
+    for r in rollouts:
+        if r.token_versions is None:
+            spans += [0] * r.group_size
+            continue
+        for row_mask, row_versions in zip(r.completion_mask, r.token_versions, strict=True):
+            v = row_versions[row_mask]
+            spans.append(int(v.max() - v.min()) if v.size else 0)
+    return {
+        "episode/turns_mean": float(turns.mean()),
+        "episode/turns_max": float(turns.max()),
+        "episode/policy_tokens": float(sum(r.completion_mask.sum() for r in rollouts)),
+        "episode/observation_tokens": float(sum(r.observation_mask.sum() for r in rollouts)),
+        "episode/version_span_mean": float(np.mean(spans)),
+        "tools/calls": float(calls),
+        "tools/errors": float(sum(r.tool_errors for r in rollouts)),
+        "tools/timeouts": float(sum(r.tool_timeouts for r in rollouts)),
+        "tools/latency_ms": 1e3 * sum(r.tool_seconds for r in rollouts) / max(answered, 1),
+    }
+
+
+def actor_replacements(pool) -> BatchReport:
+    """The Ray rollout actors replaced so far (`rollout_actor_replacements`)."""
+    return lambda rollouts, step: {"rollout_actor_replacements": pool.replacements}
+
+
+def batch_reports(config, source, pool=None) -> list[BatchReport]:
+    """The reports a run of `config` (a `TrainConfig`) makes of each batch, given its
+    rollout source and (with `rollout.backend=ray`) its actor pool."""
+    reports: list[BatchReport] = []
+    if config.rollout.dynamic_sampling:
+        reports.append(FilteredGroups(source))
+    if config.reward is not None:  # The run's own reward: how often it failed.
+        reports.append(RewardFailures(config.reward, config.reward_guard.max_failure_fraction))
+    reports.append(episode_metrics)
+    if pool is not None:
+        reports.append(actor_replacements(pool))
+    return reports

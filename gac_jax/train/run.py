@@ -5,12 +5,10 @@ weight is made, only shapes, dtypes and shardings), `eval` and `export-hf` all b
 through it, so what `plan` reports is the run that will happen (LoRA, split devices).
 
 A `Run` publishes its params as a version, takes the step's batch from its rollout source,
-updates, evaluates, and saves or restores its state. Saved at a step: the learner's params
-and optimizer state (a LoRA run's adapters only: its frozen base is rebuilt from `init` as
-the run first built it), the ParamStore's history (the policies the sampler ran, merged in
-a LoRA run, on the learner's shardings, whatever devices the sampler uses), and JSON
-metadata: the next step, the config hash, and each learner process's rollout source state
-(group numbering, buffer accounting). Never saved from non-finite state.
+updates, evaluates, and saves or restores its state (`run_state.RunState`: the learner's
+params and optimizer state, the ParamStore's history, merged in a LoRA run and on the
+learner's shardings whatever devices the sampler uses, each learner process's rollout
+source state, the next step; never saved from non-finite state).
 """
 
 from __future__ import annotations
@@ -25,7 +23,6 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from gac_jax import models
@@ -46,6 +43,7 @@ from gac_jax.train import build, config_io, processes
 from gac_jax.train.batch_reports import BatchReport, batch_reports
 from gac_jax.train.checkpoint import CheckpointManager, DamagedCheckpointError
 from gac_jax.train.config import TrainConfig, require_init
+from gac_jax.train.run_state import RunState, restore_run_state, save_run_state
 
 logger = logging.getLogger(__name__)
 
@@ -153,19 +151,7 @@ class Run:
         )
         return {f"{prefix}{k}": v for k, v in scores.items()}
 
-    def _state(self) -> dict[str, Any]:
-        like = self.policy.like()
-        history = {
-            str(v): self.placement.to_learner(self.store.get(v), like)
-            for v in self.store.versions()
-        }
-        return {
-            "params": self.learner.params,
-            "opt_state": self.learner.opt_state,
-            "history": history,
-        }
-
-    def _target(self, versions) -> dict[str, Any]:
+    def _template(self, versions) -> dict[str, Any]:
         """The restore target of a checkpoint holding the store's `versions`."""
         return {
             "params": self.learner.params,
@@ -174,25 +160,22 @@ class Run:
         }
 
     def save(self, checkpoints: CheckpointManager, next_step: int) -> None:
-        """Saves what resuming at `next_step` needs: params, optimizer, the store's history,
-        the rollout source's state. Never from non-finite state: that would poison every
-        resume."""
-        state = self._state()
-        if not _all_finite(state):
-            raise FloatingPointError(
-                f"step {next_step}: params or optimizer state are not finite; no checkpoint "
-                "written (the last one is kept)."
-            )
-        metadata = {
-            "next_step": next_step,
-            "seed": self.config.seed,
-            "config_hash": config_io.resume_hash(self.config),
-            "store_versions": self.store.versions(),
-            "data_position": next_step * self.config.rollout.groups_per_batch,
+        """Saves what resuming at `next_step` needs (`RunState`); never from non-finite
+        state."""
+        like = self.policy.like()
+        state = RunState(
+            next_step=next_step,
+            params=self.learner.params,
+            opt_state=self.learner.opt_state,
+            history={
+                v: self.placement.to_learner(self.store.get(v), like) for v in self.store.versions()
+            },
             # One state per learner process (each has its own group numbering).
-            "rollout_states": processes.allgather_json(self.source.state()),
-        }
-        checkpoints.save(next_step, state, metadata)
+            rollout_states=processes.allgather_json(self.source.state()),
+            config_hash=config_io.resume_hash(self.config),
+            seed=self.config.seed,
+        )
+        save_run_state(checkpoints, state)
 
     def restore(
         self, checkpoints: CheckpointManager, out_dir: Path
@@ -201,16 +184,15 @@ class Run:
         that reads back intact; returns the next step, the rollout source's recorded state
         (for `start`) and the damaged newer checkpoints it skipped, newest first. A
         checkpoint of another config is refused (ValueError), not skipped."""
-        restored, skipped = checkpoints.restore_newest(
-            lambda metadata: self._target(metadata["store_versions"]),
+        state, skipped = restore_run_state(
+            checkpoints,
+            self._template,
             check=lambda metadata: _check_resumable(self.config, metadata, out_dir),
         )
-        metadata = restored.metadata
-        self.learner.params = restored.state["params"]
-        self.learner.opt_state = restored.state["opt_state"]
-        for v in metadata["store_versions"]:
-            self.store.publish(self.placement.to_rollout(restored.state["history"][str(v)]), v)
-        return int(metadata["next_step"]), _own_rollout_state(metadata), skipped
+        self.learner.params, self.learner.opt_state = state.params, state.opt_state
+        for v, params in state.history.items():
+            self.store.publish(self.placement.to_rollout(params), v)
+        return state.next_step, _own_rollout_state(state.rollout_states), skipped
 
     def load(self, checkpoint_dir: str | os.PathLike, step: int | None = None) -> int:
         """Loads a checkpoint's params (for evaluation and export); returns its step.
@@ -224,17 +206,11 @@ class Run:
                 raise ValueError(
                     f"no checkpoint of step {step} in {str(path)!r}; steps: {checkpoints.steps()}."
                 )
-            if step is None:
-                restored, skipped = checkpoints.restore_newest(
-                    lambda metadata: self._target(metadata["store_versions"])
-                )
-                for error in skipped:
-                    print(f"warning: {error}; using an older step", file=sys.stderr)
-            else:
-                versions = checkpoints.read_metadata(step)["store_versions"]
-                restored = checkpoints.restore(step, target=self._target(versions))
-        self.learner.params = restored.state["params"]
-        return restored.step
+            state, skipped = restore_run_state(checkpoints, self._template, step=step)
+        for error in skipped:
+            print(f"warning: {error}; using an older step", file=sys.stderr)
+        self.learner.params = state.params
+        return state.next_step
 
     def close(self) -> None:
         """Stops the rollout source and the Ray actors (if any)."""
@@ -316,20 +292,6 @@ def evaluate_checkpoint(
     return scores
 
 
-@jax.jit
-def _finite(leaves) -> jax.Array:
-    # One program (one set of collectives on every process, not one per leaf), compiled
-    # once per run's layout rather than at every checkpoint.
-    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))
-
-
-def _all_finite(tree) -> bool:
-    leaves = [x for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
-    finite = _finite(leaves)
-    # Replicated on every device; read this process's copy (multi-process safe).
-    return bool(np.asarray(finite.addressable_shards[0].data))
-
-
 def _check_resumable(config: TrainConfig, metadata: dict, out_dir: Path) -> None:
     if metadata.get("config_hash") == config_io.resume_hash(config):
         return
@@ -346,12 +308,11 @@ def _check_resumable(config: TrainConfig, metadata: dict, out_dir: Path) -> None
     )
 
 
-def _own_rollout_state(metadata: dict) -> dict | None:
-    """This process's rollout source state in a checkpoint's metadata (None in
-    checkpoints that predate it)."""
-    states = metadata.get("rollout_states")
+def _own_rollout_state(states: list | None) -> dict | None:
+    """This process's rollout source state of a checkpoint's (None in checkpoints that
+    predate it)."""
     if states is None:
-        return metadata.get("rollout_state")  # Written before multi-process runs.
+        return None
     if len(states) != jax.process_count():
         raise ValueError(
             f"the checkpoint was written by {len(states)} learner processes; resume it with "

@@ -5,11 +5,12 @@ into ``root/<label>/seed<seed>`` and writes ``summary.json`` there; a run whose 
 exists for the same config is skipped and an interrupted one resumes from its newest
 checkpoint, so a sweep is restarted by running it again. `summarize_run`
 (`gac_jax.lab.summary`) turns a run's metrics into the numbers the experiments
-report, `aggregate` gives their mean and std over seeds, and `summary_table` prints them.
+report (experiments/report*.py make the tables).
 
 A summary records the code that made it (`provenance.code_version`). A sweep refuses a
 summary of other code unless told to retrain it (``--rerun-stale``) or reuse it
-(``--allow-stale``), and a table refuses runs of two code versions unless ``allow_mixed``.
+(``--allow-stale``); a report refuses runs of two code versions
+(`provenance.check_one_version`).
 
     specs = [RunSpec(f"{m}/k8", ("rollout.lag=8", *o), seed)
              for m, o in METHODS.items() for seed in (0, 1, 2)]
@@ -29,13 +30,9 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from gac_jax.lab.provenance import (  # noqa: F401  (StaleRunError: what a sweep raises)
     StaleRunError,
-    check_one_version,
     code_version,
-    runs_by_version,
     settle_stale,
 )
 from gac_jax.lab.summary import (  # noqa: F401  (re-exported: a sweep's vocabulary)
@@ -48,7 +45,7 @@ from gac_jax.train import train
 from gac_jax.train.build import warm_start_directory
 from gac_jax.train.config import TrainConfig
 from gac_jax.train.config_io import apply_overrides, load_config, run_hash
-from gac_jax.train.metrics import markdown_table, read_metrics
+from gac_jax.train.metrics import read_metrics
 from gac_jax.train.warm_start import weights_digest
 
 SUMMARY_FILE = "summary.json"
@@ -189,70 +186,6 @@ def load_summaries(root: str | os.PathLike) -> list[dict[str, Any]]:
     """The summaries of every finished run under `root`, ordered by label then seed."""
     found = [json.loads(p.read_text()) for p in Path(root).glob(f"**/{SUMMARY_FILE}")]
     return sorted(found, key=lambda s: (s["label"], s["seed"]))
-
-
-def aggregate(
-    summaries: Sequence[Mapping[str, Any]], keys: Sequence[str], *, allow_mixed: bool = False
-) -> list[dict]:
-    """One row per label, in first-seen order: ``seeds``, ``collapsed`` (how many), and the
-    mean and std (ddof 1; 0 for one seed) of each of `keys` as ``key`` and ``key_std``.
-
-    ``code`` maps each code version of the row's runs to those runs. Summaries of more
-    than one code version are an error unless `allow_mixed`.
-    """
-    check_one_version(runs_by_version(summaries), allow_mixed)
-    labels: dict[str, list[Mapping[str, Any]]] = {}
-    for s in summaries:
-        labels.setdefault(s["label"], []).append(s)
-    rows = []
-    for label, group in labels.items():
-        row: dict[str, Any] = {
-            "label": label,
-            "seeds": len(group),
-            "collapsed": sum(bool(s["collapsed"]) for s in group),
-            "code": runs_by_version(group),
-        }
-        for key in keys:
-            values = np.array([float(s[key]) for s in group], dtype=np.float64)
-            row[key] = float(values.mean())
-            row[f"{key}_std"] = float(values.std(ddof=1)) if len(values) > 1 else 0.0
-        rows.append(row)
-    return rows
-
-
-def summary_table(
-    rows: Sequence[Mapping[str, Any]],
-    columns: Mapping[str, str],
-    *,
-    digits: int = 3,
-    allow_mixed: bool = False,
-) -> str:
-    """A Markdown table (`gac_jax.train.metrics.markdown_table`) of `aggregate`'s `rows`;
-    `columns` maps a row key to its header. A float with a ``_std`` partner in the row is
-    written as ``mean ± std``.
-
-    Rows made by more than one code version (their ``code``) are an error unless
-    `allow_mixed`; the table then ends with a note naming the versions and runs.
-    """
-    versions: dict[str, str] = {}
-    for row in rows:
-        for version, runs in row.get("code", {}).items():
-            versions[version] = "; ".join(filter(None, [versions.get(version), runs]))
-    check_one_version(versions, allow_mixed)
-
-    def cell(row: Mapping[str, Any], key: str) -> str:
-        value = row[key]
-        if not isinstance(value, float):
-            return str(value)
-        std = f" ± {row[f'{key}_std']:.{digits}f}" if f"{key}_std" in row else ""
-        return f"{value:.{digits}f}{std}"
-
-    cells = [[cell(row, key) for key in columns] for row in rows]
-    table = markdown_table(list(columns.values()), cells, escape=False)
-    if len(versions) > 1:
-        made_by = "; ".join(f"[{v}]: {runs}" for v, runs in versions.items())
-        table += f"\n\nMixed code versions (allowed by allow_mixed): {made_by}."
-    return table
 
 
 def run_sweep(

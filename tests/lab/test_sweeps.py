@@ -9,23 +9,20 @@ from pathlib import Path
 
 import flax
 import jax
-import numpy as np
 import optax
 import pytest
 
 import gac_jax
-from gac_jax.lab.provenance import code_version
+from gac_jax.lab.provenance import check_one_version, code_version, runs_by_version
 from gac_jax.lab.sweeps import (
     METHODS,
     RunSpec,
     StaleRunError,
     add_sweep_arguments,
-    aggregate,
     load_summaries,
     run_spec,
     run_sweep,
     shard,
-    summary_table,
 )
 from gac_jax.train import get_preset
 from gac_jax.train.metrics import MetricWriter
@@ -76,21 +73,6 @@ def test_methods_are_valid_overrides_of_the_sweep_preset():
     assert configs["gac_vcpo"].ess == ESSConfig() and not configs["gac_vcpo"].gac.monitor_only
     assert configs["seq_tis"].loss.correction_kwargs == {"level": "sequence", "cap": 2.0}
     assert len({str(c) for c in configs.values()}) == len(METHODS)  # All distinct.
-
-
-def test_aggregate_and_table():
-    summaries = [
-        {"label": "a", "seed": 0, "collapsed": False, "final_accuracy": 0.2},
-        {"label": "a", "seed": 1, "collapsed": True, "final_accuracy": 0.4},
-        {"label": "b", "seed": 0, "collapsed": False, "final_accuracy": 0.1},
-    ]
-    rows = aggregate(summaries, ["final_accuracy"])
-    assert [r["label"] for r in rows] == ["a", "b"]
-    np.testing.assert_allclose(rows[0]["final_accuracy"], 0.3)
-    np.testing.assert_allclose(rows[0]["final_accuracy_std"], np.std([0.2, 0.4], ddof=1))
-    assert rows[0]["collapsed"] == 1 and rows[1]["final_accuracy_std"] == 0.0
-    table = summary_table(rows, {"label": "method", "final_accuracy": "accuracy"}, digits=2)
-    assert table.splitlines()[2] == "| a | 0.30 ± 0.14 |"
 
 
 def _git_head() -> str | None:
@@ -201,32 +183,18 @@ def test_the_scripts_take_rerun_stale_or_allow_stale_not_both():
         parser.parse_args(["--rerun-stale", "--allow-stale"])
 
 
-def test_a_table_refuses_two_code_versions_unless_allowed():
+def test_a_report_refuses_two_code_versions_unless_allowed():
+    # What experiments/report.py checks before it makes a table of the summaries.
     new = {"commit": "b" * 40, "dirty": False, "diff": None, "jax": "1", "flax": "2", "optax": "3"}
     old = {**new, "commit": "a" * 40}
     summaries = [
-        {"label": "a", "seed": 0, "collapsed": False, "final_accuracy": 0.2, "code": new},
-        {"label": "a", "seed": 1, "collapsed": False, "final_accuracy": 0.4, "code": old},
-        {"label": "b", "seed": 0, "collapsed": False, "final_accuracy": 0.1, "code": new},
+        {"label": "a", "seed": 0, "code": new},
+        {"label": "a", "seed": 1, "code": old},
+        {"label": "b", "seed": 0, "code": new},
     ]
     with pytest.raises(ValueError, match="2 code versions") as e:
-        aggregate(summaries, ["final_accuracy"])
+        check_one_version(runs_by_version(summaries), allow_mixed=False)
     assert f"[commit {'b' * 12}, jax 1, flax 2, optax 3]: a seed 0; b seed 0" in str(e.value)
     assert f"[commit {'a' * 12}, jax 1, flax 2, optax 3]: a seed 1" in str(e.value)
-    rows = aggregate(summaries, ["final_accuracy"], allow_mixed=True)
-    np.testing.assert_allclose(rows[0]["final_accuracy"], 0.3)
-    columns = {"label": "method", "final_accuracy": "accuracy"}
-    with pytest.raises(ValueError, match="2 code versions"):
-        summary_table(rows, columns)
-    lines = summary_table(rows, columns, digits=2, allow_mixed=True).splitlines()
-    assert lines[2:4] == ["| a | 0.30 ± 0.14 |", "| b | 0.10 ± 0.00 |"]
-    assert lines[-1].startswith("Mixed code versions (allowed by allow_mixed): ")
-    assert "a seed 1" in lines[-1] and "a seed 0; b seed 0" in lines[-1]
-    # Two tables' rows of one version each still make a mixed table.
-    one = aggregate(summaries[:1], ["final_accuracy"]) + aggregate(
-        summaries[1:2], ["final_accuracy"]
-    )
-    with pytest.raises(ValueError, match="2 code versions"):
-        summary_table(one, columns)
-    same = aggregate([summaries[0], summaries[2]], ["final_accuracy"])
-    assert "Mixed" not in summary_table(same, columns)
+    check_one_version(runs_by_version(summaries), allow_mixed=True)
+    check_one_version(runs_by_version([summaries[0], summaries[2]]), allow_mixed=False)

@@ -22,7 +22,7 @@ import numpy as np
 from gac_jax.models import Sampler
 from gac_jax.models.tokenizers import Tokenizer
 from gac_jax.rollout.episodes import EpisodeRows
-from gac_jax.rollout.sampling import cut_at_stop, generate
+from gac_jax.rollout.sampling import SampleSettings, cut_at_stop, generate
 from gac_jax.tasks.custom import score_group
 
 
@@ -50,31 +50,16 @@ class AnswerRunner:
         prompts: Sequence[Sequence[int]],
         examples: Sequence[Mapping[str, Any]],
         key,
-        *,
-        prompt_length: int,
-        sampling: Mapping[str, Any],
-        chunk_steps: int,
-        place_inputs=None,
-        inflight: bool = False,
+        settings: SampleSettings,
     ) -> EpisodeRows:
-        """One completion per prompt (`examples` are not needed to sample one); with
-        `inflight`, the sampler asks `params_fn` before its first chunk and again every
-        `chunk_steps` decode steps, else it is asked once here."""
+        """One completion per prompt (`examples` are not needed to sample one); in flight
+        (`settings.inflight`) the sampler asks `params_fn` before its first chunk and again
+        every `chunk_steps` decode steps, else it is asked once."""
         del examples
-        params = None if inflight else params_fn()[0]  # In flight: the sampler asks.
         out = generate(
-            self.sampler,
-            graphdef,
-            params,
-            prompts,
-            key,
-            pad_id=self.tokenizer.pad_id,
-            prompt_length=prompt_length,
-            sampling=dict(sampling),
-            place_inputs=place_inputs,
-            params_fn=params_fn if inflight else None,
-            chunk_steps=chunk_steps,
-        )
+            self.sampler, graphdef, params_fn, prompts, key,
+            pad_id=self.tokenizer.pad_id, settings=settings,
+        )  # fmt: skip
         tokens = np.array(out.tokens, np.int32)
         mask = np.array(out.completion_mask, bool)
         logps = np.array(out.policy_logps, np.float32)

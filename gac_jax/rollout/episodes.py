@@ -37,6 +37,7 @@ from gac_jax._validation import check_int
 from gac_jax.models import left_pad
 from gac_jax.models.tokenizers import Tokenizer, decode_completion
 from gac_jax.rollout.episode_driver import EpisodeSampler
+from gac_jax.rollout.sampling import SampleSettings
 from gac_jax.tasks.chat_turns import ChatTurns
 from gac_jax.tasks.custom import GuardedReward, RewardGuardConfig
 from gac_jax.tasks.environments import (
@@ -202,24 +203,18 @@ class EpisodeRunner:
         prompts: Sequence[Sequence[int]],
         examples: Sequence[Mapping[str, Any]],
         key,
-        *,
-        prompt_length: int,
-        sampling: Mapping[str, Any],
-        chunk_steps: int,
-        place_inputs=None,
-        inflight: bool = False,
+        settings: SampleSettings,
     ) -> EpisodeRows:
         """One episode per prompt (`examples[i]` is prompt i's example). `params_fn` is
-        asked every `chunk_steps` decode steps (`inflight` or not: episodes always run in
-        chunks, back to the host at each turn's end)."""
-        del inflight
+        asked every `settings.chunk_steps` decode steps (in flight or not: episodes always
+        run in chunks, back to the host at each turn's end)."""
         rows = len(prompts)
         states = [self.environment.start(example) for example in examples]
         telemetry = _Telemetry(rows)
         respond = self._responder(states, telemetry)
-        tokens, mask = left_pad(prompts, self.tokenizer.pad_id, prompt_length)
-        if place_inputs is not None:
-            tokens, mask = place_inputs(tokens, mask)
+        tokens, mask = left_pad(prompts, self.tokenizer.pad_id, settings.prompt_length)
+        if settings.place_inputs is not None:
+            tokens, mask = settings.place_inputs(tokens, mask)
         out = self.episodes.sample(
             graphdef,
             params_fn,
@@ -229,9 +224,9 @@ class EpisodeRunner:
             respond=respond,
             turn_end_ids=self.turn_end_ids,
             max_observation_tokens=self.config.max_observation_tokens,
-            chunk_steps=chunk_steps,
+            chunk_steps=settings.chunk_steps,
             max_turns=self.config.max_turns,
-            **sampling,
+            **settings.sampling,
         )
         return self._rows(out, states, telemetry)
 

@@ -13,7 +13,7 @@ from gac_jax.models import Sampler
 from gac_jax.models.tokenizers import Tokenizer
 from gac_jax.rollout.answers import AnswerRunner
 from gac_jax.rollout.episodes import EpisodeRunner
-from gac_jax.rollout.sampling import encode_prompt
+from gac_jax.rollout.sampling import SampleSettings, encode_prompt
 from gac_jax.tasks import Task
 
 
@@ -92,9 +92,7 @@ def evaluate_policy(
                 rows[chunk],
                 row_examples[chunk],
                 sub,
-                prompt_length=prompt_length,
-                sampling={"temperature": temperature},
-                chunk_steps=64,
+                SampleSettings(prompt_length, {"temperature": temperature}, chunk_steps=64),
             )
             items += runner.items(out)
         # Each problem's samples scored together, as training scores a group (a run's

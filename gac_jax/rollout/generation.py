@@ -18,7 +18,7 @@ from gac_jax.rollout.answers import AnswerRunner
 from gac_jax.rollout.episodes import EpisodeRows, EpisodeRunner
 from gac_jax.rollout.placement import RolloutPlacement
 from gac_jax.rollout.record import Rollout
-from gac_jax.rollout.sampling import encode_prompt
+from gac_jax.rollout.sampling import SampleSettings, encode_prompt
 from gac_jax.rollout.worker import GroupRequest
 from gac_jax.tasks import Task
 
@@ -178,11 +178,13 @@ class TaskGroupGenerator:
             [p for p in prompts for _ in range(g)],
             [ex for ex in examples for _ in range(g)],
             key,
-            prompt_length=self.prompt_length,
-            sampling=self.sampling,
-            chunk_steps=self.chunk_steps,
-            place_inputs=None if self.placement is None else self.placement.place_inputs,
-            inflight=inflight,
+            SampleSettings(
+                prompt_length=self.prompt_length,
+                sampling=self.sampling,
+                chunk_steps=self.chunk_steps,
+                place_inputs=None if self.placement is None else self.placement.place_inputs,
+                inflight=inflight,
+            ),
         )
         generate_seconds = (time.monotonic() - start) / len(requests)
         rollouts = []

@@ -4,7 +4,8 @@ and the sample logs use."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -27,46 +28,63 @@ def encode_prompt(tokenizer: Tokenizer, text: str, prompt_length: int, name: str
     return np.asarray(ids, np.int32)
 
 
+@dataclasses.dataclass(frozen=True)
+class SampleSettings:
+    """How a runner samples one call's rows (`EpisodeRunner.sample`, `AnswerRunner.sample`).
+
+    Attributes:
+      prompt_length: the prompts are left-padded to this many tokens.
+      sampling: the sampler's keywords (`temperature`, `top_k`, `top_p`, `max_new_tokens`).
+      chunk_steps: decode steps between two looks at `params_fn` (in flight, and at every
+        turn's end in an episode).
+      place_inputs: puts the prompts on the sampler's mesh (`RolloutPlacement.place_inputs`);
+        None leaves them to the jit.
+      inflight: in-flight updates: the sampler asks `params_fn` before its first chunk and
+        every `chunk_steps` decode steps; else a single answer asks it once.
+    """
+
+    prompt_length: int
+    sampling: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    chunk_steps: int = 64
+    place_inputs: Callable | None = None
+    inflight: bool = False
+
+
 def generate(
     sampler: Sampler,
     graphdef: nnx.GraphDef,
-    params: nnx.State,
+    params_fn: Callable[[], tuple[Any, int]],
     prompts: Sequence[Sequence[int]],
     key: jax.Array,
     *,
     pad_id: int,
-    prompt_length: int,
-    sampling: dict[str, Any],
-    place_inputs: Callable | None = None,
-    params_fn: Callable[[], tuple[Any, int]] | None = None,
-    chunk_steps: int = 16,
+    settings: SampleSettings,
 ) -> SampleOutput:
     """Samples one completion per prompt: the one way single-answer rollouts and their
     evaluation generate (`AnswerRunner`).
 
     Args:
       sampler: the run's `Sampler`.
-      graphdef, params: the policy.
-      prompts: R token lists, left-padded to `prompt_length` with `pad_id`.
+      graphdef: the policy's.
+      params_fn: `() -> (params, version)`: asked once, or by the sampler in flight
+        (`settings.inflight`, `Sampler.sample_inflight`).
+      prompts: R token lists, left-padded to `settings.prompt_length` with `pad_id`.
       key: sampling key.
-      sampling: the sampler's keywords (`temperature`, `top_k`, `top_p`).
-      place_inputs: puts the prompts on the sampler's mesh (`RolloutPlacement.place_inputs`);
-        None leaves them to the jit.
-      params_fn: in-flight updates (`Sampler.sample_inflight`, every `chunk_steps` decode
-        steps); None samples with `params` throughout.
+      settings: see `SampleSettings`.
 
     Returns:
-      The `SampleOutput` (an `InflightSampleOutput` with `params_fn`) as host arrays.
+      The `SampleOutput` (an `InflightSampleOutput` in flight) as host arrays.
     """
-    tokens, mask = left_pad(prompts, pad_id, prompt_length)
-    if place_inputs is not None:
-        tokens, mask = place_inputs(tokens, mask)
-    if params_fn is None:
-        out = sampler(graphdef, params, tokens, mask, key, **sampling)
-    else:
+    tokens, mask = left_pad(prompts, pad_id, settings.prompt_length)
+    if settings.place_inputs is not None:
+        tokens, mask = settings.place_inputs(tokens, mask)
+    sampling = dict(settings.sampling)
+    if settings.inflight:
         out = sampler.sample_inflight(
-            graphdef, params_fn, tokens, mask, key, chunk_steps=chunk_steps, **sampling
+            graphdef, params_fn, tokens, mask, key, chunk_steps=settings.chunk_steps, **sampling
         )
+    else:
+        out = sampler(graphdef, params_fn()[0], tokens, mask, key, **sampling)
     return jax.device_get(out)
 
 

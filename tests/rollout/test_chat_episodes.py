@@ -10,6 +10,7 @@ from flax import nnx
 from gac_jax import models
 from gac_jax.rollout import EpisodeConfig, EpisodeRunner, GenerationConfig, make_sampler
 from gac_jax.rollout.episodes import turn_end_ids
+from gac_jax.rollout.sampling import SampleSettings
 from gac_jax.tasks.chat import ChatTemplate
 from gac_jax.tasks.chat_turns import ChatTurns
 from gac_jax.tasks.environments import Observation
@@ -88,9 +89,11 @@ def test_chat_episodes_hold_the_conversation_transformers_renders(tokenizer):
         [tokenizer.encode(p) for p in prompts],
         [{} for _ in prompts],
         jax.random.key(0),
-        prompt_length=generation.prompt_length,
-        sampling=dict(temperature=1.0, max_new_tokens=generation.max_new_tokens),
-        chunk_steps=8,
+        SampleSettings(
+            generation.prompt_length,
+            dict(temperature=1.0, max_new_tokens=generation.max_new_tokens),
+            chunk_steps=8,
+        ),
     )
     hf = transformers.PreTrainedTokenizerFast(
         tokenizer_object=tokenizer._tokenizer, **CHATML_SPECIAL

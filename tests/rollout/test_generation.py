@@ -81,9 +81,9 @@ def test_training_and_evaluation_generate_through_one_function(monkeypatch):
     task = types.SimpleNamespace(prompt=lambda e: e, reward=lambda c, e: 1.0)
     calls, real = [], answers.generate
 
-    def spy(sampler, graphdef, params, prompts, key, **kwargs):
-        calls.append((sampler, len(prompts), kwargs["sampling"]["temperature"]))
-        return real(sampler, graphdef, params, prompts, key, **kwargs)
+    def spy(sampler, graphdef, params_fn, prompts, key, **kwargs):
+        calls.append((sampler, len(prompts), kwargs["settings"].sampling["temperature"]))
+        return real(sampler, graphdef, params_fn, prompts, key, **kwargs)
 
     monkeypatch.setattr(answers, "generate", spy)
     generator = _generator(model, task)

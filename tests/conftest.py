@@ -13,14 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from gac_jax.train.plan import with_cheap_cpu_compiles
-
 REPO = Path(__file__).resolve().parents[1]
 
-# Without LLVM's optimisations (`plan`'s flags): the suite's programs are small and
-# compiling dominates them (tests/learner/test_learner.py, empty compile caches, beside the
-# laboratory: 281 s with them, 180 s without; child processes get the same, `process_env`).
-os.environ["XLA_FLAGS"] = with_cheap_cpu_compiles(
+os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -61,7 +56,7 @@ def free_port() -> int:
 def process_env(local_devices: int | None) -> dict[str, str]:
     """This environment for a child process without conftest's 8 fake devices (with
     `local_devices` of its own, or none set: the process sets them) and LLVM's
-    optimisations off, as here."""
+    optimisations off (compile time dominates short runs)."""
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO))
     flags = [
         f
@@ -70,7 +65,8 @@ def process_env(local_devices: int | None) -> dict[str, str]:
     ]
     if local_devices is not None:
         flags.append(f"--xla_force_host_platform_device_count={local_devices}")
-    env["XLA_FLAGS"] = with_cheap_cpu_compiles(" ".join(flags))
+    flags.append("--xla_backend_optimization_level=0")
+    env["XLA_FLAGS"] = " ".join(flags)
     return env
 
 

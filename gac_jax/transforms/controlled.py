@@ -28,11 +28,12 @@ into skipping, since nothing moves it.
         scale_by_ess(),
     )
 
-As measured (experiments/RESULTS.md, laboratory v4, two or three seeds a method): in a GRPO cell
-where stale rollouts trained as if on-policy collapse and their gradients are more aligned
-than synchronous ones, no variant held (defaults, thresholds from the synchronous cosine
-with a true skip, adaptive, on applied updates), nor did its step-size and momentum
-controls, while PPO-clip and VCPO did; on a noisy quadratic with delayed gradients
+As measured (experiments/RESULTS.md, laboratory v4, three or four seeds a method): in a
+GRPO cell where stale rollouts trained as if on-policy collapse and their gradients are
+more aligned than synchronous ones, every run of every variant collapsed (defaults,
+thresholds from the synchronous cosine with a true skip, adaptive, on applied updates);
+its step-size controls did as well and its momentum controls better (no collapse, no
+gain), while PPO-clip and VCPO held; on a noisy quadratic with delayed gradients
 (`gac_jax.toys.delayed_quadratic`), control of applied updates widened Adam's stable step
 10x at a staleness of 16. A skip at thresholds below a problem's own synchronous cosine
 skips every step and stalls: choose them from a synchronous run's `gac_cosine` /

@@ -438,7 +438,7 @@ def _build(config, model, monkeypatch):
 
     calls = {}
     _spied(monkeypatch, calls)
-    monkeypatch.setattr(build, "build_model", lambda config, mesh, abstract=False: model)
+    monkeypatch.setattr(build, "build_model", lambda config, mesh, **kwargs: model)
     monkeypatch.setattr(ray_rollouts, "RayRolloutPool", FakePool)
     monkeypatch.setattr(ray, "is_initialized", lambda: True)
     run = loop.build_run(config)

@@ -267,7 +267,7 @@ def _check_random_model_speaks_characters(config: TrainConfig, preset) -> None:
 
     size = CharTokenizer().vocab_size
     special = {
-        "EOS": max(preset.eos_token_ids),
+        "EOS": max(preset.eos_token_ids, default=None),  # None: the tokenizer's own.
         "BOS": preset.bos_token_id,
         "padding": preset.pad_token_id,
     }

@@ -524,10 +524,13 @@ def test_model_must_be_the_architecture_of_an_hf_init(tmp_path):
         dataclasses.replace(base, model="qwen3_1_7b", init=qwen).validate()
 
 
-def test_a_random_model_must_stop_within_the_character_tokenizer(capsys):
+def test_a_random_model_must_stop_within_the_character_tokenizer(capsys, monkeypatch):
     # Random weights run on the character tokenizer (no checkpoint, no tokenizer): Qwen3's
     # EOS id 151645 is one it can never sample, so every completion would run to the end.
-    for model in ("tiny", "tiny_llama", "small"):
+    # A model without EOS ids stops at the tokenizer's own (the sampler's fallback).
+    no_eos = models.get_config("tiny").replace(eos_token_ids=())
+    monkeypatch.setitem(models.config.PRESETS, "tiny_no_eos", no_eos)
+    for model in ("tiny", "tiny_llama", "small", "tiny_no_eos"):
         TrainConfig(task="arithmetic/add2", init="random", model=model).validate()
     with pytest.raises(ValueError, match=r"model='qwen3_0_6b' with init=random: its EOS id 151645"):
         TrainConfig(task="arithmetic/add2", init="random", model="qwen3_0_6b").validate()

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -258,7 +259,14 @@ def bench_update(shape: dict, rounds: int) -> dict:
 
 
 def _commit() -> str:
-    done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    """The tree's commit: `GAC_JAX_COMMIT` where the tree travelled without its git history
+    (the accelerator machine gets a copy of the files), else `git rev-parse`."""
+    if os.environ.get("GAC_JAX_COMMIT"):
+        return os.environ["GAC_JAX_COMMIT"]
+    try:
+        done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    except OSError:  # No git on the machine.
+        return "unknown"
     return done.stdout.strip() or "unknown"
 
 
@@ -308,10 +316,15 @@ def main(argv=None) -> dict:
         "peak_source": source,
         "commit": _commit(),
         "command": "python benchmarks/accelerator.py" + (" --smoke" if args.smoke else ""),
-        "learner": bench_learner(shape, rounds, peak),
-        "sampler": bench_sampler(decode, shape, rounds, bandwidth),
-        "update": bench_update(shape, max(rounds, 3)),
     }
+    # Each part printed as it ends, so that a run cut off by a time limit keeps what it did.
+    for part, measure in (
+        ("learner", lambda: bench_learner(shape, rounds, peak)),
+        ("sampler", lambda: bench_sampler(decode, shape, rounds, bandwidth)),
+        ("update", lambda: bench_update(shape, max(rounds, 3))),
+    ):
+        result[part] = measure()
+        print(f"{part}: {json.dumps(result[part])}", flush=True)
     write_result(Path(args.out), result, markdown(result))
     return result
 

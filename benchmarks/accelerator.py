@@ -264,7 +264,9 @@ def _commit() -> str:
     if os.environ.get("GAC_JAX_COMMIT"):
         return os.environ["GAC_JAX_COMMIT"]
     try:
-        done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+        done = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+        )
     except OSError:  # No git on the machine.
         return "unknown"
     return done.stdout.strip() or "unknown"

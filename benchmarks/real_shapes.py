@@ -146,6 +146,8 @@ def measure(preset: str, steps: int, smoke: bool, work: Path) -> dict:
     data_dir = work / "tfds"
     rows = write_data(data_dir)
     overrides = [*QUIET, f"data_dir={data_dir}", f"steps={steps + 1}", *(SMOKE if smoke else ())]
+    # A cache of its own (the preset's is the user's): every compile measured cold.
+    overrides.append(f"compilation_cache={work / 'xla'}")
     config = apply_overrides(base, overrides)
     texts = [r["question"] + " " + r["answer"] for r in rows] + [config.system_prompt or ""]
     checkpoint = work / "checkpoint"

@@ -45,6 +45,18 @@ settings.register_profile(
 settings.load_profile("gac_jax")
 
 
+@pytest.fixture(autouse=True)
+def _real_hardware_presets_cache_in_the_suites_cache(monkeypatch):
+    """The real-hardware presets' `compilation_cache` (a directory in the user's home)
+    is the suite's own in every test, so a test that runs one writes nothing outside the
+    repository and leaves its process's cache where the suite set it."""
+    from gac_jax.train import config
+
+    monkeypatch.setattr(
+        config, "REAL_HARDWARE_COMPILATION_CACHE", os.environ["JAX_COMPILATION_CACHE_DIR"]
+    )
+
+
 @pytest.fixture
 def free_port() -> int:
     """A TCP port nobody listens on (for a `jax.distributed` coordinator)."""

@@ -15,7 +15,9 @@ import os
 from pathlib import Path
 from typing import Any
 
+import jax
 from flax import nnx
+from jax.experimental.compilation_cache import compilation_cache
 
 from gac_jax import models
 from gac_jax.learner import GRPOLearner, make_optimizer
@@ -34,6 +36,21 @@ from gac_jax.train.config import TrainConfig, run_chat_template
 # The driver's JAX settings the Ray actors inherit (so a CPU run's actors stay on the CPU,
 # with the same fake device count).
 INHERITED_ENV = ("JAX_PLATFORMS", "XLA_FLAGS")
+
+
+def use_compilation_cache(config: TrainConfig) -> None:
+    """JAX's persistent compilation cache in `config.compilation_cache` for this process
+    from now on (created, ``~`` expanded); None leaves JAX's setting as it is. JAX reads
+    the directory once, at the first compile that uses it, so another one is set by
+    resetting JAX's cache first (`compilation_cache.reset_cache`, JAX's public API)."""
+    if config.compilation_cache is None:
+        return
+    path = os.path.abspath(os.path.expanduser(config.compilation_cache))
+    if jax.config.jax_compilation_cache_dir == path:
+        return
+    os.makedirs(path, exist_ok=True)
+    compilation_cache.reset_cache()
+    compilation_cache.set_cache_dir(path)
 
 
 def _checkpoint_dir(config: TrainConfig) -> Path | None:
@@ -235,6 +252,7 @@ class ActorGenerator:
 
     def __call__(self) -> tuple[TaskGroupGenerator, Any]:
         c = self.config
+        use_compilation_cache(c)
         task = build_task(c)
         examples = task.data_source("train", data_dir=c.data_dir)
         placement = RolloutPlacement.local(c.placement)

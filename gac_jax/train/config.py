@@ -97,6 +97,13 @@ class TrainConfig:
         project (needs ``pip install 'gac_jax[wandb]'``); None: no W&B.
       wandb_mode: "online", or "offline" (files under the run directory's ``wandb/``,
         uploaded later with ``wandb sync``).
+      compilation_cache: a directory for JAX's persistent compilation cache (``~``
+        expanded): a program compiled once is read back by later runs, ``plan`` and
+        ``eval`` of the same shapes on the same devices instead of compiled again. The
+        setting is the process's, from the run's build on. None: JAX's own setting (off
+        unless ``jax_compilation_cache_dir`` is set). The real-hardware presets set
+        ``~/.cache/gac_jax/xla``. As JAX warns, the directory is trusted: whoever can write
+        there can run code in the run.
     """
 
     task: str = "countdown/n3_max20"
@@ -122,6 +129,7 @@ class TrainConfig:
     samples_per_log: int | None = 8
     wandb_project: str | None = None
     wandb_mode: str = "online"
+    compilation_cache: str | None = None
     optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
     gac: GACConfig = dataclasses.field(default_factory=lambda: GACConfig(monitor_only=True))
     ess: ESSConfig | None = None
@@ -315,9 +323,11 @@ def _validate_logging(config: TrainConfig) -> None:
         _int_at_least(config, "samples_per_log", 1)
     if config.wandb_mode not in WANDB_MODES:
         raise ValueError(f"wandb_mode={config.wandb_mode!r} must be one of {list(WANDB_MODES)}.")
+    for name in ("wandb_project", "compilation_cache"):
+        value = getattr(config, name)
+        if value is not None and (not isinstance(value, str) or not value):
+            raise ValueError(f"{name}={value!r} must be a non-empty string or null.")
     project = config.wandb_project
-    if project is not None and (not isinstance(project, str) or not project):
-        raise ValueError(f"wandb_project={project!r} must be a non-empty string or null.")
     if project is not None and importlib.util.find_spec("wandb") is None:
         raise ValueError(
             f"wandb_project={project!r} needs the wandb package: pip install 'gac_jax[wandb]'."
@@ -448,6 +458,12 @@ LAB_STEPS = 1000
 LAB_LEARNING_RATE = 2e-4
 
 
+# The real-hardware presets keep compiled programs here (`TrainConfig.compilation_cache`):
+# on one H100 the 0.6B learner step took 84 s to compile and the sampler over 140 s
+# (benchmarks/ACCELERATOR.md), paid again by every run, `plan` and `eval` without it.
+REAL_HARDWARE_COMPILATION_CACHE = "~/.cache/gac_jax/xla"
+
+
 def _preset_qwen3_gsm8k(model: str, init: str, micro_batches: int) -> TrainConfig:
     # `init` is the downloaded checkpoint (`PRESET_CHECKPOINTS`): a random 151,936-token
     # model with the 128-symbol character tokenizer would learn nothing.
@@ -456,6 +472,7 @@ def _preset_qwen3_gsm8k(model: str, init: str, micro_batches: int) -> TrainConfi
         model=model,
         init=init,
         steps=500,
+        compilation_cache=REAL_HARDWARE_COMPILATION_CACHE,
         optimizer=OptimizerConfig(learning_rate=1e-6, weight_decay=0.1),
         gac=GACConfig(),
         learner=LearnerConfig(micro_batches=micro_batches, logits_chunk_size=128),
@@ -492,6 +509,7 @@ def _preset_qwen3_gsm8k_one_device(model: str, init: str, lora: bool) -> TrainCo
         eval_size=256,
         eval_at_start=True,
         checkpoint_every=50,
+        compilation_cache=REAL_HARDWARE_COMPILATION_CACHE,
         optimizer=OptimizerConfig(learning_rate=2e-5 if lora else 1e-6, weight_decay=0.0),
         gac=GACConfig(monitor_only=True),
         learner=LearnerConfig(max_tokens_per_micro_batch=4096, logits_chunk_size=128),

@@ -229,6 +229,7 @@ def build_run(config: TrainConfig, *, abstract: bool = False, num_layers=None) -
     if num_layers is not None and not abstract:
         raise ValueError("build_run: num_layers changes only an abstract run's model.")
     config.validate()
+    build.use_compilation_cache(config)
     if not abstract:
         require_init(config)  # Before the data and the model are built.
     task = build.build_task(config)

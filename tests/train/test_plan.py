@@ -2,6 +2,7 @@
 whether they fit, without creating a weight."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -144,7 +145,17 @@ def test_the_one_gpu_presets_fit_one_device_with_room_to_spare(tmp_path, preset)
     # As the README runs it (its checkpoint not downloaded: planned from the preset's
     # model), on one fake CPU device; the learner from its 2-, 3- and 4-layer compiles.
     done = subprocess.run(
-        [sys.executable, "-m", "gac_jax.train.cli", "plan", "--config", preset, "--extrapolate"],
+        [
+            sys.executable,
+            "-m",
+            "gac_jax.train.cli",
+            "plan",
+            "--config",
+            preset,
+            "--extrapolate",
+            "--set",
+            f"compilation_cache={os.environ['JAX_COMPILATION_CACHE_DIR']}",
+        ],
         env=process_env(None),
         cwd=tmp_path,
         capture_output=True,

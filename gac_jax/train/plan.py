@@ -136,7 +136,9 @@ def plan_sampler(config: TrainConfig, run: Run) -> dict[str, Any]:
     )
     rows = groups * g.group_size
     params = run.placement.abstract_rollout(run.policy.like())
-    inputs = run.placement.input_sharding(rows) or run.learner.replicated
+    # As `place_inputs` places them: None in the shared layout, where the run passes the
+    # prompts uncommitted and the compiler places them with the params.
+    inputs = run.placement.input_sharding(rows)
 
     def spec(shape, dtype):
         return jax.ShapeDtypeStruct(shape, dtype, sharding=inputs)

@@ -43,7 +43,8 @@ Example::
 
     LocalRayCluster().start().connect()  # Or ray.init(address=...) for a running cluster.
     with RayRolloutPool(factory, num_actors=4, env={"JAX_PLATFORMS": "cpu"}) as pool:
-        source = AsyncRollouts(pool, store, prompts, groups_per_batch=8, num_threads=4)
+        config = RolloutConfig(mode="async", groups_per_batch=8, num_workers=4)
+        source = AsyncRollouts(pool, store, prompts, config, BufferConfig())
 """
 
 from __future__ import annotations

@@ -123,6 +123,30 @@ def store_history(config: RolloutConfig, buffer: BufferConfig) -> int:
     return 1
 
 
+@dataclasses.dataclass(frozen=True)
+class Partition:
+    """This learner process among all: each makes an equal share of a batch's groups,
+    with group ids (and so prompts and keys) no other process uses."""
+
+    process_index: int = 0
+    num_processes: int = 1
+
+    def local_groups(self, groups_per_batch: int) -> int:
+        """This process's share of `groups_per_batch`; ValueError if it does not divide."""
+        if groups_per_batch % self.num_processes:
+            raise ValueError(
+                f"rollout.groups_per_batch={groups_per_batch} must be a multiple of the "
+                f"{self.num_processes} learner processes (each makes an equal share of the "
+                "batch)."
+            )
+        return groups_per_batch // self.num_processes
+
+
+def _max_filtered(config: RolloutConfig, local_groups: int) -> int | None:
+    """Dynamic sampling's bound on discarded groups per batch (`RolloutBuffer`), or None."""
+    return (config.max_draws - 1) * local_groups if config.dynamic_sampling else None
+
+
 def make_source(
     config: RolloutConfig,
     buffer: BufferConfig,
@@ -132,66 +156,47 @@ def make_source(
     *,
     seed: int = 0,
     resume_from: Mapping[str, Any] | None = None,
-    process_index: int = 0,
-    num_processes: int = 1,
+    partition: Partition = Partition(),
 ):
-    """The rollout source of `config` (the buffer's settings apply to async mode).
+    """The rollout source of `config.mode` (the buffer's settings apply to async mode).
 
     `resume_from` is a previous source's `state()`, to continue a checkpointed run. With
-    `num_processes` learner processes, each source makes `groups_per_batch / num_processes`
-    groups per step, with group ids (and so prompts and keys) no other process uses.
+    several learner processes (`partition`), each source makes `groups_per_batch /
+    num_processes` groups per step, with group ids no other process uses.
     """
-    local = _local_groups(config.groups_per_batch, num_processes)
-    args = (generate_groups, store, prompts, local)
-    partition = dict(process_index=process_index, num_processes=num_processes)
-    max_filtered = (config.max_draws - 1) * local if config.dynamic_sampling else None
-    inline = dict(seed=seed, resume_from=resume_from, max_filtered=max_filtered, **partition)
+    args = (generate_groups, store, prompts, config)
+    kwargs = dict(seed=seed, resume_from=resume_from, partition=partition)
     if config.mode == "sync":
-        return SyncRollouts(*args, **inline)
+        return SyncRollouts(*args, **kwargs)
     if config.mode == "lagged":
-        return LaggedRollouts(*args, lag=config.lag, **inline)
-    return AsyncRollouts(
-        *args,
-        **partition,
-        max_staleness=buffer.max_staleness,
-        stale_policy=buffer.stale_policy,
-        capacity=buffer.capacity,
-        num_threads=config.num_workers,
-        groups_per_call=config.groups_per_call,
-        seed=seed,
-        take_timeout=buffer.take_timeout,
-        version_choice=config.version_choice,
-        resume_from=resume_from,
-        max_filtered=max_filtered,
-    )
-
-
-def _local_groups(groups_per_batch: int, num_processes: int) -> int:
-    if groups_per_batch % num_processes:
-        raise ValueError(
-            f"rollout.groups_per_batch={groups_per_batch} must be a multiple of the "
-            f"{num_processes} learner processes (each makes an equal share of the batch)."
-        )
-    return groups_per_batch // num_processes
+        return LaggedRollouts(*args, **kwargs)
+    return AsyncRollouts(*args, buffer, **kwargs)
 
 
 class _InlineRollouts:
-    """Generates each step's groups in the calling thread from one chosen version."""
+    """Generates each step's groups in the calling thread from one chosen version.
+
+    Args:
+      generate_groups, store, prompts: as for `RolloutWorker`.
+      config: the rollout settings; these sources read its `lag`, `groups_per_batch` and
+        dynamic sampling (`dynamic_sampling`, `max_draws`), not its mode (the class is).
+      seed: sampling seed.
+      resume_from: a previous `state()`.
+      partition: this learner process among all.
+    """
 
     def __init__(
         self,
         generate_groups: GenerateGroups,
         store: ParamStore,
         prompts: PromptOrder,
-        groups_per_batch: int,
+        config: RolloutConfig,
         *,
-        lag: int,
         seed: int = 0,
         resume_from: Mapping[str, Any] | None = None,
-        process_index: int = 0,
-        num_processes: int = 1,
-        max_filtered: int | None = None,
+        partition: Partition = Partition(),
     ):
+        lag = config.lag
         if lag < 0:
             raise ValueError(f"lag={lag} must be >= 0.")
         if store.history < lag + 1:
@@ -199,6 +204,8 @@ class _InlineRollouts:
                 f"a lag of {lag} needs a ParamStore history of at least {lag + 1}, got "
                 f"{store.history}."
             )
+        groups_per_batch = partition.local_groups(config.groups_per_batch)
+        max_filtered = _max_filtered(config, groups_per_batch)
         self.lag = lag
         self._generate = generate_groups
         self._store = store
@@ -208,8 +215,8 @@ class _InlineRollouts:
         # groups; this process makes its own contiguous share of them.
         # With dynamic sampling (`max_filtered`), each step may draw up to `self._draws`
         # rounds of groups, round r of step t taking ids [(t D + r) n, (t D + r + 1) n).
-        self._first_id = process_index * groups_per_batch
-        self._global_groups = num_processes * groups_per_batch
+        self._first_id = partition.process_index * groups_per_batch
+        self._global_groups = partition.num_processes * groups_per_batch
         self._draws = 1 if max_filtered is None else 1 + -(-max_filtered // groups_per_batch)
         self.buffer = RolloutBuffer(
             groups_per_batch, groups_per_batch, max_staleness=lag, max_filtered=max_filtered
@@ -251,8 +258,9 @@ class _InlineRollouts:
 class SyncRollouts(_InlineRollouts):
     """On-policy: every step's groups come from the params being trained."""
 
-    def __init__(self, generate_groups, store, prompts, groups_per_batch, **kwargs):
-        super().__init__(generate_groups, store, prompts, groups_per_batch, lag=0, **kwargs)
+    def __init__(self, generate_groups, store, prompts, config, **kwargs):
+        config = dataclasses.replace(config, lag=0)
+        super().__init__(generate_groups, store, prompts, config, **kwargs)
 
 
 class LaggedRollouts(_InlineRollouts):
@@ -264,19 +272,14 @@ class AsyncRollouts:
 
     Args:
       generate_groups, store, prompts: as for `RolloutWorker`.
-      groups_per_batch: groups per learner step.
-      max_staleness: ROLL Flash's alpha; None for unbounded.
-      stale_policy: the buffer's "drop" or "block".
-      capacity: buffer size in groups (default 2 batches).
-      num_threads: worker threads.
-      groups_per_call: groups each worker generates in one sampler call.
+      config: the rollout settings; this source reads its `groups_per_batch`, the
+        workers' `num_workers` (threads), `groups_per_call` and `version_choice`
+        (`RolloutWorker`), and dynamic sampling (`dynamic_sampling`, `max_draws`: a
+        discarded group counts as handed out, so a resumed source does not draw it again).
+      buffer: the buffer's staleness bound, policy, capacity and take timeout.
       seed: sampling seed.
-      take_timeout: seconds `next_batch` waits before raising TimeoutError (None: forever).
-      version_choice: which version workers sample with (`RolloutWorker`).
-      process_index, num_processes: this learner process among all: its group ids are
-        the ids congruent to `process_index` mod `num_processes`.
-      max_filtered: dynamic sampling's bound (`RolloutBuffer`); None for none. A
-        discarded group counts as handed out: a resumed source does not draw it again.
+      partition: this learner process among all: its group ids are the ids congruent to
+        `process_index` mod `num_processes`.
       resume_from: a previous `state()`: the buffer's counters continue and the workers
         generate exactly the groups that run had not handed to the learner (see `state`).
     """
@@ -286,47 +289,40 @@ class AsyncRollouts:
         generate_groups: GenerateGroups,
         store: ParamStore,
         prompts: PromptOrder,
-        groups_per_batch: int,
+        config: RolloutConfig,
+        buffer: BufferConfig,
         *,
-        max_staleness: int | None = 1,
-        stale_policy: str = "block",
-        capacity: int | None = None,
-        num_threads: int = 1,
-        groups_per_call: int = 1,
         seed: int = 0,
-        take_timeout: float | None = 600.0,
-        version_choice: str = "latest",
         resume_from: Mapping[str, Any] | None = None,
-        process_index: int = 0,
-        num_processes: int = 1,
-        max_filtered: int | None = None,
+        partition: Partition = Partition(),
     ):
+        groups_per_batch = partition.local_groups(config.groups_per_batch)
         self.buffer = RolloutBuffer(
-            buffer_capacity(capacity, groups_per_batch),
+            buffer_capacity(buffer.capacity, groups_per_batch),
             groups_per_batch,
-            max_staleness,
-            stale_policy,
-            max_filtered=max_filtered,
+            buffer.max_staleness,
+            buffer.stale_policy,
+            max_filtered=_max_filtered(config, groups_per_batch),
         )
-        self._stride = num_processes
-        numbering = {"first_group_id": process_index}
+        self._stride = partition.num_processes
+        numbering = {"first_group_id": partition.process_index}
         if resume_from is not None:
             self.buffer.restore(resume_from["buffer"])
             numbering = {
                 "first_group_id": int(resume_from["next_group_id"]),
                 "skip_group_ids": [int(g) for g in resume_from["skip_group_ids"]],
             }
-        self._take_timeout = take_timeout
+        self._take_timeout = buffer.take_timeout
         self.worker = RolloutWorker(
             generate_groups,
             store,
             self.buffer,
             prompts,
-            num_threads=num_threads,
-            groups_per_call=groups_per_call,
+            num_threads=config.num_workers,
+            groups_per_call=config.groups_per_call,
             seed=seed,
-            version_choice=version_choice,
-            group_id_stride=num_processes,
+            version_choice=config.version_choice,
+            group_id_stride=partition.num_processes,
             **numbering,
         ).start()
 

@@ -30,6 +30,7 @@ from gac_jax.learner import GRPOLearner, TrainBatch
 from gac_jax.models.lora import Policy
 from gac_jax.rollout import (
     ParamStore,
+    Partition,
     PromptOrder,
     TaskGroupGenerator,
     collate,
@@ -89,8 +90,7 @@ class Run:
             PromptOrder(len(self.train_examples), seed=c.seed),
             seed=c.seed,
             resume_from=resume_from,
-            process_index=jax.process_index(),
-            num_processes=jax.process_count(),
+            partition=Partition(jax.process_index(), jax.process_count()),
         )
         self.reports = tuple(batch_reports(c, self.source, self.rollout_pool))
 

@@ -88,10 +88,8 @@ def test_lagged_batches_hold_only_groups_with_signal_drawn_reproducibly():
             generate_where(lambda g: g % 3 == 0, calls),
             store,
             PromptOrder(50, seed=1),
-            4,
-            lag=2,
+            RolloutConfig(groups_per_batch=4, lag=2, dynamic_sampling=True, max_draws=3),
             seed=7,
-            max_filtered=8,
         )
         batches = []
         for step in range(4):
@@ -117,7 +115,10 @@ def test_a_policy_whose_groups_all_score_alike_still_trains_after_max_draws():
     calls = []
     store = ParamStore()
     source = SyncRollouts(
-        generate_where(lambda g: False, calls), store, PromptOrder(20), 2, max_filtered=4
+        generate_where(lambda g: False, calls),
+        store,
+        PromptOrder(20),
+        RolloutConfig("sync", groups_per_batch=2, dynamic_sampling=True, max_draws=3),
     )
     store.publish({"version": 0}, 0)
     batch = source.next_batch(0)
@@ -132,12 +133,9 @@ def test_async_batches_hold_only_groups_with_signal_within_the_staleness_bound()
         generate_where(lambda g: g % 2 == 0, delay=0.002),
         store,
         PromptOrder(40),
-        2,
-        max_staleness=1,
-        stale_policy="block",
-        num_threads=1,  # Groups are drawn and put in id order.
-        take_timeout=10.0,
-        max_filtered=6,
+        # One worker thread: groups are drawn and put in id order.
+        RolloutConfig("async", groups_per_batch=2, dynamic_sampling=True, max_draws=4),
+        BufferConfig(max_staleness=1, stale_policy="block", take_timeout=10.0),
     )
     consumed = []
     try:

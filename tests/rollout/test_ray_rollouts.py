@@ -17,10 +17,12 @@ from flax import nnx
 from gac_jax import models
 from gac_jax.rollout import (
     AsyncRollouts,
+    BufferConfig,
     GenerationConfig,
     ParamStore,
     PromptOrder,
     Rollout,
+    RolloutConfig,
     RolloutWorkerError,
     TaskGroupGenerator,
     make_sampler,
@@ -164,12 +166,9 @@ class Learner:
             pool,
             self.store,
             PromptOrder(len(EXAMPLES), seed=SEED),
-            GROUPS_PER_BATCH,
-            max_staleness=MAX_STALENESS,
-            stale_policy="block",
-            num_threads=2,
+            RolloutConfig("async", groups_per_batch=GROUPS_PER_BATCH, num_workers=2),
+            BufferConfig(max_staleness=MAX_STALENESS, stale_policy="block", take_timeout=120.0),
             seed=SEED,
-            take_timeout=120.0,
         )
 
     def publish(self, version):

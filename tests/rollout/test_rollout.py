@@ -14,12 +14,14 @@ import pytest
 
 from gac_jax.rollout import (
     AsyncRollouts,
+    BufferConfig,
     LaggedRollouts,
     ParamStore,
     PromptOrder,
     Rollout,
     RolloutBuffer,
     RolloutBufferClosed,
+    RolloutConfig,
     RolloutWorkerError,
     SyncRollouts,
 )
@@ -267,7 +269,8 @@ def _store_with(versions, history):
 def test_lagged_mode_uses_old_versions_and_is_reproducible():
     def run():
         store = ParamStore(history=3)
-        source = LaggedRollouts(fake_generate(), store, PromptOrder(10, seed=1), 2, lag=2, seed=7)
+        config = RolloutConfig(groups_per_batch=2, lag=2)
+        source = LaggedRollouts(fake_generate(), store, PromptOrder(10, seed=1), config, seed=7)
         batches = []
         for step in range(6):
             store.publish({"version": step}, step)
@@ -281,12 +284,13 @@ def test_lagged_mode_uses_old_versions_and_is_reproducible():
             np.testing.assert_array_equal(ra.completion_tokens, rb.completion_tokens)
             assert (ra.prompt_id, ra.group_id) == (rb.prompt_id, rb.group_id)
     with pytest.raises(ValueError, match="ParamStore history of at least 3"):
-        LaggedRollouts(fake_generate(), ParamStore(2), PromptOrder(10), 2, lag=2)
+        LaggedRollouts(fake_generate(), ParamStore(2), PromptOrder(10), RolloutConfig(lag=2))
 
 
 def test_sync_mode_is_on_policy():
     store = ParamStore()
-    source = SyncRollouts(fake_generate(), store, PromptOrder(5), 3)
+    config = RolloutConfig("sync", groups_per_batch=3)
+    source = SyncRollouts(fake_generate(), store, PromptOrder(5), config)
     for step in range(3):
         store.publish({"version": step}, step)
         assert [r.policy_version for r in source.next_batch(step)] == [step] * 3
@@ -308,12 +312,8 @@ def test_async_mode_respects_the_bound(policy, groups_per_call):
         fake_generate(delay=0.004),
         store,
         PromptOrder(20),
-        2,
-        max_staleness=1,
-        stale_policy=policy,
-        num_threads=3,
-        groups_per_call=groups_per_call,
-        take_timeout=10.0,
+        RolloutConfig("async", groups_per_batch=2, num_workers=3, groups_per_call=groups_per_call),
+        BufferConfig(max_staleness=1, stale_policy=policy, take_timeout=10.0),
     )
     try:
         for step in range(12):
@@ -335,11 +335,8 @@ def test_async_block_policy_with_one_worker_never_drops():
         fake_generate(delay=0.002),
         store,
         PromptOrder(20),
-        2,
-        max_staleness=1,
-        stale_policy="block",
-        num_threads=1,
-        take_timeout=10.0,
+        RolloutConfig("async", groups_per_batch=2),
+        BufferConfig(max_staleness=1, stale_policy="block", take_timeout=10.0),
     )
     try:
         for step in range(10):
@@ -361,7 +358,11 @@ def test_worker_exception_reaches_the_learner_within_seconds():
 
     store = _store_with([0], history=1)
     source = AsyncRollouts(
-        flaky, store, PromptOrder(5), 2, max_staleness=None, stale_policy="drop", take_timeout=30.0
+        flaky,
+        store,
+        PromptOrder(5),
+        RolloutConfig("async", groups_per_batch=2),
+        BufferConfig(max_staleness=None, stale_policy="drop", take_timeout=30.0),
     )
     start = time.monotonic()
     with pytest.raises(RolloutWorkerError, match="model exploded") as info:

@@ -10,11 +10,13 @@ import pytest
 
 from gac_jax.rollout import (
     AsyncRollouts,
+    BufferConfig,
     LaggedRollouts,
     ParamStore,
     PromptOrder,
     Rollout,
     RolloutBuffer,
+    RolloutConfig,
     RolloutWorker,
 )
 from gac_jax.rollout import worker as worker_module
@@ -91,10 +93,8 @@ def test_async_alpha_zero_steps_are_woken_not_polled(monkeypatch):
         instant_generate(),
         store,
         PromptOrder(7),
-        2,
-        max_staleness=0,
-        stale_policy="block",
-        take_timeout=20.0,
+        RolloutConfig("async", groups_per_batch=2),
+        BufferConfig(max_staleness=0, stale_policy="block", take_timeout=20.0),
     )
     try:
         for step in range(10):
@@ -207,18 +207,17 @@ def test_worker_continues_numbering_and_skips_handed_out_ids():
 )
 def test_async_resume_hands_out_every_group_exactly_once(policy, max_staleness, threads, per_call):
     store, consumed, order = published(0), [], PromptOrder(9, seed=2)
+    config = RolloutConfig(
+        "async", groups_per_batch=3, num_workers=threads, groups_per_call=per_call
+    )
 
     def run(steps, first_step, resume_from):
         source = AsyncRollouts(
             instant_generate(delay=0.003),
             store,
             order,
-            3,
-            max_staleness=max_staleness,
-            stale_policy=policy,
-            num_threads=threads,
-            groups_per_call=per_call,
-            take_timeout=20.0,
+            config,
+            BufferConfig(max_staleness=max_staleness, stale_policy=policy, take_timeout=20.0),
             resume_from=resume_from,
         )
         try:
@@ -244,11 +243,12 @@ def test_async_resume_hands_out_every_group_exactly_once(policy, max_staleness, 
 
 def test_lagged_source_carries_its_buffer_counters():
     store = ParamStore(history=2)
-    source = LaggedRollouts(instant_generate(), store, PromptOrder(4), 2, lag=1)
+    config = RolloutConfig(groups_per_batch=2, lag=1)
+    source = LaggedRollouts(instant_generate(), store, PromptOrder(4), config)
     for step in range(3):
         store.publish({"version": step}, step)
         source.next_batch(step)
     resumed = LaggedRollouts(
-        instant_generate(), store, PromptOrder(4), 2, lag=1, resume_from=source.state()
+        instant_generate(), store, PromptOrder(4), config, resume_from=source.state()
     )
     assert resumed.stats() == source.stats()

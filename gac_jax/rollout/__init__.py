@@ -19,7 +19,7 @@ from gac_jax.rollout.buffer import (
     RolloutWorkerError,
 )
 from gac_jax.rollout.episodes import EpisodeConfig, EpisodeRunner
-from gac_jax.rollout.evaluation import evaluate_policy, pass_at_k
+from gac_jax.rollout.evaluation import EvalSettings, evaluate_policy, pass_at_k
 from gac_jax.rollout.generation import (
     GenerationConfig,
     TaskGroupGenerator,
@@ -54,6 +54,7 @@ __all__ = [
     "PlacementConfig",
     "RayConfig",
     "RolloutPlacement",
+    "EvalSettings",
     "evaluate_policy",
     "pass_at_k",
     "BATCH_KEYS",

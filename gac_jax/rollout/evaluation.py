@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -9,7 +10,6 @@ import jax
 import numpy as np
 from flax import nnx
 
-from gac_jax.models import Sampler
 from gac_jax.models.tokenizers import Tokenizer
 from gac_jax.rollout.answers import AnswerRunner
 from gac_jax.rollout.episodes import EpisodeRunner
@@ -27,46 +27,52 @@ def pass_at_k(num_samples: int, num_correct: int, k: int) -> float:
     return float(1.0 - np.prod(1.0 - k / np.arange(num_samples - num_correct + 1, num_samples + 1)))
 
 
+@dataclasses.dataclass(frozen=True)
+class EvalSettings:
+    """How much a held-out evaluation samples (`evaluate_policy`).
+
+    Attributes:
+      prompt_length: prompts are left-padded to it.
+      num_problems: how many problems (the first of the split).
+      num_samples: n samples per problem at temperature 1; pass@k for k = 1 and n.
+      batch_rows: most rows per sampler call.
+    """
+
+    prompt_length: int
+    num_problems: int
+    num_samples: int = 8
+    batch_rows: int = 256
+
+
 def evaluate_policy(
     graphdef: nnx.GraphDef,
     params: nnx.State,
-    sampler: Sampler,
+    runner: EpisodeRunner | AnswerRunner,
     task: Task,
     examples: Sequence[Any],
     tokenizer: Tokenizer,
+    settings: EvalSettings,
     *,
-    prompt_length: int,
-    num_problems: int,
-    num_samples: int = 8,
     key: jax.Array,
-    batch_rows: int = 256,
-    stop: Sequence[str] = (),
-    runner: EpisodeRunner | AnswerRunner | None = None,
 ) -> dict[str, float]:
     """Greedy accuracy, mean sampled reward and pass@1 / pass@k on the first problems.
 
     Args:
       graphdef, params: the policy.
-      sampler: its sampler (any `max_new_tokens`); the prompts go through the runner
-        the training rollouts use (`runner`).
-      task, examples, tokenizer: the task and its held-out split.
-      prompt_length: prompts are left-padded to it.
-      num_problems: how many problems (the first of the split).
-      num_samples: n samples per problem at temperature 1; pass@k for k = 1 and n.
-      key: sampling key.
-      batch_rows: most rows per sampler call.
-      stop: stop strings: a completion is scored up to the first (`cut_at_stop`), as
-        the rollouts are.
       runner: how a sample is made and scored, the rollouts' own
-        (`TaskGroupGenerator.runner`): a multi-turn task's `EpisodeRunner` (an episode
-        with the task's environment, scored by its reward); None: an `AnswerRunner` of
-        `sampler`, `task.reward` and `stop` (one answer a sample). A runner given samples
-        with its own sampler and stop strings: `sampler` and `stop` are then not used.
+        (`TaskGroupGenerator.runner`): an `AnswerRunner` (one answer a sample, cut at its
+        stop strings with `cut_at_stop` and scored by `task.reward`, as the rollouts are),
+        or a multi-turn task's `EpisodeRunner` (an episode with the task's environment,
+        scored by its reward). Its sampler may have any `max_new_tokens`.
+      task, examples, tokenizer: the task and its held-out split.
+      settings: how many problems and samples (`EvalSettings`).
+      key: sampling key.
 
     Returns:
       `{"greedy_accuracy", "sampled_reward", "pass@1", f"pass@{n}"}`.
     """
-    num_problems = min(num_problems, len(examples))
+    prompt_length, num_samples = settings.prompt_length, settings.num_samples
+    num_problems = min(settings.num_problems, len(examples))
     if num_problems < 1:
         raise ValueError(f"num_problems={num_problems} must be >= 1 (split has {len(examples)}).")
     problems = [examples[i] for i in range(num_problems)]
@@ -75,16 +81,13 @@ def evaluate_policy(
         for i, ex in enumerate(problems)
     ]
 
-    if runner is None:  # Every sample is an episode; this one is a single answer.
-        runner = AnswerRunner(sampler, tokenizer, task.reward, stop)
-
     def rewards_of(r: int, temperature: float, call_key) -> np.ndarray:
         """[problems, r] rewards of r samples a problem at `temperature`."""
         rows = [p for p in prompts for _ in range(r)]
         row_examples = [ex for ex in problems for _ in range(r)]
         items = []
-        for start in range(0, len(rows), batch_rows):
-            chunk = slice(start, start + batch_rows)
+        for start in range(0, len(rows), settings.batch_rows):
+            chunk = slice(start, start + settings.batch_rows)
             call_key, sub = jax.random.split(call_key)
             out = runner.sample(
                 graphdef,

@@ -38,7 +38,7 @@ from gac_jax.rollout import (
     make_source,
     store_history,
 )
-from gac_jax.rollout.evaluation import evaluate_policy
+from gac_jax.rollout.evaluation import EvalSettings, evaluate_policy
 from gac_jax.rollout.placement import RolloutPlacement
 from gac_jax.train import build, config_io, processes
 from gac_jax.train.batch_reports import BatchReport, batch_reports
@@ -138,16 +138,12 @@ class Run:
         scores = evaluate_policy(
             self.policy.graphdef,
             params,
-            self.sampler,
+            self.generator.runner,
             self.task,
             self.test_examples,
             self.tokenizer,
-            prompt_length=c.generation.prompt_length,
-            num_problems=c.eval_size,
-            num_samples=c.eval_samples,
+            EvalSettings(c.generation.prompt_length, c.eval_size, c.eval_samples),
             key=key,
-            stop=c.generation.stop,
-            runner=self.generator.runner,
         )
         return {f"{prefix}{k}": v for k, v in scores.items()}
 

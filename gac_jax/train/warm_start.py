@@ -63,8 +63,9 @@ from gac_jax.models import (
     make_mesh,
     state_shardings,
 )
+from gac_jax.rollout.answers import AnswerRunner
 from gac_jax.rollout.episodes import EpisodeConfig, EpisodeRunner
-from gac_jax.rollout.evaluation import evaluate_policy
+from gac_jax.rollout.evaluation import EvalSettings, evaluate_policy
 from gac_jax.rollout.generation import GenerationConfig, make_sampler
 from gac_jax.tasks import Task, get_task
 from gac_jax.train.checkpoint import (
@@ -367,23 +368,15 @@ def evaluate_warm_start(
     )
     sampler = make_sampler(model.config, tokenizer, generation)
     graphdef, state = nnx.split(model)
-    runner = None  # One answer a sample, unless the task has an environment.
-    if task.environment is not None:  # Multi-turn: episodes with the task's environment.
+    if task.environment is None:  # One answer a sample.
+        runner = AnswerRunner(sampler, tokenizer, task.reward)
+    else:  # Multi-turn: episodes with the task's environment.
         runner = EpisodeRunner(sampler, tokenizer, task.environment(), EpisodeConfig())
-    metrics = evaluate_policy(
-        graphdef,
-        state,
-        sampler,
-        task,
-        examples,
-        tokenizer,
-        prompt_length=config.prompt_length,
-        num_problems=num_problems,
-        num_samples=config.eval_samples,
-        key=jax.random.key(config.seed + 1),
-        batch_rows=config.eval_batch_size,
-        runner=runner,
+    settings = EvalSettings(
+        config.prompt_length, num_problems, config.eval_samples, config.eval_batch_size
     )
+    key = jax.random.key(config.seed + 1)
+    metrics = evaluate_policy(graphdef, state, runner, task, examples, tokenizer, settings, key=key)
     return {**metrics, "eval_problems": num_problems, "eval_samples": config.eval_samples}
 
 

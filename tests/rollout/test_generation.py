@@ -11,7 +11,14 @@ import pytest
 from flax import nnx
 
 from gac_jax import models
-from gac_jax.rollout import GenerationConfig, TaskGroupGenerator, answers, make_sampler
+from gac_jax.rollout import (
+    EvalSettings,
+    GenerationConfig,
+    TaskGroupGenerator,
+    answers,
+    make_sampler,
+)
+from gac_jax.rollout.answers import AnswerRunner
 from gac_jax.rollout.sampling import cut_at_stop
 from gac_jax.rollout.worker import GroupRequest
 from gac_jax.tasks.custom import GuardedReward, RewardGuardConfig
@@ -91,8 +98,9 @@ def test_training_and_evaluation_generate_through_one_function(monkeypatch):
     rollouts = generator(params, 0, requests, jax.random.key(0))
     assert calls == [(generator.sampler, 4, 0.0)] and len(rollouts) == 2
     scores = evaluate_policy(
-        graphdef, params, generator.sampler, task, EXAMPLES, tokenizer,
-        prompt_length=8, num_problems=3, num_samples=2, key=jax.random.key(1),
+        graphdef, params, AnswerRunner(generator.sampler, tokenizer, task.reward), task,
+        EXAMPLES, tokenizer, EvalSettings(prompt_length=8, num_problems=3, num_samples=2),
+        key=jax.random.key(1),
     )  # fmt: skip
     # Greedy (one row per problem), then sampled (two per problem).
     assert calls[1:] == [(generator.sampler, 3, 0.0), (generator.sampler, 6, 1.0)]
@@ -111,8 +119,9 @@ def test_an_evaluation_prompt_too_long_names_the_setting_as_training_does():
     )
     with pytest.raises(ValueError, match=message):
         evaluate_policy(
-            graphdef, params, generator.sampler, task, problems, models.CharTokenizer(),
-            prompt_length=8, num_problems=3, num_samples=2, key=jax.random.key(1),
+            graphdef, params, AnswerRunner(generator.sampler, models.CharTokenizer(), task.reward),
+            task, problems, models.CharTokenizer(),
+            EvalSettings(prompt_length=8, num_problems=3, num_samples=2), key=jax.random.key(1),
         )  # fmt: skip
 
 
@@ -215,8 +224,9 @@ def test_evaluation_scores_each_problems_completions_together_with_its_example()
     task = types.SimpleNamespace(prompt=lambda e: e, reward=reward)
     sampler = make_sampler(model.config, models.CharTokenizer(), GenerationConfig(max_new_tokens=4))
     scores = evaluate_policy(
-        graphdef, params, sampler, task, EXAMPLES, models.CharTokenizer(),
-        prompt_length=8, num_problems=3, num_samples=4, key=jax.random.key(2),
+        graphdef, params, AnswerRunner(sampler, models.CharTokenizer(), task.reward), task,
+        EXAMPLES, models.CharTokenizer(),
+        EvalSettings(prompt_length=8, num_problems=3, num_samples=4), key=jax.random.key(2),
     )  # fmt: skip
     assert most[0] == 4  # One problem's 4 samples at once.
     assert scores["sampled_reward"] == pytest.approx(1.0)  # Mean of the problems' 0, 1, 2.

@@ -287,12 +287,19 @@ def _passes(update, config: LearnerConfig, row_sharding, state, batch, inputs, v
     return *state, jax.tree.map(lambda x: x.reshape((config.updates_per_batch,)), metrics)
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class _StepSettings:
+    """What `make_train_step` binds into its step: the same for every batch."""
+
+    graphdef: nnx.GraphDef
+    tx: optax.GradientTransformationExtraArgs
+    objective: Objective
+    config: LearnerConfig
+    row_sharding: NamedSharding | None
+
+
 def _train_step(
-    graphdef,
-    tx,
-    objective: Objective,
-    config: LearnerConfig,
-    row_sharding,
+    settings: _StepSettings,
     params,
     opt_state,
     batch: TrainBatch,
@@ -302,9 +309,10 @@ def _train_step(
     frozen=None,
 ):
     """`make_train_step`'s step, its settings bound first."""
+    graphdef, objective, config = settings.graphdef, settings.objective, settings.config
     config.validate(rows=batch.tokens.shape[0])
     m, c = config.micro_batches, config.logits_chunk_size
-    update = make_update(graphdef, tx, objective, m, c, config.noise_scale)
+    update = make_update(graphdef, settings.tx, objective, m, c, config.noise_scale)
     batch, inputs, current, adv_n, metrics = _prepare(
         graphdef, objective, config, params, batch, reference, frozen
     )
@@ -316,7 +324,7 @@ def _train_step(
         params, opt_state, update_metrics = _passes(
             update,
             config,
-            row_sharding,
+            settings.row_sharding,
             (params, opt_state),
             batch,
             inputs,
@@ -364,4 +372,5 @@ def make_train_step(
     objective = Objective(LossConfig() if loss is None else loss)
     config = dataclasses.replace(LearnerConfig() if config is None else config, **settings)
     config.validate(objective.config)
-    return functools.partial(_train_step, graphdef, tx, objective, config, row_sharding)
+    settings = _StepSettings(graphdef, tx, objective, config, row_sharding)
+    return functools.partial(_train_step, settings)

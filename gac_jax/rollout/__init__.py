@@ -41,6 +41,7 @@ from gac_jax.rollout.sources import (
 )
 from gac_jax.rollout.worker import (
     GenerateGroups,
+    GroupNumbering,
     GroupRequest,
     PromptOrder,
     RolloutWorker,
@@ -70,6 +71,7 @@ __all__ = [
     "make_source",
     "store_history",
     "GenerateGroups",
+    "GroupNumbering",
     "GroupRequest",
     "LaggedRollouts",
     "Partition",

@@ -32,6 +32,7 @@ from gac_jax.rollout.param_store import ParamStore
 from gac_jax.rollout.record import Rollout
 from gac_jax.rollout.worker import (
     GenerateGroups,
+    GroupNumbering,
     GroupRequest,
     PromptOrder,
     RolloutWorker,
@@ -305,13 +306,17 @@ class AsyncRollouts:
             max_filtered=_max_filtered(config, groups_per_batch),
         )
         self._stride = partition.num_processes
-        numbering = {"first_group_id": partition.process_index}
+        numbering = GroupNumbering(
+            partition.process_index, stride=partition.num_processes, seed=seed
+        )
         if resume_from is not None:
             self.buffer.restore(resume_from["buffer"])
-            numbering = {
-                "first_group_id": int(resume_from["next_group_id"]),
-                "skip_group_ids": [int(g) for g in resume_from["skip_group_ids"]],
-            }
+            numbering = GroupNumbering(
+                int(resume_from["next_group_id"]),
+                tuple(int(g) for g in resume_from["skip_group_ids"]),
+                stride=partition.num_processes,
+                seed=seed,
+            )
         self._take_timeout = buffer.take_timeout
         self.worker = RolloutWorker(
             generate_groups,
@@ -320,10 +325,8 @@ class AsyncRollouts:
             prompts,
             num_threads=config.num_workers,
             groups_per_call=config.groups_per_call,
-            seed=seed,
+            numbering=numbering,
             version_choice=config.version_choice,
-            group_id_stride=partition.num_processes,
-            **numbering,
         ).start()
 
     def next_batch(self, step: int) -> list[Rollout]:

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any, NamedTuple, Protocol
 
 import jax
@@ -89,6 +90,38 @@ def group_key(seed: int, group_id: int) -> jax.Array:
     return jax.random.fold_in(jax.random.key(seed), group_id)
 
 
+@dataclasses.dataclass(frozen=True)
+class GroupNumbering:
+    """Which group ids a `RolloutWorker` hands out, in what order, and each one's key.
+
+    Ids run `first_group_id`, `first_group_id + stride`, ... (with P learner processes
+    each takes its own residue class mod P), leaving out `skip_group_ids`; a call's
+    sampling key is `key(first id of the call)`, so a group is a function of its id.
+
+    Args:
+      first_group_id: group ids continue from here (for resumed runs).
+      skip_group_ids: ids at or after `first_group_id` that are never generated (groups a
+        run already handed out before it was resumed).
+      stride: ids advance by this much.
+      seed: sampling seed (keys are `group_key(seed, group_id)`).
+    """
+
+    first_group_id: int = 0
+    skip_group_ids: tuple[int, ...] = ()
+    stride: int = 1
+    seed: int = 0
+
+    def __post_init__(self):
+        # Any iterable of ids is accepted; a tuple keeps the frozen value hashable.
+        object.__setattr__(self, "skip_group_ids", tuple(int(g) for g in self.skip_group_ids))
+        if self.stride < 1:
+            raise ValueError(f"group_id_stride={self.stride} must be >= 1.")
+
+    def key(self, group_id: int) -> jax.Array:
+        """The sampling key of a call whose first group is `group_id`."""
+        return group_key(self.seed, group_id)
+
+
 class RolloutWorker:
     """Threads that keep the buffer full with groups sampled from the latest params.
 
@@ -101,7 +134,7 @@ class RolloutWorker:
     the store's publish (`ParamStore.subscribe` -> `RolloutBuffer.wake`), not by a poll.
 
     `state()` is what a resumed worker needs to generate every group exactly once: pass
-    its `next_group_id` as `first_group_id` (and, for an exact resume, see
+    its `next_group_id` as the numbering's `first_group_id` (and, for an exact resume, see
     `AsyncRollouts.state`, which also regenerates the groups that were in flight).
 
     Args:
@@ -111,12 +144,8 @@ class RolloutWorker:
       prompts: the prompt order.
       num_threads: generation threads.
       groups_per_call: groups generated together (one sampler batch) by a thread.
-      seed: sampling seed (group keys are `group_key(seed, group_id)`).
-      first_group_id: group ids continue from here (for resumed runs).
-      skip_group_ids: ids at or after `first_group_id` that are never generated (groups a
-        run already handed out before it was resumed).
-      group_id_stride: ids advance by this much (`first_group_id`, `first_group_id` +
-        stride, ...): with P learner processes each takes its own residue class mod P.
+      numbering: the group ids to hand out and their sampling keys (see
+        `GroupNumbering`); the default counts 0, 1, 2, ... with seed 0.
       version_choice: "latest" samples with the newest published version (as fresh as
         possible; which version a group gets depends on thread timing); "oldest_allowed"
         with the oldest version the buffer's block policy allows for the call's last slot
@@ -135,10 +164,7 @@ class RolloutWorker:
         *,
         num_threads: int = 1,
         groups_per_call: int = 1,
-        seed: int = 0,
-        first_group_id: int = 0,
-        skip_group_ids: Iterable[int] = (),
-        group_id_stride: int = 1,
+        numbering: GroupNumbering = GroupNumbering(),
         version_choice: str = "latest",
     ):
         check_version_choice(version_choice, buffer.stale_policy)
@@ -146,18 +172,16 @@ class RolloutWorker:
             raise ValueError(f"num_threads={num_threads} must be >= 1.")
         if groups_per_call < 1:
             raise ValueError(f"groups_per_call={groups_per_call} must be >= 1.")
-        if group_id_stride < 1:
-            raise ValueError(f"group_id_stride={group_id_stride} must be >= 1.")
-        self._stride = group_id_stride
+        self._stride = numbering.stride
         self._generate = generate_groups
         self._groups_per_call = groups_per_call
         self._store = store
         self._buffer = buffer
         self._prompts = prompts
-        self._seed = seed
+        self._key = numbering.key
         self._version_choice = version_choice
-        self._next_group = first_group_id
-        self._skip = {int(g) for g in skip_group_ids if g >= first_group_id}
+        self._next_group = numbering.first_group_id
+        self._skip = {g for g in numbering.skip_group_ids if g >= numbering.first_group_id}
         self._pending: set[int] = set()  # Claimed, not yet put.
         self._counter_lock = threading.Lock()
         self._unsubscribe = None
@@ -240,7 +264,7 @@ class RolloutWorker:
             while (slots := self._reserve()) is not None:
                 params, version = self._params(slots)
                 requests = self._claim_groups()
-                key = group_key(self._seed, requests[0].group_id)
+                key = self._key(requests[0].group_id)
                 rollouts = self._generate(params, version, requests, key)
                 for done, (request, rollout) in enumerate(zip(requests, rollouts, strict=True)):
                     while not self._buffer.put(rollout, timeout=_POLL_SECONDS):

@@ -11,6 +11,7 @@ import pytest
 from gac_jax.rollout import (
     AsyncRollouts,
     BufferConfig,
+    GroupNumbering,
     LaggedRollouts,
     ParamStore,
     PromptOrder,
@@ -188,8 +189,7 @@ def test_worker_continues_numbering_and_skips_handed_out_ids():
         buffer,
         PromptOrder(5),
         groups_per_call=2,
-        first_group_id=10,
-        skip_group_ids=[9, 11, 12],
+        numbering=GroupNumbering(first_group_id=10, skip_group_ids=[9, 11, 12]),
     ).start()
     try:
         ids = sorted(r.group_id for r in buffer.take(0, num_groups=4, timeout=10.0))

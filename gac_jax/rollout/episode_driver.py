@@ -36,7 +36,8 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -64,15 +65,43 @@ class EpisodeOutput(InflightSampleOutput):
     prefill_tokens: int = 0
 
 
+@dataclasses.dataclass(frozen=True)
+class EpisodeSettings:
+    """How `EpisodeSampler.sample` runs a call's episodes: what ends a turn, how long an
+    observation and an episode may get, how often the params are looked at.
+
+    Attributes:
+      turn_end_ids: what ends a policy turn: token ids, or sequences of ids (a stop
+        string of several tokens: the turn ends when the policy's latest tokens are
+        that sequence). Other EOS ids end the episode; an id that is both (a chat
+        template's end of turn, ``<|im_end|>``) ends the turn, and `respond` ends the
+        episode by answering None.
+      max_observation_tokens: K, the longest observation; a longer one is cut to K.
+      max_turns: an episode whose turn count reaches this ends at that turn's end
+        without asking `respond` (None: no limit).
+      chunk_steps: decode steps between two looks at `params_fn`.
+    """
+
+    turn_end_ids: Sequence[int | Sequence[int]]
+    max_observation_tokens: int
+    max_turns: int | None = None
+    chunk_steps: int = 16
+
+    def __post_init__(self):
+        check_int("chunk_steps", self.chunk_steps, 1)
+        check_int("max_observation_tokens", self.max_observation_tokens, 1)
+        check_int("max_turns", self.max_turns, 1, allow_none=True)
+
+
 class EpisodeSampler:
     """Multi-turn episodes on a `Sampler`'s slots, cache and decode step.
 
     Example::
 
         episodes = EpisodeSampler(sampler)
+        settings = EpisodeSettings([tok.id(">")], max_observation_tokens=16)
         out = episodes.sample(graphdef, lambda: (state, 0), prompts, mask, key,
-                              respond=respond, turn_end_ids=[tok.id(">")],
-                              max_observation_tokens=16, chunk_steps=16)
+                              respond=respond, settings=settings)
     """
 
     def __init__(self, sampler: Sampler):
@@ -87,51 +116,35 @@ class EpisodeSampler:
         key: jax.Array,
         *,
         respond: Respond,
-        turn_end_ids: Sequence[int | Sequence[int]],
-        max_observation_tokens: int,
-        chunk_steps: int = 16,
-        max_turns: int | None = None,
-        temperature=1.0,
-        top_k=0,
-        top_p=1.0,
-        max_new_tokens=None,
+        settings: EpisodeSettings,
+        sampling: Mapping[str, Any] | None = None,
     ) -> EpisodeOutput:
         """Samples one episode per prompt.
 
         Args:
-          graphdef, prompt_tokens, prompt_mask, key, temperature, top_k, top_p: as for
-            `Sampler.__call__`; `max_new_tokens` (scalar or [R]) is each episode's token
-            budget, policy and observation tokens together.
+          graphdef, prompt_tokens, prompt_mask, key: as for `Sampler.__call__`.
           params_fn: `() -> (state, version)`, asked before the first prefill and every
-            `chunk_steps` decode steps (`lambda: (state, 0)` for fixed params).
+            `settings.chunk_steps` decode steps (`lambda: (state, 0)` for fixed params).
           respond: see `Respond`; called from this thread, it must not block.
-          turn_end_ids: what ends a policy turn: token ids, or sequences of ids (a stop
-            string of several tokens: the turn ends when the policy's latest tokens are
-            that sequence). Other EOS ids end the episode; an id that is both (a chat
-            template's end of turn, ``<|im_end|>``) ends the turn, and `respond` ends the
-            episode by answering None.
-          max_observation_tokens: K, the longest observation; a longer one is cut to K.
-          chunk_steps: decode steps between two looks at `params_fn`.
-          max_turns: an episode whose turn count reaches this ends at that turn's end
-            without asking `respond` (None: no limit).
+          settings: see `EpisodeSettings`.
+          sampling: the sampler's keywords (`temperature`, `top_k`, `top_p`,
+            `max_new_tokens`) as for `Sampler.__call__`, as `SampleSettings.sampling`
+            holds them; `max_new_tokens` (scalar or [R]) is each episode's token budget,
+            policy and observation tokens together. None: the sampler's defaults.
 
         Returns:
           An `EpisodeOutput`, one row per prompt, in prompt order.
         """
-        check_int("chunk_steps", chunk_steps, 1)
-        check_int("max_observation_tokens", max_observation_tokens, 1)
-        check_int("max_turns", max_turns, 1, allow_none=True)
-        turn_ids = jnp.asarray(_turn_end_table(turn_end_ids))
-        prompts = self.sampler.prepare(
-            prompt_tokens,
-            prompt_mask,
-            temperature=temperature,
-            top_k=top_k,
-            top_p=top_p,
-            max_new_tokens=max_new_tokens,
-        )
+        turn_ids = jnp.asarray(_turn_end_table(settings.turn_end_ids))
+        prompts = self.sampler.prepare(prompt_tokens, prompt_mask, **(sampling or {}))
         loop = _HostLoop(self.sampler, graphdef, params_fn, prompts, respond)
-        return loop.run(key, turn_ids, chunk_steps, max_observation_tokens, max_turns)
+        return loop.run(
+            key,
+            turn_ids,
+            settings.chunk_steps,
+            settings.max_observation_tokens,
+            settings.max_turns,
+        )
 
 
 class _HostLoop:
@@ -252,4 +265,4 @@ def _done(value) -> concurrent.futures.Future:
     return future
 
 
-__all__ = ["EpisodeOutput", "EpisodeSampler", "Respond"]
+__all__ = ["EpisodeOutput", "EpisodeSampler", "EpisodeSettings", "Respond"]

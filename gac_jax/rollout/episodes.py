@@ -36,7 +36,7 @@ import numpy as np
 from gac_jax._validation import check_int
 from gac_jax.models import left_pad
 from gac_jax.models.tokenizers import Tokenizer, decode_completion
-from gac_jax.rollout.episode_driver import EpisodeSampler
+from gac_jax.rollout.episode_driver import EpisodeSampler, EpisodeSettings
 from gac_jax.rollout.sampling import SampleSettings
 from gac_jax.tasks.chat_turns import ChatTurns
 from gac_jax.tasks.custom import GuardedReward, RewardGuardConfig
@@ -222,11 +222,13 @@ class EpisodeRunner:
             mask,
             key,
             respond=respond,
-            turn_end_ids=self.turn_end_ids,
-            max_observation_tokens=self.config.max_observation_tokens,
-            chunk_steps=settings.chunk_steps,
-            max_turns=self.config.max_turns,
-            **settings.sampling,
+            settings=EpisodeSettings(
+                self.turn_end_ids,
+                self.config.max_observation_tokens,
+                self.config.max_turns,
+                settings.chunk_steps,
+            ),
+            sampling=settings.sampling,
         )
         return self._rows(out, states, telemetry)
 

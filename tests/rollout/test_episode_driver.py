@@ -16,7 +16,7 @@ from flax import nnx
 
 from gac_jax.models import Sampler, create_model, get_config, left_pad
 from gac_jax.models.scoring import per_token_logps
-from gac_jax.rollout.episode_driver import EpisodeSampler
+from gac_jax.rollout.episode_driver import EpisodeSampler, EpisodeSettings
 
 EOS, PAD = 2, 0
 PROMPT_LEN, BUDGET, K = 6, 40, 5
@@ -48,11 +48,12 @@ def _prompts(seed=0):
     return np.asarray(tokens), np.asarray(mask)
 
 
-def _sample(episodes, model, seed, key, respond, params_fn=None, **kwargs):
+def _sample(episodes, model, seed, key, respond, params_fn=None, sampling=None, **kwargs):
     """`episodes.sample` of `_prompts(seed)` with the model's params (or `params_fn`), the
-    module's turn ends and K unless `kwargs` say otherwise."""
+    module's turn ends and K unless `kwargs` (`EpisodeSettings` fields) say otherwise."""
     prompt_tokens, prompt_mask = _prompts(seed)
     graphdef, state = nnx.split(model)
+    settings = EpisodeSettings(**{"turn_end_ids": TURN_END, "max_observation_tokens": K, **kwargs})
     return episodes.sample(
         graphdef,
         params_fn or (lambda: (state, 0)),
@@ -60,7 +61,8 @@ def _sample(episodes, model, seed, key, respond, params_fn=None, **kwargs):
         prompt_mask,
         jax.random.key(key),
         respond=respond,
-        **{"turn_end_ids": TURN_END, "max_observation_tokens": K, **kwargs},
+        settings=settings,
+        sampling=sampling,
     )
 
 
@@ -110,7 +112,7 @@ def test_policy_logps_equal_teacher_forced_logps_of_the_whole_transcript(
 ):
     prompt_tokens, prompt_mask = _prompts()
     env = Environment()
-    out = _sample(episodes, model, 0, 1, env, chunk_steps=4, temperature=temperature)
+    out = _sample(episodes, model, 0, 1, env, chunk_steps=4, sampling={"temperature": temperature})
     policy = np.asarray(out.completion_mask)
     observed = np.asarray(out.observation_mask)
     assert not (policy & observed).any()

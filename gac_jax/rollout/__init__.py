@@ -21,6 +21,7 @@ from gac_jax.rollout.buffer import (
 from gac_jax.rollout.episodes import EpisodeConfig, EpisodeRunner
 from gac_jax.rollout.evaluation import EvalSettings, evaluate_policy, pass_at_k
 from gac_jax.rollout.generation import (
+    DecodeSetup,
     GenerationConfig,
     TaskGroupGenerator,
     make_sampler,
@@ -66,6 +67,7 @@ __all__ = [
     "BufferStats",
     "GenerationConfig",
     "RolloutConfig",
+    "DecodeSetup",
     "TaskGroupGenerator",
     "make_sampler",
     "make_source",

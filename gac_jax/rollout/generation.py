@@ -82,6 +82,29 @@ class GenerationConfig:
         check_int("slots", self.slots, 1, allow_none=True)
 
 
+@dataclasses.dataclass(frozen=True)
+class DecodeSetup:
+    """Where a `TaskGroupGenerator`'s calls decode and which params they take on the way:
+    the run's wiring, next to the `GenerationConfig` settings.
+
+    Attributes:
+      placement: where the sampler runs (`RolloutPlacement`): each call's prompts are put
+        on its mesh, split over its `data` axis. None leaves them to the jit (they follow
+        the params).
+      latest_params: in-flight weight updates: a function returning the newest published
+        `(params, version)` (`ParamStore.latest`). With it, a call starts with the params it
+        was given and swaps to the newest version every `chunk_steps` decode steps
+        (`Sampler.sample_inflight`); each token's version is recorded in
+        `Rollout.token_versions` and the group's `policy_version` is its oldest token's.
+      chunk_steps: decode steps between two looks at `latest_params` (and, in an episode,
+        at the call's params).
+    """
+
+    placement: RolloutPlacement | None = None
+    latest_params: Callable[[], tuple[Any, int]] | None = None
+    chunk_steps: int = 16
+
+
 class TaskGroupGenerator:
     """Samples G completions per task prompt with a `Sampler`, scores them, makes `Rollout`s.
 
@@ -98,15 +121,9 @@ class TaskGroupGenerator:
       examples: the task split's data source (indexable by prompt id).
       tokenizer: encodes prompts and decodes completions.
       config: the generation settings; `config.max_new_tokens` must be the sampler's.
-      placement: where the sampler runs (`RolloutPlacement`): each call's prompts are put
-        on its mesh, split over its `data` axis. None leaves them to the jit (they follow
-        the params).
-      latest_params: in-flight weight updates: a function returning the newest published
-        `(params, version)` (`ParamStore.latest`). With it, a call starts with the params it
-        was given and swaps to the newest version every `chunk_steps` decode steps
-        (`Sampler.sample_inflight`); each token's version is recorded in
-        `Rollout.token_versions` and the group's `policy_version` is its oldest token's.
-      chunk_steps: decode steps between two looks at `latest_params`.
+      decode: the placement, in-flight updates and chunk length (see `DecodeSetup`); they
+        stay settable afterwards as the attributes `placement`, `latest_params` and
+        `chunk_steps`.
       episodes: a multi-turn task's `EpisodeRunner` (built on `sampler`): each row is an
         episode with the task's environment (`gac_jax.rollout.episodes`), scored by the
         environment's reward; None: an `AnswerRunner` (one completion per row, cut at the
@@ -122,9 +139,7 @@ class TaskGroupGenerator:
         examples: Sequence[Any],
         tokenizer: Tokenizer,
         config: GenerationConfig | None = None,
-        placement: RolloutPlacement | None = None,
-        latest_params: Callable[[], tuple[Any, int]] | None = None,
-        chunk_steps: int = 16,
+        decode: DecodeSetup = DecodeSetup(),
         episodes: EpisodeRunner | None = None,
     ):
         config = GenerationConfig() if config is None else config
@@ -138,9 +153,9 @@ class TaskGroupGenerator:
         self.task = task
         self.examples = examples
         self.tokenizer = tokenizer
-        self.placement = placement
-        self.latest_params = latest_params
-        self.chunk_steps = chunk_steps
+        self.placement = decode.placement
+        self.latest_params = decode.latest_params
+        self.chunk_steps = decode.chunk_steps
         self.group_size = config.group_size
         self.prompt_length = config.prompt_length
         temperature = 0.0 if config.greedy else config.temperature

@@ -22,7 +22,7 @@ from jax.experimental.compilation_cache import compilation_cache
 from gac_jax import models
 from gac_jax.learner import GRPOLearner, make_optimizer
 from gac_jax.models.hf_checkpoint import hf_model_config
-from gac_jax.rollout import TaskGroupGenerator, make_sampler
+from gac_jax.rollout import DecodeSetup, TaskGroupGenerator, make_sampler
 from gac_jax.rollout.episodes import EpisodeRunner
 from gac_jax.rollout.placement import RolloutPlacement
 from gac_jax.tasks import get_task
@@ -204,9 +204,11 @@ def build_generator(
         examples,
         tokenizer,
         config.generation,
-        placement=placement,
-        latest_params=latest_params if config.rollout.inflight_updates else None,
-        chunk_steps=config.rollout.inflight_chunk_steps,
+        DecodeSetup(
+            placement=placement,
+            latest_params=latest_params if config.rollout.inflight_updates else None,
+            chunk_steps=config.rollout.inflight_chunk_steps,
+        ),
         episodes=build_episodes(config, task, sampler, tokenizer),
     )
 

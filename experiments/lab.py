@@ -45,9 +45,11 @@ from gac_jax.lab.provenance import StaleRunError
 from gac_jax.lab.sweeps import (
     METHODS,
     RunSpec,
+    SweepProcesses,
     add_sweep_arguments,
     base_config,
     run_sweep,
+    stale_setting,
 )
 from gac_jax.train.config import LAB_LEARNING_RATE, get_preset
 
@@ -503,12 +505,10 @@ def main(argv: Sequence[str] | None = None) -> None:
                 specs_of(names, args.seeds, args.quick),
                 base,
                 Path(args.root) / folder,
-                script=__file__,
-                jobs=jobs,
+                # The last --only wins (argparse).
+                processes=SweepProcesses(__file__, jobs, argv=[*argv, "--only", *names]),
                 shard_arg=args.shard,
-                rerun_stale=args.rerun_stale,
-                allow_stale=args.allow_stale,
-                argv=[*argv, "--only", *names],  # The last --only wins (argparse).
+                stale=stale_setting(args),
             )
     except StaleRunError as e:
         raise SystemExit(str(e)) from None

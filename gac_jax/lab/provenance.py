@@ -154,6 +154,12 @@ def describe(version: Mapping[str, Any] | None) -> str:
     return f"{head}, {libraries}"
 
 
+#: What a sweep does with a finished run made by other code (`settle_stale`): refuse it
+#: (the default), retrain it from scratch (``--rerun-stale``), or reuse its summary as it is
+#: (``--allow-stale``).
+STALE_RUNS = ("refuse", "rerun", "reuse")
+
+
 class StaleRunError(ValueError):
     """Finished runs have summaries written by another code version."""
 
@@ -170,24 +176,22 @@ def stale_summaries(paths: Sequence[os.PathLike]) -> list[dict[str, Any]]:
     return found
 
 
-def settle_stale(
-    paths: Sequence[os.PathLike], root: os.PathLike | str, *, rerun_stale: bool, allow_stale: bool
-) -> None:
-    """Raises `StaleRunError` naming every stale run of the summaries `paths`
-    (`stale_summaries`) and the code versions; with `rerun_stale` deletes their run
-    directories instead (the summary's parent), so they are trained again from scratch;
-    with `allow_stale` does nothing, so they are reused."""
-    if rerun_stale and allow_stale:
-        raise ValueError("rerun_stale=True and allow_stale=True exclude each other.")
-    stale = [] if allow_stale else stale_summaries(paths)
-    if stale and not rerun_stale:
-        made_by = " | ".join(f"{runs} [{v}]" for v, runs in runs_by_version(stale).items())
+def settle_stale(paths: Sequence[os.PathLike], root: os.PathLike | str, *, stale: str) -> None:
+    """Settles the stale runs of the summaries `paths` (`stale_summaries`) as `stale`
+    says: "refuse" raises `StaleRunError` naming every one and the code versions;
+    "rerun" deletes their run directories instead (the summary's parent), so they are
+    trained again from scratch; "reuse" does nothing, so they are reused."""
+    if stale not in STALE_RUNS:
+        raise ValueError(f"stale={stale!r} is unknown; expected one of {list(STALE_RUNS)}.")
+    found = [] if stale == "reuse" else stale_summaries(paths)
+    if found and stale == "refuse":
+        made_by = " | ".join(f"{runs} [{v}]" for v, runs in runs_by_version(found).items())
         raise StaleRunError(
-            f"{len(stale)} finished run(s) under {root} were made by other code than this "
-            f"[{describe(code_version())}]: {made_by}. Pass --rerun-stale (rerun_stale=True) "
-            "to retrain them or --allow-stale (allow_stale=True) to reuse them."
+            f"{len(found)} finished run(s) under {root} were made by other code than this "
+            f"[{describe(code_version())}]: {made_by}. Pass --rerun-stale (stale='rerun') "
+            "to retrain them or --allow-stale (stale='reuse') to reuse them."
         )
-    for summary in stale:
+    for summary in found:
         shutil.rmtree(Path(summary["path"]).parent)
 
 

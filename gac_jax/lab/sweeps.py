@@ -102,16 +102,15 @@ def run_spec(
     *,
     rule: CollapseRule = DEFAULT_RULE,
     train_fn: Callable[..., Any] = train,
-    rerun_stale: bool = False,
-    allow_stale: bool = False,
+    stale: str = "refuse",
 ) -> dict[str, Any]:
     """Trains `spec` (unless its summary already exists) and returns its summary.
 
     An existing summary written for a different config is an error: the run directory
     belongs to another experiment. One written by other code (`provenance.same_code`) is a
-    `StaleRunError` unless `rerun_stale` (the run directory is deleted and the run trained
-    again from scratch) or `allow_stale` (the summary is returned as it is). `train_fn`
-    defaults to `gac_jax.train.train`.
+    `StaleRunError` unless `stale` is "rerun" (the run directory is deleted and the run
+    trained again from scratch) or "reuse" (the summary is returned as it is;
+    `provenance.STALE_RUNS`). `train_fn` defaults to `gac_jax.train.train`.
     """
     config = spec.config(base)
     out = spec.directory(root)
@@ -125,7 +124,7 @@ def run_spec(
                 f"{summary.get('config_steps')} steps; this one is {digest}, {config.steps} "
                 "steps): remove the directory or change the sweep's root."
             )
-    settle_stale([path], root, rerun_stale=rerun_stale, allow_stale=allow_stale)
+    settle_stale([path], root, stale=stale)
     if path.exists():
         return json.loads(path.read_text())
     resumed = (out / "metrics.jsonl").exists()
@@ -188,49 +187,63 @@ def load_summaries(root: str | os.PathLike) -> list[dict[str, Any]]:
     return sorted(found, key=lambda s: (s["label"], s["seed"]))
 
 
+@dataclasses.dataclass(frozen=True)
+class SweepProcesses:
+    """The child processes a sweep's parent starts (`run_sweep`): ``python script argv...
+    --shard i/jobs`` for each i.
+
+    Attributes:
+      script: the experiment script the children run.
+      jobs: at most this many children (fewer when fewer runs are left).
+      argv: the children's arguments before ``--shard``; None: this process's own
+        (``sys.argv[1:]``).
+    """
+
+    script: str
+    jobs: int = 1
+    argv: Sequence[str] | None = None
+
+
 def run_sweep(
     specs: Sequence[RunSpec],
     base: TrainConfig,
     root: str | os.PathLike,
     *,
-    script: str,
-    jobs: int = 1,
+    processes: SweepProcesses,
     shard_arg: str | None = None,
     rule: CollapseRule = DEFAULT_RULE,
-    rerun_stale: bool = False,
-    allow_stale: bool = False,
-    argv: Sequence[str] | None = None,
+    stale: str = "refuse",
 ) -> list[dict[str, Any]]:
     """Runs the specs not yet finished under `root` and returns the summaries of `specs`.
 
-    The unfinished specs are split over `jobs` child processes of `script` (``--shard
-    i/jobs``), each with XLA on one CPU thread, so the numbers of a run do not depend on
-    how many ran side by side; a child (`shard_arg` "i/n") runs every n-th unfinished spec
-    from i. The children get `argv` (this process's arguments by default) and ``--shard``.
-    Unfinished specs are those without a summary when the process starts, so the children,
-    started together, agree on them. Finished runs made by other code are
-    refused, retrained or reused as `run_spec` says; the parent settles them all (one error
-    naming every stale run, or their deletion) before it starts the children.
+    The unfinished specs are split over `processes.jobs` child processes of
+    `processes.script` (``--shard i/jobs``, see `SweepProcesses`), each with XLA on one CPU
+    thread, so the numbers of a run do not depend on how many ran side by side; a child
+    (`shard_arg` "i/n") runs every n-th unfinished spec from i. Unfinished specs are those
+    without a summary when the process starts, so the children, started together, agree on
+    them. Finished runs made by other code are refused, retrained or reused as `stale`
+    says (see `run_spec`); the parent settles them all (one error naming every stale run,
+    or their deletion) before it starts the children.
     """
-    stale = {"rerun_stale": rerun_stale, "allow_stale": allow_stale}
 
     def pending():
         return [s for s in specs if not (s.directory(root) / SUMMARY_FILE).exists()]
 
     if shard_arg is None:
-        settle_stale([s.directory(root) / SUMMARY_FILE for s in specs], root, **stale)
+        settle_stale([s.directory(root) / SUMMARY_FILE for s in specs], root, stale=stale)
         todo = pending()
         if todo:
-            args = sys.argv[1:] if argv is None else list(argv)
-            run_shards_in_processes([script, *args], max(1, min(jobs, len(todo))))
+            args = sys.argv[1:] if processes.argv is None else list(processes.argv)
+            jobs = max(1, min(processes.jobs, len(todo)))
+            run_shards_in_processes([processes.script, *args], jobs)
         # The children's runs belong to this sweep even if the code changed while they ran
         # (a table of them then refuses to mix the versions).
-        return [run_spec(spec, base, root, rule=rule, allow_stale=True) for spec in specs]
+        return [run_spec(spec, base, root, rule=rule, stale="reuse") for spec in specs]
     mine = shard(pending(), *_parse_shard(shard_arg))
     for i, spec in enumerate(mine):
         print(f"[{i + 1}/{len(mine)}] {spec.label} seed {spec.seed}", flush=True)
-        run_spec(spec, base, root, rule=rule, **stale)
-    return [run_spec(spec, base, root, rule=rule, **stale) for spec in mine]
+        run_spec(spec, base, root, rule=rule, stale=stale)
+    return [run_spec(spec, base, root, rule=rule, stale=stale) for spec in mine]
 
 
 def _parse_shard(text: str) -> tuple[int, int]:
@@ -275,6 +288,14 @@ def add_sweep_arguments(parser, *, default_root: str, default_seeds: Sequence[in
         metavar="KEY=VALUE",
         help="override fields of the base config (e.g. steps=20 for a smoke run)",
     )
+
+
+def stale_setting(args) -> str:
+    """The `stale` setting (`provenance.STALE_RUNS`) of parsed `add_sweep_arguments`
+    options: "rerun" for ``--rerun-stale``, "reuse" for ``--allow-stale``, else "refuse"."""
+    if args.rerun_stale:
+        return "rerun"
+    return "reuse" if args.allow_stale else "refuse"
 
 
 def base_config(args) -> TrainConfig:

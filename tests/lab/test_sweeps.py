@@ -18,11 +18,13 @@ from gac_jax.lab.sweeps import (
     METHODS,
     RunSpec,
     StaleRunError,
+    SweepProcesses,
     add_sweep_arguments,
     load_summaries,
     run_spec,
     run_sweep,
     shard,
+    stale_setting,
 )
 from gac_jax.train import get_preset
 from gac_jax.train.metrics import MetricWriter
@@ -135,17 +137,17 @@ def test_a_stale_run_is_refused_unless_retrained_or_reused(tmp_path):
         run_spec(spec, base, tmp_path, train_fn=_fake_train(calls))
     assert "--rerun-stale" in str(e.value) and "\n" not in str(e.value)
     assert calls == [(1, True)]  # Refused without training.
-    reused = run_spec(spec, base, tmp_path, train_fn=_fake_train(calls), allow_stale=True)
+    reused = run_spec(spec, base, tmp_path, train_fn=_fake_train(calls), stale="reuse")
     assert reused["code"] == old and calls == [(1, True)]
     (spec.directory(tmp_path) / "stray").write_text("from the old run")
-    again = run_spec(spec, base, tmp_path, train_fn=_fake_train(calls), rerun_stale=True)
+    again = run_spec(spec, base, tmp_path, train_fn=_fake_train(calls), stale="rerun")
     assert calls == [(1, True), (1, True)]  # Trained again...
     assert not again["resumed"] and not (spec.directory(tmp_path) / "stray").exists()  # ...anew.
     assert again["code"] == code_version() and again["steps"] == base.steps
     fresh = run_spec(spec, base, tmp_path, train_fn=_fake_train(calls))  # Read, not trained.
     assert json.dumps(fresh) == json.dumps(again) and len(calls) == 2
-    with pytest.raises(ValueError, match="exclude each other"):
-        run_spec(spec, base, tmp_path, rerun_stale=True, allow_stale=True)
+    with pytest.raises(ValueError, match=r"stale='keep' is unknown; expected one of \['refuse'"):
+        run_spec(spec, base, tmp_path, stale="keep")
 
 
 def test_a_sweep_names_every_stale_run_and_a_summary_without_a_version_is_stale(tmp_path):
@@ -158,13 +160,13 @@ def test_a_sweep_names_every_stale_run_and_a_summary_without_a_version_is_stale(
     _make_stale(tmp_path, specs[1], other)
     _make_stale(tmp_path, specs[2], None)  # Written before versions were recorded.
     with pytest.raises(StaleRunError) as e:
-        run_sweep(specs, base, tmp_path, script="unused.py")
+        run_sweep(specs, base, tmp_path, processes=SweepProcesses("unused.py"))
     message = str(e.value)
     assert message.startswith(f"3 finished run(s) under {tmp_path}")
     assert "naive/k0 seeds 0, 1 [" in message and "optax 0.0.1]" in message
     assert "gac/k0 seed 0 [no recorded version]" in message
     # Everything finished, so no child process starts; the stale summaries come back.
-    reused = run_sweep(specs, base, tmp_path, script="unused.py", allow_stale=True)
+    reused = run_sweep(specs, base, tmp_path, processes=SweepProcesses("unused.py"), stale="reuse")
     assert [s["code"].get("optax") if "code" in s else None for s in reused] == [
         "0.0.1",
         "0.0.1",
@@ -177,8 +179,11 @@ def test_the_scripts_take_rerun_stale_or_allow_stale_not_both():
     add_sweep_arguments(parser, default_root="runs/x", default_seeds=(0,))
     args = parser.parse_args([])
     assert not args.rerun_stale and not args.allow_stale
+    assert stale_setting(args) == "refuse"
     assert parser.parse_args(["--rerun-stale"]).rerun_stale
+    assert stale_setting(parser.parse_args(["--rerun-stale"])) == "rerun"
     assert parser.parse_args(["--allow-stale"]).allow_stale
+    assert stale_setting(parser.parse_args(["--allow-stale"])) == "reuse"
     with pytest.raises(SystemExit):
         parser.parse_args(["--rerun-stale", "--allow-stale"])
 

@@ -1,6 +1,6 @@
 """gac_jax versus Tunix: sampling and GRPO-training throughput on the same tiny Qwen3.
 
-    python benchmarks/vs_tunix.py [--quick] [--rounds N]
+    python benchmarks/vs_tunix.py [--quick] [--rounds N] [--profile CALLS]
 
 Tunix (`google-tunix`) is not a dependency of gac_jax. When it cannot be imported, the
 script creates a separate virtual environment (`.venv-bench` at the repository root, or
@@ -45,7 +45,10 @@ timed back to back), which cancels the machine's slower drifts. Each timed call
 ends with its outputs on the host (gac_jax: `np.asarray` of the tokens / metrics as
 floats; Tunix: its returned lists / `block_until_ready` of loss, aux and grad norm).
 
-The last lines printed are the four ratios gac_jax / Tunix of tokens/s.
+The last lines printed are the four ratios gac_jax / Tunix of tokens/s. With `--profile
+CALLS`, each size also prints, after its timing, where each of the four calls' time goes
+(`trace_profile.py`: its compiled ops and the host's time between them, from a
+`jax.profiler` trace of CALLS calls).
 """
 
 from __future__ import annotations
@@ -358,7 +361,9 @@ def timed(fn, *args) -> float:
     return time.perf_counter() - start
 
 
-def bench_size(name: str, size: dict, rounds: int) -> dict[str, dict[str, list[float]]]:
+def bench_size(
+    name: str, size: dict, rounds: int, profile_calls: int = 0
+) -> dict[str, dict[str, list[float]]]:
     cfg = gac_config(size)
     rng = np.random.default_rng(1234)
     prompts = rng.integers(3, cfg.vocab_size, (BATCH, PROMPT)).astype(np.int32)
@@ -406,7 +411,19 @@ def bench_size(name: str, size: dict, rounds: int) -> dict[str, dict[str, list[f
         for task in ("sample", "train"):
             for lib in libs:
                 times[task][lib].append(timed(tasks[task, lib], 1 + r))
+    if profile_calls:
+        print_profiles(name, tasks, profile_calls)
     return times
+
+
+def print_profiles(name: str, tasks, calls: int) -> None:
+    """Each (task, library) call traced by `jax.profiler` (`trace_profile.py`): its
+    compiled ops' time and the host's time between them, per call."""
+    from trace_profile import TABLE_HEAD, format_profile, profile
+
+    print(f"\n  {name}: profile, {calls} traced calls each (ms a call)\n{TABLE_HEAD}")
+    for (task, lib), fn in tasks.items():
+        print(format_profile(f"{name} {task} {lib}", profile(lambda fn=fn: fn(0), calls)))
 
 
 def summarise(name: str, times) -> dict[str, float]:
@@ -446,6 +463,13 @@ def main():
     parser.add_argument(
         "--sizes", nargs="+", choices=sorted(SIZES), default=list(SIZES), help="sizes to run"
     )
+    parser.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        metavar="CALLS",
+        help="after timing, trace CALLS calls of each and print where their time goes",
+    )
     args = parser.parse_args()
     rounds = args.rounds or (3 if args.quick else 10)
 
@@ -464,7 +488,7 @@ def main():
         f"(b) GRPO step: {BATCH} x {PROMPT + NEW} tokens, PPO clip {CLIP_EPS}, no reference "
         f"model, clip-by-norm {GRAD_CLIP} + AdamW"
     )
-    results = {name: bench_size(name, SIZES[name], rounds) for name in args.sizes}
+    results = {name: bench_size(name, SIZES[name], rounds, args.profile) for name in args.sizes}
     print("\nThroughput")
     ratios = {name: summarise(name, times) for name, times in results.items()}
     print(

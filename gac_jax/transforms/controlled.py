@@ -28,12 +28,13 @@ into skipping, since nothing moves it.
         scale_by_ess(),
     )
 
-As measured (experiments/RESULTS.md, laboratory v4, three or four seeds a method): in a
-GRPO cell where stale rollouts trained as if on-policy collapse and their gradients are
-more aligned than synchronous ones, every run of every variant collapsed (defaults,
-thresholds from the synchronous cosine with a true skip, adaptive, on applied updates);
-its step-size controls did as well and its momentum controls better (no collapse, no
-gain), while PPO-clip and VCPO held; on a noisy quadratic with delayed gradients
+As measured (experiments/RESULTS.md, laboratory v4, five seeds a method): in a GRPO cell
+where stale rollouts trained as if on-policy collapse and their gradients are more
+aligned than synchronous ones, every run of every variant collapsed (defaults, thresholds
+from the synchronous cosine with a true skip, adaptive, on applied updates; the last
+ended above naive, still below its start); its step-size controls did as well and its
+momentum controls better (one collapse in ten runs, no gain), while PPO-clip and VCPO
+held; on a noisy quadratic with delayed gradients
 (`gac_jax.toys.delayed_quadratic`), control of applied updates widened Adam's stable step
 10x at a staleness of 16. A skip at thresholds below a problem's own synchronous cosine
 skips every step and stalls: choose them from a synchronous run's `gac_cosine` /

@@ -78,13 +78,13 @@ from async_workload import (
     HeavyTailedLengths,
     fit_line,
 )
-
-from gac_jax.lab.simulation import (
+from simulation import (
     LengthDistribution,
     SimulationConfig,
     compare_async_to_sync,
     format_comparison,
 )
+
 from gac_jax.rollout import GroupRequest
 from gac_jax.train.config import TrainConfig
 from gac_jax.train.config_io import apply_overrides

@@ -13,8 +13,7 @@ import threading
 import time
 
 import numpy as np
-
-from gac_jax.lab.simulation import LengthDistribution
+from simulation import LengthDistribution
 
 GROUP_SIZE, GROUPS_PER_BATCH, MAX_NEW, STALENESS = 8, 6, 128, 2
 LENGTHS = LengthDistribution("lognormal", scale=32, shape=1.0, max_tokens=MAX_NEW)

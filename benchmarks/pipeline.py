@@ -31,15 +31,15 @@ import time
 import jax
 import numpy as np
 from flax import nnx
-
-from gac_jax import models
-from gac_jax.lab.simulation import (
+from simulation import (
     LengthDistribution,
     SimulationConfig,
     compare_async_to_sync,
     format_comparison,
     format_utilisation,
 )
+
+from gac_jax import models
 from gac_jax.learner import GRPOLearner, OptimizerConfig, TrainBatch, make_optimizer
 from gac_jax.rollout import Rollout, RolloutBuffer, collate
 

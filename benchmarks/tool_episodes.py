@@ -52,8 +52,8 @@ import numpy as np
 import pinned_split
 import slow_tools
 from async_workload import fit_line
+from simulation import LengthDistribution, SimulationConfig, compare_async_to_sync
 
-from gac_jax.lab.simulation import LengthDistribution, SimulationConfig, compare_async_to_sync
 from gac_jax.rollout import GroupRequest
 from gac_jax.train.config import get_preset
 from gac_jax.train.config_io import apply_overrides

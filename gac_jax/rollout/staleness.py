@@ -1,7 +1,7 @@
 """The staleness and reservation rules of the rollout buffer, as pure functions.
 
 `RolloutBuffer` (threads, locks) and the discrete-event simulation of the pipeline
-(`gac_jax.lab.simulation`, no threads) both decide with these functions, so there is
+(`benchmarks/simulation.py`, no threads) both decide with these functions, so there is
 one implementation of each rule:
 
 - **staleness** of a group: learner version - the group's (oldest) policy version.

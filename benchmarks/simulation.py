@@ -56,14 +56,14 @@ import itertools
 from collections.abc import Sequence
 
 import numpy as np
-
-from gac_jax.lab.simulation_types import (
+from simulation_types import (
     LENGTH_KINDS,
     MODES,
     LengthDistribution,
     SimulationConfig,
     SimulationResult,
 )
+
 from gac_jax.rollout.staleness import (
     held_after_drop,
     reservation_allowed,

@@ -104,10 +104,11 @@ class InflightSampleOutput(SampleOutput):
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Prompts:
-    """A call's prompts as `Sampler.prepare` checked them, and their per-row settings."""
+    """A call's prompts as `Sampler.prepare` checked them, its key and per-row settings."""
 
     tokens: jax.Array  # int32 [R, P], left-padded.
     mask: jax.Array  # bool [R, P]
+    key: jax.Array  # The call's `jax.random` key; row r draws with fold_in(key, r).
     per_row: tuple  # [R] arrays (temperature f32, top_k i32, top_p f32, max_new_tokens i32).
 
 
@@ -368,11 +369,7 @@ class Sampler:
         prompt_tokens: jax.Array,
         prompt_mask: jax.Array,
         key: jax.Array,
-        *,
-        temperature=1.0,
-        top_k=0,
-        top_p=1.0,
-        max_new_tokens=None,
+        **sampling,
     ) -> SampleOutput:
         """Samples completions.
 
@@ -383,24 +380,14 @@ class Sampler:
           prompt_mask: bool [R, P], True for real tokens; each row needs at least one, and
             all its padding must come first.
           key: a `jax.random` key; the same key gives the same tokens.
-          temperature: scalar or [R], >= 0 (0 is greedy).
-          top_k: scalar or [R] int, >= 0 (0 disables).
-          top_p: scalar or [R], in (0, 1] (1 disables).
-          max_new_tokens: scalar or [R] int in [1, `self.max_new_tokens`], each row's own
-            limit (the output keeps `self.max_new_tokens` columns); all of them by default.
+          **sampling: `temperature`, `top_k`, `top_p`, `max_new_tokens`, as `prepare`
+            takes them (each a scalar or one value per row).
 
         Returns:
           A `SampleOutput`, one row per prompt, in prompt order.
         """
-        p = self.prepare(
-            prompt_tokens,
-            prompt_mask,
-            temperature=temperature,
-            top_k=top_k,
-            top_p=top_p,
-            max_new_tokens=max_new_tokens,
-        )
-        return self._jitted(graphdef, state, p.tokens, p.mask, key, p.per_row)
+        p = self.prepare(prompt_tokens, prompt_mask, key, **sampling)
+        return self._jitted(graphdef, state, p.tokens, p.mask, p.key, p.per_row)
 
     def lower(self, graphdef, state, prompt_tokens, prompt_mask, key, **sampling):
         """`__call__`'s program lowered for these arguments, for ahead-of-time planning.
@@ -431,10 +418,7 @@ class Sampler:
         key: jax.Array,
         *,
         chunk_steps: int,
-        temperature=1.0,
-        top_k=0,
-        top_p=1.0,
-        max_new_tokens=None,
+        **sampling,
     ) -> InflightSampleOutput:
         """Samples completions, picking up newly published params between decode chunks.
 
@@ -479,8 +463,7 @@ class Sampler:
           graphdef: from `nnx.split(model)`; the structure of every version's params.
           params_fn: `() -> (state, version)`: the newest published params and their int
             version, e.g. `lambda: param_store.latest()`.
-          prompt_tokens, prompt_mask, key, temperature, top_k, top_p, max_new_tokens: as
-            for `__call__`.
+          prompt_tokens, prompt_mask, key, **sampling: as for `__call__`.
           chunk_steps: decode steps per chunk, >= 1 (static for the host loop only: a new
             value does not recompile).
 
@@ -488,14 +471,7 @@ class Sampler:
           An `InflightSampleOutput`: `__call__`'s fields and `token_versions`.
         """
         check_int("chunk_steps", chunk_steps, 1)
-        prompts = self.prepare(
-            prompt_tokens,
-            prompt_mask,
-            temperature=temperature,
-            top_k=top_k,
-            top_p=top_p,
-            max_new_tokens=max_new_tokens,
-        )
+        prompts = self.prepare(prompt_tokens, prompt_mask, key, **sampling)
         rows = prompts.tokens.shape[0]
         state, version = published(params_fn)
         st, progress = self.start(graphdef, state, prompts)
@@ -514,9 +490,8 @@ class Sampler:
                 st, progress = self._compact(st, width=narrower), (0, busy, next_row)
                 continue
             st, progress = self.run_chunk(
-                graphdef, state, st, prompts, key, version=version, budget=remaining,
-                refresh=refresh,
-            )  # fmt: skip
+                graphdef, state, st, prompts, version=version, budget=remaining, refresh=refresh
+            )
             refresh = False
 
     def compiled_programs(self) -> dict[str, int]:
@@ -533,11 +508,20 @@ class Sampler:
         return {name: fn._cache_size() for name, fn in jitted.items()}
 
     def prepare(
-        self, prompt_tokens, prompt_mask, *, temperature=1.0, top_k=0, top_p=1.0,
+        self, prompt_tokens, prompt_mask, key, *, temperature=1.0, top_k=0, top_p=1.0,
         max_new_tokens=None,
     ) -> Prompts:  # fmt: skip
-        """A call's prompts checked and converted, with their [R] sampling settings (the
-        arguments as for `__call__`); ValueError in one line for a bad one."""
+        """A call's prompts checked and converted, with its key and [R] sampling settings;
+        ValueError in one line for a bad one.
+
+        Args:
+          prompt_tokens, prompt_mask, key: as for `__call__`.
+          temperature: scalar or [R], >= 0 (0 is greedy).
+          top_k: scalar or [R] int, >= 0 (0 disables).
+          top_p: scalar or [R], in (0, 1] (1 disables).
+          max_new_tokens: scalar or [R] int in [1, `self.max_new_tokens`], each row's own
+            limit (the output keeps `self.max_new_tokens` columns); all of them by default.
+        """
         prompt_tokens = jnp.asarray(prompt_tokens)
         prompt_mask = jnp.asarray(prompt_mask)
         self._check_prompts(prompt_tokens, prompt_mask)
@@ -545,7 +529,7 @@ class Sampler:
             prompt_tokens.shape[0], temperature, top_k, top_p, max_new_tokens
         )
         self._check_sampling(*per_row, self.max_new_tokens)
-        return Prompts(prompt_tokens.astype(jnp.int32), prompt_mask.astype(bool), per_row)
+        return Prompts(prompt_tokens.astype(jnp.int32), prompt_mask.astype(bool), key, per_row)
 
     # ------------------------------------------------------------------- the slot API
 
@@ -559,7 +543,7 @@ class Sampler:
         return self._start(graphdef, state, prompts.tokens, prompts.mask, episodes=episodes)
 
     def run_chunk(
-        self, graphdef, state, slots: SlotState, prompts: Prompts, key, *, version: int,
+        self, graphdef, state, slots: SlotState, prompts: Prompts, *, version: int,
         budget: int, refresh: bool = False, turn_end_ids=None,
     ) -> tuple[SlotState, jax.Array]:  # fmt: skip
         """At most `budget` decode steps with `state` (version `version`; the busy slots'
@@ -568,7 +552,7 @@ class Sampler:
         -1 before shorter ones), as soon as one more slot waits for its environment.
         `slots` is donated. Returns the new slots and their progress (as `start`)."""
         return self._chunk(
-            graphdef, state, slots, prompts, key, jnp.asarray(version, jnp.int32),
+            graphdef, state, slots, prompts, jnp.asarray(version, jnp.int32),
             jnp.asarray(budget, jnp.int32), jnp.asarray(refresh), turn_end_ids,
         )  # fmt: skip
 
@@ -665,12 +649,12 @@ class Sampler:
         return s, _progress(s, 0)
 
     def _chunk_program(
-        self, graphdef, state, s, prompts: Prompts, key, version, budget, refresh, turn_end_ids
+        self, graphdef, state, s, prompts: Prompts, version, budget, refresh, turn_end_ids
     ):
         """`run_chunk`'s program: at most `budget` steps of `__call__`'s loop at the state's
         width. Returns the new state and `_progress`."""
         prompt_tokens, prompt_mask = prompts.tokens, prompts.mask
-        row_keys = _row_keys(key, len(prompt_tokens))
+        row_keys = _row_keys(prompts.key, len(prompt_tokens))
         inputs = _Inputs(prompt_tokens, prompt_mask, row_keys, prompts.per_row, turn_end_ids)
 
         def refreshed(s: SlotState) -> SlotState:

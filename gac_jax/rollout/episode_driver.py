@@ -136,10 +136,9 @@ class EpisodeSampler:
           An `EpisodeOutput`, one row per prompt, in prompt order.
         """
         turn_ids = jnp.asarray(_turn_end_table(settings.turn_end_ids))
-        prompts = self.sampler.prepare(prompt_tokens, prompt_mask, **(sampling or {}))
+        prompts = self.sampler.prepare(prompt_tokens, prompt_mask, key, **(sampling or {}))
         loop = _HostLoop(self.sampler, graphdef, params_fn, prompts, respond)
         return loop.run(
-            key,
             turn_ids,
             settings.chunk_steps,
             settings.max_observation_tokens,
@@ -161,7 +160,7 @@ class _HostLoop:
         self.observed_blocks = 0
         self.k, self.max_turns = 0, None  # Set by `run`.
 
-    def run(self, key, turn_ids, chunk_steps: int, k: int, max_turns) -> EpisodeOutput:
+    def run(self, turn_ids, chunk_steps: int, k: int, max_turns) -> EpisodeOutput:
         sampler, graphdef = self.sampler, self.graphdef
         self.k, self.max_turns = k, max_turns
         state, version = published(self.params_fn)
@@ -189,7 +188,7 @@ class _HostLoop:
                 )
             st = self._answer(st, state, step_b)
             st, progress = sampler.run_chunk(
-                graphdef, state, st, self.prompts, key, version=version, budget=remaining,
+                graphdef, state, st, self.prompts, version=version, budget=remaining,
                 refresh=refresh, turn_end_ids=turn_ids,
             )  # fmt: skip
             ran, refresh = progress[0], False

@@ -251,7 +251,12 @@ def sample_step(
     )
     tokens = jnp.where(greedy_row, greedy, sampled)
     logps = jnp.where(greedy_row, 0.0, logps_of_tokens(filtered, tokens))
-    return tokens, logps, logps_of_tokens(logits, tokens)
+    # At temperature 1 with no filter the sampled distribution is the policy (logits / 1
+    # is exact), so its log-probs are the policy's, bit for bit: no second log-softmax
+    # over the vocabulary.
+    plain = jnp.all(temperature_b == 1.0) & ~filters
+    policy_logps = jax.lax.cond(plain, lambda: logps, lambda: logps_of_tokens(logits, tokens))
+    return tokens, logps, policy_logps
 
 
 def _uniform_b1(key: jax.Array, batch: int) -> jax.Array:

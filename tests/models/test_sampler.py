@@ -310,6 +310,32 @@ def test_sample_step_frequencies_follow_the_filtered_distribution():
     )
 
 
+@pytest.mark.parametrize(
+    "temperature, top_k, top_p, plain",
+    [(1.0, 0, 1.0, True), (1.0, 64, 1.0, True), (0.7, 0, 1.0, False), (1.0, 5, 1.0, False),
+     (1.0, 0, 0.9, False)],
+)  # fmt: skip
+def test_sample_step_policy_logps_are_the_policys_with_or_without_the_shortcut(
+    temperature, top_k, top_p, plain
+):
+    """At temperature 1 with no filter (`top_k` 0 or >= V counts as none) the sampled
+    distribution is the policy and its log-probs are reused as the policy's; otherwise
+    the policy's are computed on their own. Both against float64."""
+    logits = jax.random.normal(jax.random.key(3), (8, 64)) * 3
+    per_row = (
+        jnp.full(8, temperature),
+        jnp.full(8, top_k, jnp.int32),
+        jnp.full(8, top_p),
+    )
+    tokens, logps, policy = jax.jit(sample_step)(logits, jax.random.key(4), *per_row)
+    z = np.asarray(logits, np.float64)
+    top = z.max(-1, keepdims=True)
+    log_softmax = z - (top + np.log(np.exp(z - top).sum(-1, keepdims=True)))
+    want = log_softmax[np.arange(8), np.asarray(tokens)]
+    np.testing.assert_allclose(np.asarray(policy), want, rtol=1e-5, atol=1e-6)
+    assert np.array_equal(np.asarray(policy), np.asarray(logps)) == plain
+
+
 def test_bad_arguments_raise(model, sampler, batch):
     graphdef, state = nnx.split(model)
     tokens, mask = batch

@@ -29,7 +29,7 @@ let an async worker's head start drain; then `--rounds` rounds of `--steps` step
 Per round: trained tokens/s = completion tokens trained on / wall time; generated tokens/s
 = tokens of the sampler calls that ended in the round / wall time; the learner's wait, the
 buffer depth and the staleness are averaged over the round's steps. Medians over rounds.
-Then the simulation (`gac_jax.lab.simulation`) is fed the costs measured here (the sync
+Then the simulation (`simulation.py`) is fed the costs measured here (the sync
 learner step; a group's sampling, fitted as a fixed part plus a part per decode step) and
 predicts the split layout where sampler and learner each have their own devices.
 

@@ -8,7 +8,7 @@
     `Sampler`; prints the overhead per group relative to sampling one group.
 (b) Throughput. Measures, with the tiny model, the generation cost per token and per group
     (at the simulation's max_new_tokens) and one `GRPOLearner` step on B groups of that
-    length, then feeds them to `gac_jax.lab.simulation` with a heavy-tailed (clipped
+    length, then feeds them to `simulation.py` with a heavy-tailed (clipped
     log-normal) response length, and prints async / sync throughput for staleness bounds
     1, 2, 4, 8 and 1, 2, 4, 8 workers: with the real buffer's block policy, with dropped
     groups' slots returned (a possible fix, see the simulation's docstring), and with the

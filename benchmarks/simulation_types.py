@@ -1,7 +1,7 @@
 """What the pipeline simulation takes and gives: its config, lengths and result.
 
 `LengthDistribution`, `SimulationConfig` and `SimulationResult`. The model they describe,
-and the engine that plays it, are in `gac_jax.lab.simulation`, which re-exports
+and the engine that plays it, are in `simulation.py`, which re-exports
 everything here.
 """
 

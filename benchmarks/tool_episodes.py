@@ -26,7 +26,7 @@ the learner pinned to core 0 and one Ray rollout actor on core 1 sampling the st
 groups in one call; `split-inflight`, the same with in-flight updates (a new version can
 land between two turns of an episode). Skipped with `--no-pinned`.
 
-Then the simulation (`gac_jax.lab.simulation`, with `tool_calls`) is fed the costs
+Then the simulation (`simulation.py`, with `tool_calls`) is fed the costs
 measured here: the learner step (median of the sync steps), a group's generation without
 tool latency (calls of one group with the tool's wait turned off, fitted as a fixed part
 plus a part per policy token of its longest episode), the episode lengths (a log-normal
@@ -150,7 +150,7 @@ def simulate(sync: dict, config, sim_steps: int) -> None:
     calls = int(round(statistics.mean(sync["turns"])))
     groups, size = config.rollout.groups_per_batch, config.generation.group_size
     print(
-        f"\nSimulated (gac_jax.lab.simulation): a group {1e3 * fixed:.1f} ms + "
+        f"\nSimulated (simulation.py): a group {1e3 * fixed:.1f} ms + "
         f"{1e3 * per_token:.2f} ms per policy token of its longest episode, learner step "
         f"{1e3 * sync['learner']:.0f} ms, lengths {lengths.describe()}, {calls} tool calls "
         f"an episode of {1e3 * slow_tools.MEDIAN_SECONDS:.0f} ms median latency"

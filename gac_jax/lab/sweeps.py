@@ -169,9 +169,11 @@ def shard(specs: Sequence[RunSpec], index: int, count: int) -> list[RunSpec]:
 
 def run_shards_in_processes(argv: Sequence[str], jobs: int) -> None:
     """Runs ``python argv... --shard i/jobs`` for each i in parallel, each process on one
-    CPU thread (XLA's intra-op pool of 1), and raises if any fails."""
+    CPU thread (XLA's intra-op pool of 1) and with this process's other `XLA_FLAGS`, and
+    raises if any fails."""
     env = dict(os.environ)
-    env["XLA_FLAGS"] = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
+    one_thread = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
+    env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {one_thread}".strip()
     procs = [
         subprocess.Popen([sys.executable, *argv, "--shard", f"{i}/{jobs}"], env=env)
         for i in range(jobs)

@@ -60,6 +60,7 @@ class HeavyTailedLengths:
         self._lengths = lengths
         self._rng = np.random.default_rng(seed)
         self._lock = threading.Lock()
+        self._inflight = threading.local()  # The start of this thread's call in flight.
         self.calls: list[Call] = []
 
     def __getattr__(self, name):  # max_new_tokens, slots, ...: the wrapped sampler's.
@@ -68,21 +69,39 @@ class HeavyTailedLengths:
     def __call__(self, graphdef, params, tokens, mask, key, **kwargs):
         return self._logged(self._sampler, graphdef, params, tokens, mask, key, **kwargs)
 
-    def sample_inflight(self, graphdef, params_fn, tokens, mask, key, **kwargs):
-        inflight = self._sampler.sample_inflight
-        return self._logged(inflight, graphdef, params_fn, tokens, mask, key, **kwargs)
+    # In flight, `EpisodeSampler.sample_inflight` drives the slot API: `prepare` draws the
+    # call's limits and logs its start, `run_chunk` its end (the chunk after which no slot
+    # is busy). A thread runs one call at a time.
+    def prepare(self, tokens, mask, key, **kwargs):
+        self._inflight.start = time.time()
+        limits = self._limits(tokens.shape[0])
+        return self._sampler.prepare(tokens, mask, key, max_new_tokens=limits, **kwargs)
+
+    def run_chunk(self, *args, **kwargs):
+        import jax
+
+        slots, progress = self._sampler.run_chunk(*args, **kwargs)
+        if int(jax.device_get(progress)[1]) == 0:  # No slot busy: the call's last chunk.
+            lengths = np.asarray(jax.device_get(slots.mask_rn)).sum(axis=1)
+            self._log(self._inflight.start, lengths)
+        return slots, progress
+
+    def _limits(self, rows: int) -> np.ndarray:
+        with self._lock:
+            return self._lengths.sample(self._rng, rows).astype(np.int32)
+
+    def _log(self, start: float, lengths: np.ndarray) -> None:
+        end = time.time()
+        with self._lock:
+            self.calls.append(Call(start, end, int(lengths.max()), int(lengths.sum())))
 
     def _logged(self, fn, graphdef, params, tokens, mask, key, **kwargs):
         import jax
 
-        with self._lock:
-            limits = self._lengths.sample(self._rng, tokens.shape[0]).astype(np.int32)
+        limits = self._limits(tokens.shape[0])
         start = time.time()
         out = fn(graphdef, params, tokens, mask, key, max_new_tokens=limits, **kwargs)
-        lengths = np.asarray(jax.device_get(out.lengths))  # Waits for the whole call.
-        end = time.time()
-        with self._lock:
-            self.calls.append(Call(start, end, int(lengths.max()), int(lengths.sum())))
+        self._log(start, np.asarray(jax.device_get(out.lengths)))  # Waits for the call.
         return out
 
 

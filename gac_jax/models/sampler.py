@@ -23,20 +23,21 @@ behind its loops:
 * `__call__`: one jitted program per (rows, prompt length, slots), a batched prefill of
   the first B prompts, then one `jax.lax.while_loop` per width. The scheduler lives on
   the device: no host round trip per step and no program per refill batch size.
-* `sample_inflight` (in-flight weight updates, PipelineRL's idea): the same loop cut into
-  chunks of at most `chunk_steps` decode steps, one jitted call each, the slot state (KV
-  cache included) staying on the device between calls. Before each chunk the sampler
-  asks for the newest published params, so a long row is finished by newer weights
-  instead of holding its batch on the old ones; each token records the version that
-  sampled it (`InflightSampleOutput`).
-* `gac_jax.rollout.episode_driver.EpisodeSampler` (multi-turn episodes) runs the same chunks:
-  a slot whose turn ends on a turn-end token waits (`SlotState.waiting_b`), writing and
-  decoding nothing, until the host appends its environment's observation to its cache.
+* the slot API, which `gac_jax.rollout.episode_driver.EpisodeSampler`'s one host loop
+  drives: the same loop cut into chunks of at most `chunk_steps` decode steps, one jitted
+  call each, the slot state (KV cache included) staying on the device between calls.
+  Between chunks the host asks for the newest published params (in-flight weight
+  updates, PipelineRL's idea: a long row is finished by newer weights instead of
+  holding its batch on the old ones; each token records the version that sampled it,
+  `InflightSampleOutput`), and in multi-turn episodes a slot whose turn ends on a
+  turn-end token waits (`SlotState.waiting_b`), writing and decoding nothing, until the
+  host appends its environment's observation to its cache.
 
-Both host drivers use the sampler's public slot API only: `prepare` (the checked prompts),
-`start` (the first slots prefilled), `run_chunk` (decode steps), `append_observation` and
-`end_slot` (a waiting slot's observation, or the end of its row), each a jitted program
-over a public `SlotState` that stays on the device between calls.
+The slot API: `prepare` (the checked prompts), `start` (the first slots prefilled),
+`run_chunk` (decode steps), `compact` (tail compaction, `narrower_width`),
+`append_observation` and `end_slot` (a waiting slot's observation, or the end of its
+row), each a jitted program over a public `SlotState` that stays on the device between
+calls.
 
 Temperature, top-k, top-p and each row's length limit are array arguments (one value per
 row, or one for all), so changing them does not recompile; `(graphdef, state)` are jit
@@ -54,15 +55,15 @@ For each sampled token the sampler keeps two log-probabilities:
 Top-k and top-p keep every token whose scaled logit is at least the cut-off logit, so a
 tie at the cut-off keeps all tied tokens. `temperature == 0` means greedy decoding.
 
-Over 450 lines because the plain and the in-flight drivers share the slot state, the
-decode step, the refill and the compaction, which would otherwise be split across
-modules that only make sense together.
+Over 450 lines because `__call__` and the slot API share the slot state, the decode
+step, the refill and the compaction, which would otherwise be split across modules that
+only make sense together.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -94,7 +95,7 @@ class SampleOutput:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class InflightSampleOutput(SampleOutput):
-    """`SampleOutput` of `Sampler.sample_inflight`, with each token's version."""
+    """`SampleOutput` of `EpisodeSampler.sample_inflight`, with each token's version."""
 
     # int32 [R, N]: version of the params that sampled each token, -1 past a row's end;
     # non-decreasing along a row when the published versions are.
@@ -414,91 +415,6 @@ class Sampler:
         graphdef, state = nnx.split(model)
         return self(graphdef, state, prompt_tokens, prompt_mask, key, **sampling)
 
-    def sample_inflight(
-        self,
-        graphdef: nnx.GraphDef,
-        params_fn: Callable[[], tuple[nnx.State, int]],
-        prompt_tokens: jax.Array,
-        prompt_mask: jax.Array,
-        key: jax.Array,
-        *,
-        chunk_steps: int,
-        **sampling,
-    ) -> InflightSampleOutput:
-        """Samples completions, picking up newly published params between decode chunks.
-
-        The decode of `__call__` (same slots, refill order, tail compaction and per-row
-        keys) runs in chunks of `chunk_steps` decode steps, one jitted call each; the
-        slot state, KV cache included, stays on the device between calls and the host
-        reads back three scalars per call (steps run, busy slots, next waiting row).
-
-        Schedule: `params_fn()` is called once before the prefill of the first B prompts
-        (chunk 0 uses those params) and once before each later chunk, never after the
-        last: with D decode steps in all (`__call__`'s loop count), it is called exactly
-        `ceil(D / chunk_steps)` times. Chunk c runs global decode steps
-        `[c * chunk_steps, (c + 1) * chunk_steps)`; tail compaction may split a chunk into
-        several calls, with no `params_fn` call between them. A row refilled during chunk
-        c is prefilled with chunk c's params. Every version's params share `graphdef`'s
-        structure, shapes and dtypes (a new version does not recompile), and a version
-        number names one set of params: a repeated version is taken as unchanged. The
-        host waits for each chunk's three scalars before it dispatches the next chunk.
-
-        Versions: the token sampled at global step t is drawn from logits of chunk
-        `t // chunk_steps`'s params, and `token_versions` records that version (its
-        `logps` and `policy_logps` are under those params). To make that true at the
-        first step of a chunk whose version is new, the last token fed to each busy slot
-        (the previous sample, or a fresh row's last prompt token) is fed again with the
-        new params, overwriting its KV entry, before the chunk decodes: one extra
-        one-token forward per version change. That is where vLLM-based PipelineRL stands
-        too (its forward of a sampled token runs in the next engine step, after the
-        update).
-
-        Stale KV cache: the keys and values of the tokens already in a slot stay those of
-        the params that computed them (prompt by the prefill's version, each later
-        position by the version of the token its logits sampled). A token sampled after
-        a swap therefore is not the new params' teacher-forced prediction of its prefix,
-        but the new params' decode over that mixed cache; PipelineRL keeps the stale
-        cache the same way rather than re-prefilling every row. A row prefilled and
-        completed within one version is exactly that version's sample.
-
-        With a `params_fn` that always returns the same params and version, the output
-        equals `__call__`'s (tokens and both log-probs).
-
-        Args:
-          graphdef: from `nnx.split(model)`; the structure of every version's params.
-          params_fn: `() -> (state, version)`: the newest published params and their int
-            version, e.g. `lambda: param_store.latest()`.
-          prompt_tokens, prompt_mask, key, **sampling: as for `__call__`.
-          chunk_steps: decode steps per chunk, >= 1 (static for the host loop only: a new
-            value does not recompile).
-
-        Returns:
-          An `InflightSampleOutput`: `__call__`'s fields and `token_versions`.
-        """
-        check_int("chunk_steps", chunk_steps, 1)
-        prompts = self.prepare(prompt_tokens, prompt_mask, key, **sampling)
-        rows = prompts.tokens.shape[0]
-        state, version = published(params_fn)
-        st, progress = self.start(graphdef, state, prompts)
-        remaining, refresh = chunk_steps, False
-        while True:
-            steps, busy, next_row = (int(x) for x in jax.device_get(progress))
-            if not busy:
-                return _output(st, InflightSampleOutput, token_versions=st.versions_rn)
-            remaining -= steps
-            if remaining == 0:
-                new_state, new_version = published(params_fn)
-                refresh = new_version != version
-                state, version, remaining = new_state, new_version, chunk_steps
-            narrower = _narrower(st.row_b.shape[0])
-            if next_row >= rows and busy <= narrower:
-                st, progress = self._compact(st, width=narrower), (0, busy, next_row)
-                continue
-            st, progress = self.run_chunk(
-                graphdef, state, st, prompts, version=version, budget=remaining, refresh=refresh
-            )
-            refresh = False
-
     def compiled_programs(self) -> dict[str, int]:
         """How many programs each jitted entry point holds (`__call__`'s "sample", the slot
         API's "start", "chunk", "compact", "observe", "end"): recompilation checks."""
@@ -571,6 +487,17 @@ class Sampler:
         """Ends waiting slot `slot`'s row at its turn's end; the slot takes the next row
         no slot has taken (prefilled with `state`), or idles. `slots` is donated."""
         return self._end(graphdef, state, slots, jnp.int32(slot), prompts.tokens, prompts.mask)
+
+    def narrower_width(self, slots: SlotState) -> int:
+        """The width tail compaction moves `slots` to once no row waits for a slot and
+        their busy slots fit it; 0 where `slots` is already the narrowest."""
+        return _narrower(slots.row_b.shape[0])
+
+    def compact(self, slots: SlotState, width: int) -> SlotState:
+        """`slots` gathered into `width` (`narrower_width`) slots, the busy ones first in
+        slot order; the caller checks that at most `width` are busy and no row waits.
+        `slots` is not donated."""
+        return self._compact(slots, width=width)
 
     def _per_row_arrays(self, rows, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=None):
         """The [R] arrays `(temperature, top_k, top_p, max_new_tokens)` of a call."""
@@ -957,11 +884,3 @@ def _progress(s: SlotState, steps) -> jax.Array:
     rows = s.tokens_rn.shape[0]
     busy = jnp.sum(s.row_b < rows, dtype=jnp.int32)
     return jnp.stack([jnp.asarray(steps, jnp.int32), busy, s.next_row])
-
-
-def published(params_fn) -> tuple[nnx.State, int]:
-    """`params_fn()`'s `(state, version)`, the version checked to be an int."""
-    state, version = params_fn()
-    if isinstance(version, bool) or not isinstance(version, int | np.integer):
-        raise ValueError(f"params_fn() returned version {version!r}; it must be an int.")
-    return state, int(version)

@@ -1,7 +1,9 @@
-"""The episode driver: the host loop that runs multi-turn episodes on the sampler's slots
-(its public slot API alone): a turn ends, an environment answers, the answer is appended
-to the slot's cache and decoding goes on, without re-running the prefix. It waits on the
-environments' futures, so it is rollout work and lives in `rollout/`, above the models.
+"""The episode driver: the one host loop over the sampler's slots (its public slot API
+alone), for multi-turn episodes and for single answers sampled in flight, which are
+episodes with no environment (`EpisodeSampler.sample_inflight`). In an episode a turn
+ends, an environment answers, the answer is appended to the slot's cache and decoding
+goes on, without re-running the prefix. It waits on the environments' futures, so it is
+rollout work and lives in `rollout/`, above the models.
 
 An episode is one row of the sampler: its prompt, then policy turns and observations
 interleaved in the row's N = `max_new_tokens` columns (the episode's token budget). A
@@ -21,11 +23,12 @@ leave no room for one more policy token ends it.
 
 The decode loop is the sampler's own, driven through its public slot API (`start`,
 `run_chunk`, `append_observation`, `end_slot`: refill, per-row keys, versions), in chunks
-of at most `chunk_steps` decode steps as `Sampler.sample_inflight` runs it; a chunk also
-returns to the host as soon as a slot starts waiting. `params_fn` is asked for the newest
-params every `chunk_steps` decode steps, so with in-flight updates a new version can land
-between two turns or inside one, and every policy token records the version that sampled
-it. No tail compaction: a waiting slot keeps its place.
+of at most `chunk_steps` decode steps; in an episode a chunk also returns to the host as
+soon as a slot starts waiting. `params_fn` is asked for the newest params every
+`chunk_steps` decode steps, so with in-flight updates a new version can land between two
+turns or inside one, and every policy token records the version that sampled it. Tail
+compaction (`Sampler.compact`) runs for single answers only: in an episode a waiting slot
+keeps its place.
 
 `prefill_tokens` counts the tokens every prefill fed through the model (the first slots'
 prompts, each refill's prompt, each observation block): R prompts and the observation
@@ -45,7 +48,7 @@ import numpy as np
 from flax import nnx
 
 from gac_jax._validation import check_int
-from gac_jax.models.sampler import InflightSampleOutput, Prompts, Sampler, published
+from gac_jax.models.sampler import InflightSampleOutput, Prompts, Sampler
 
 #: `respond(row, tokens)`: the row's tokens so far (policy and observation tokens, in order)
 #: at the end of one of its turns -> a future of the observation's token ids, or None to end
@@ -138,17 +141,81 @@ class EpisodeSampler:
         turn_ids = jnp.asarray(_turn_end_table(settings.turn_end_ids))
         prompts = self.sampler.prepare(prompt_tokens, prompt_mask, key, **(sampling or {}))
         loop = _HostLoop(self.sampler, graphdef, params_fn, prompts, respond)
-        return loop.run(
-            turn_ids,
-            settings.chunk_steps,
-            settings.max_observation_tokens,
-            settings.max_turns,
-        )
+        loop.k, loop.max_turns = settings.max_observation_tokens, settings.max_turns
+        return loop.run(settings.chunk_steps, turn_ids)
+
+    def sample_inflight(
+        self,
+        graphdef: nnx.GraphDef,
+        params_fn: Callable[[], tuple[nnx.State, int]],
+        prompt_tokens,
+        prompt_mask,
+        key: jax.Array,
+        *,
+        chunk_steps: int,
+        **sampling,
+    ) -> InflightSampleOutput:
+        """Samples one answer per prompt, picking up newly published params between decode
+        chunks (in-flight weight updates, PipelineRL's idea): episodes with no environment,
+        run by `sample`'s host loop, with the sampler's tail compaction.
+
+        The decode of `Sampler.__call__` (same slots, refill order, tail compaction and
+        per-row keys) runs in chunks of `chunk_steps` decode steps, one jitted call each;
+        the slot state, KV cache included, stays on the device between calls and the host
+        reads back three scalars per call (steps run, busy slots, next waiting row).
+
+        Schedule: `params_fn()` is called once before the prefill of the first B prompts
+        (chunk 0 uses those params) and once before each later chunk, never after the
+        last: with D decode steps in all (`__call__`'s loop count), it is called exactly
+        `ceil(D / chunk_steps)` times. Chunk c runs global decode steps
+        `[c * chunk_steps, (c + 1) * chunk_steps)`; tail compaction may split a chunk into
+        several calls, with no `params_fn` call between them. A row refilled during chunk
+        c is prefilled with chunk c's params. Every version's params share `graphdef`'s
+        structure, shapes and dtypes (a new version does not recompile), and a version
+        number names one set of params: a repeated version is taken as unchanged. The
+        host waits for each chunk's three scalars before it dispatches the next chunk.
+
+        Versions: the token sampled at global step t is drawn from logits of chunk
+        `t // chunk_steps`'s params, and `token_versions` records that version (its
+        `logps` and `policy_logps` are under those params). To make that true at the
+        first step of a chunk whose version is new, the last token fed to each busy slot
+        (the previous sample, or a fresh row's last prompt token) is fed again with the
+        new params, overwriting its KV entry, before the chunk decodes: one extra
+        one-token forward per version change. That is where vLLM-based PipelineRL stands
+        too (its forward of a sampled token runs in the next engine step, after the
+        update).
+
+        Stale KV cache: the keys and values of the tokens already in a slot stay those of
+        the params that computed them (prompt by the prefill's version, each later
+        position by the version of the token its logits sampled). A token sampled after
+        a swap therefore is not the new params' teacher-forced prediction of its prefix,
+        but the new params' decode over that mixed cache; PipelineRL keeps the stale
+        cache the same way rather than re-prefilling every row. A row prefilled and
+        completed within one version is exactly that version's sample.
+
+        With a `params_fn` that always returns the same params and version, the output
+        equals `Sampler.__call__`'s (tokens and both log-probs).
+
+        Args:
+          graphdef: from `nnx.split(model)`; the structure of every version's params.
+          params_fn: `() -> (state, version)`: the newest published params and their int
+            version, e.g. `lambda: param_store.latest()`.
+          prompt_tokens, prompt_mask, key, **sampling: as for `Sampler.__call__`.
+          chunk_steps: decode steps per chunk, >= 1 (a new value does not recompile).
+
+        Returns:
+          An `InflightSampleOutput`: `Sampler.__call__`'s fields and `token_versions`.
+        """
+        check_int("chunk_steps", chunk_steps, 1)
+        prompts = self.sampler.prepare(prompt_tokens, prompt_mask, key, **sampling)
+        return _HostLoop(self.sampler, graphdef, params_fn, prompts, None).run(chunk_steps)
 
 
 class _HostLoop:
-    """`EpisodeSampler.sample`'s host side: decode chunks, hand ended turns to `respond`,
-    feed the observations that came back (or end the episodes), refresh the params."""
+    """The host side of every call in flight and every episode: decode chunks and refresh
+    the params every `chunk_steps` steps; in episodes, hand ended turns to `respond` and
+    feed the observations that came back (or end the episodes); without an environment,
+    compact the tail as `Sampler.__call__` does."""
 
     def __init__(self, sampler: Sampler, graphdef, params_fn, prompts: Prompts, respond):
         self.sampler, self.graphdef, self.params_fn = sampler, graphdef, params_fn
@@ -158,41 +225,48 @@ class _HostLoop:
         self.pending: dict[int, tuple[int, concurrent.futures.Future]] = {}
         self.turns = np.zeros(self.rows, np.int64)
         self.observed_blocks = 0
-        self.k, self.max_turns = 0, None  # Set by `run`.
+        self.k, self.max_turns = 0, None  # Episodes only: set by `EpisodeSampler.sample`.
 
-    def run(self, turn_ids, chunk_steps: int, k: int, max_turns) -> EpisodeOutput:
-        sampler, graphdef = self.sampler, self.graphdef
-        self.k, self.max_turns = k, max_turns
-        state, version = published(self.params_fn)
-        st, _ = sampler.start(graphdef, state, self.prompts, episodes=True)
+    def run(self, chunk_steps: int, turn_ids=None) -> InflightSampleOutput:
+        """Runs every row to its end; a turn-end table `turn_ids` makes them episodes."""
+        sampler, graphdef, episodes = self.sampler, self.graphdef, turn_ids is not None
+        state, version = _published(self.params_fn)
+        st, progress = sampler.start(graphdef, state, self.prompts, episodes=episodes)
         width = st.row_b.shape[0]
-        remaining, refresh, ran = chunk_steps, False, jnp.zeros((), jnp.int32)
+        remaining, refresh = chunk_steps, False
         while True:
-            # One read-back a chunk: the slots' rows, waits and steps, and the steps it ran.
-            row_b, waiting_b, step_b, steps = (
-                np.asarray(x) for x in jax.device_get((st.row_b, st.waiting_b, st.step_b, ran))
-            )
-            remaining -= int(steps)
+            # One read-back a chunk: its progress and, in episodes, the slots' rows,
+            # waits and steps.
+            looked = (st.row_b, st.waiting_b, st.step_b) if episodes else ()
+            *slots, progress = (np.asarray(x) for x in jax.device_get((*looked, progress)))
+            steps, busy, next_row = (int(x) for x in progress)
+            if episodes:
+                self._ask(st, *slots)
+                decoding = int(np.sum((slots[0] < self.rows) & ~slots[1]))
+                if not decoding and not self.pending:
+                    return self._episode_output(st, width)
+            elif not busy:
+                return _answer_output(st)
+            remaining -= steps
             if remaining <= 0:
-                new_state, new_version = published(self.params_fn)
+                new_state, new_version = _published(self.params_fn)
                 refresh = new_version != version
                 state, version, remaining = new_state, new_version, chunk_steps
-            self._ask(st, row_b, waiting_b, step_b)
-            decoding = int(np.sum((row_b < self.rows) & ~waiting_b))
-            if not decoding and not self.pending:
-                break
-            if not decoding:  # Every busy slot waits: wait for the first environment.
-                concurrent.futures.wait(
-                    [f for _, f in self.pending.values()],
-                    return_when=concurrent.futures.FIRST_COMPLETED,
-                )
-            st = self._answer(st, state, step_b)
+            if episodes:
+                if not decoding:  # Every busy slot waits: wait for the first environment.
+                    concurrent.futures.wait(
+                        [f for _, f in self.pending.values()],
+                        return_when=concurrent.futures.FIRST_COMPLETED,
+                    )
+                st = self._answer(st, state, slots[2])
+            elif next_row >= self.rows and busy <= (narrower := sampler.narrower_width(st)):
+                st, progress = sampler.compact(st, narrower), np.array([0, busy, next_row])
+                continue
             st, progress = sampler.run_chunk(
                 graphdef, state, st, self.prompts, version=version, budget=remaining,
                 refresh=refresh, turn_end_ids=turn_ids,
             )  # fmt: skip
-            ran, refresh = progress[0], False
-        return self._output(st, width)
+            refresh = False
 
     def _ask(self, st, row_b, waiting_b, step_b) -> None:
         """Hands each newly waiting slot's row to `respond` (or ends it at the turn limit)."""
@@ -228,7 +302,7 @@ class _HostLoop:
             self.observed_blocks += 1
         return st
 
-    def _output(self, st, width: int) -> EpisodeOutput:
+    def _episode_output(self, st, width: int) -> EpisodeOutput:
         started = max(int(jax.device_get(st.next_row)), width)
         return EpisodeOutput(
             tokens=st.tokens_rn,
@@ -242,6 +316,25 @@ class _HostLoop:
             turns=self.turns,
             prefill_tokens=started * self.prompt_len + self.observed_blocks * self.k,
         )
+
+
+def _answer_output(st) -> InflightSampleOutput:
+    return InflightSampleOutput(
+        tokens=st.tokens_rn,
+        completion_mask=st.mask_rn,
+        logps=st.logps_rn,
+        policy_logps=st.policy_logps_rn,
+        lengths=jnp.sum(st.mask_rn, axis=1, dtype=jnp.int32),
+        token_versions=st.versions_rn,
+    )
+
+
+def _published(params_fn) -> tuple[nnx.State, int]:
+    """`params_fn()`'s `(state, version)`, the version checked to be an int."""
+    state, version = params_fn()
+    if isinstance(version, bool) or not isinstance(version, int | np.integer):
+        raise ValueError(f"params_fn() returned version {version!r}; it must be an int.")
+    return state, int(version)
 
 
 def _turn_end_table(turn_end_ids) -> np.ndarray:

@@ -94,7 +94,7 @@ class DecodeSetup:
       latest_params: in-flight weight updates: a function returning the newest published
         `(params, version)` (`ParamStore.latest`). With it, a call starts with the params it
         was given and swaps to the newest version every `chunk_steps` decode steps
-        (`Sampler.sample_inflight`); each token's version is recorded in
+        (`EpisodeSampler.sample_inflight`); each token's version is recorded in
         `Rollout.token_versions` and the group's `policy_version` is its oldest token's.
       chunk_steps: decode steps between two looks at `latest_params` (and, in an episode,
         at the call's params).

@@ -20,7 +20,7 @@ reference on a small board actor. A thread in each actor waits on the board for 
 version (no polling); between decode chunks the actor's generator reads what that thread
 last saw and fetches and places it when it is newer than the params it holds, so a call
 started on version v may finish on a later one, and every token keeps its version
-(`Sampler.sample_inflight`).
+(`EpisodeSampler.sample_inflight`).
 
 Weight transfer is timed on both sides: `put_seconds()` (the learner's host copy and
 `ray.put`, per version) and `transfer_seconds()` (each actor's fetch and placement, per

@@ -14,6 +14,7 @@ from flax import nnx
 
 from gac_jax.models import SampleOutput, Sampler, left_pad
 from gac_jax.models.tokenizers import Tokenizer, decode_completion
+from gac_jax.rollout.episode_driver import EpisodeSampler
 
 
 def encode_prompt(tokenizer: Tokenizer, text: str, prompt_length: int, name: str) -> np.ndarray:
@@ -67,7 +68,7 @@ def generate(
       sampler: the run's `Sampler`.
       graphdef: the policy's.
       params_fn: `() -> (params, version)`: asked once, or by the sampler in flight
-        (`settings.inflight`, `Sampler.sample_inflight`).
+        (`settings.inflight`, `EpisodeSampler.sample_inflight`).
       prompts: R token lists, left-padded to `settings.prompt_length` with `pad_id`.
       key: sampling key.
       settings: see `SampleSettings`.
@@ -80,7 +81,7 @@ def generate(
         tokens, mask = settings.place_inputs(tokens, mask)
     sampling = dict(settings.sampling)
     if settings.inflight:
-        out = sampler.sample_inflight(
+        out = EpisodeSampler(sampler).sample_inflight(
             graphdef, params_fn, tokens, mask, key, chunk_steps=settings.chunk_steps, **sampling
         )
     else:

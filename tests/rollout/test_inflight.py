@@ -1,4 +1,4 @@
-"""Sampler.sample_inflight: chunked decode that swaps to newly published params.
+"""EpisodeSampler.sample_inflight: chunked decode that swaps to newly published params.
 
 The references here are independent of the sampler: a Python simulation of the slot
 schedule (which global decode step samples each token, hence its chunk and version), and
@@ -23,6 +23,7 @@ from gac_jax.models import (
     left_pad,
 )
 from gac_jax.models.scoring import per_token_logps
+from gac_jax.rollout.episode_driver import EpisodeSampler
 
 N_NEW = 12
 EOS = 2
@@ -121,7 +122,7 @@ def test_constant_params_equal_the_one_program_sampler(model, sampler, sampling,
     key = jax.random.key(3)
     want = sampler(graphdef, state, *batch, key, max_new_tokens=limits, **sampling)
     publisher = _Publisher([(state, 5)])
-    got = sampler.sample_inflight(
+    got = EpisodeSampler(sampler).sample_inflight(
         graphdef, publisher, *batch, key, chunk_steps=chunk_steps, max_new_tokens=limits, **sampling
     )
     assert isinstance(got, InflightSampleOutput)
@@ -147,7 +148,7 @@ def test_params_fn_called_once_per_chunk(model, sampler):
     want = sampler(graphdef, state, *batch, key, max_new_tokens=limits)
     for chunk_steps in (1, 2, 5):
         publisher = _Publisher([(state, 100 + i) for i in range(64)])
-        got = sampler.sample_inflight(
+        got = EpisodeSampler(sampler).sample_inflight(
             graphdef, publisher, *batch, key, chunk_steps=chunk_steps, max_new_tokens=limits
         )
         starts, decode_steps = _schedule(np.asarray(got.lengths), SLOTS)
@@ -236,7 +237,7 @@ def test_swapped_params_sample_with_their_version(sampler, versions, swaps):
     def version_of_chunk(c):
         return published[min(c, len(published) - 1)][1]
 
-    out = sampler.sample_inflight(
+    out = EpisodeSampler(sampler).sample_inflight(
         graphdef,
         publisher,
         *batch,
@@ -293,10 +294,10 @@ def test_bad_arguments_raise(model, sampler):
     graphdef, state = nnx.split(model)
     for chunk_steps in (0, 2.0, True):
         with pytest.raises(ValueError, match=f"chunk_steps={chunk_steps!r}"):
-            sampler.sample_inflight(
+            EpisodeSampler(sampler).sample_inflight(
                 graphdef, lambda: (state, 0), *batch, jax.random.key(0), chunk_steps=chunk_steps
             )
     with pytest.raises(ValueError, match="version '1'"):
-        sampler.sample_inflight(
+        EpisodeSampler(sampler).sample_inflight(
             graphdef, lambda: (state, "1"), *batch, jax.random.key(0), chunk_steps=2
         )

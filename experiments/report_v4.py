@@ -13,7 +13,9 @@
   ``v4_cell.png``.
 - ``v4_gac``: what each GAC variant did: steps projected and skipped, the median share of
   the norm removed on the steps it acted on, both cosines before and after.
-- ``v4_map``: naive asynchrony at each batch size and lag, with the gradient noise scale.
+- ``v4_map``: naive asynchrony at each batch size and lag, with the gradient noise scale:
+  the final pass@1 against its sync's, and the three candidate signals (`c_t`, the
+  per-step KL, the ESS ratio) over the run and over its first 40 steps, before the loss.
 - ``v4_theory`` (with ``--theory``; computed, no runs): the stability boundary of delayed
   gradient descent on a noisy quadratic (`gac_jax.toys.delayed_quadratic`), the largest
   step that still converges at each staleness, for SGD, Adam, Adam with less momentum and
@@ -49,13 +51,14 @@ def _methods(runs: dict) -> dict[str, list[dict]]:
     return runs_by_method(runs, lab.V4_ORDER, "v4")
 
 
-def _early_c_t(root: Path, seeds: list[dict]) -> float:
-    """The median c_t of steps 1 to `EARLY_STEPS` (steps with a gradient), over the seeds."""
+def _early(root: Path, seeds: list[dict], key: str = "gac_cosine") -> float:
+    """The median of metric `key` over steps 1 to `EARLY_STEPS` of the seeds' runs (for
+    `c_t`, the steps with a gradient: a step without one has no direction)."""
     values = [
-        r["gac_cosine"]
+        r[key]
         for s in seeds
         for r in read_metrics(root / s["label"] / f"seed{s['seed']}")[1 : EARLY_STEPS + 1]
-        if r.get("grad_norm", 0.0) > 0 and "gac_cosine" in r
+        if key in r and (key != "gac_cosine" or r.get("grad_norm", 0.0) > 0)
     ]
     return float(np.median(values)) if values else float("nan")
 
@@ -77,7 +80,7 @@ def cell(runs: dict, root: Path, out: Path) -> dict[str, str]:
                 sum(bool(s["collapsed"]) for s in seeds),
                 median_cell(seeds, "policy_kl_median"),
                 median_cell(seeds, "c_t_median"),
-                f"{_early_c_t(root, seeds):.3g}",
+                f"{_early(root, seeds):.3g}",
                 median_cell(seeds, "update_cosine_median"),
                 median_cell(seeds, "ess_ratio_median"),
                 *comparisons(name, seeds, methods, controls),
@@ -131,7 +134,7 @@ def gac(runs: dict) -> dict[str, str]:
     return {"v4_gac": markdown_table(header, rows, escape=False)}
 
 
-def alignment_map(runs: dict) -> dict[str, str]:
+def alignment_map(runs: dict, root: Path) -> dict[str, str]:
     cells = {}  # (prompts a step, lag) -> seeds, from the labels v4map/g<groups>/k<lag>.
     for label, seeds in runs.items():
         if label.startswith("v4map/"):
@@ -150,11 +153,14 @@ def alignment_map(runs: dict) -> dict[str, str]:
                 lag,
                 len(seeds),
                 ci_cell(final),
-                median_cell(seeds, "c_t_median"),
-                median_cell(seeds, "policy_kl_median"),
-                median_cell(seeds, "ess_ratio_median"),
-                median_cell(seeds, "b_simple"),
                 versus,
+                median_cell(seeds, "c_t_median"),
+                f"{_early(root, seeds):.3g}",
+                median_cell(seeds, "policy_kl_median"),
+                f"{_early(root, seeds, 'policy_change/kl'):.3g}",
+                median_cell(seeds, "ess_ratio_median"),
+                f"{_early(root, seeds, 'ess_ratio'):.3g}",
+                median_cell(seeds, "b_simple"),
             )
         )
     if not rows:
@@ -164,11 +170,14 @@ def alignment_map(runs: dict) -> dict[str, str]:
         "k",
         "seeds",
         "final pass@1",
-        "c_t",
-        "per-step KL",
-        "ESS ratio",
-        "B_simple (tokens)",
         "vs its sync",
+        "c_t",
+        "c_t, steps 1-40",
+        "per-step KL",
+        "KL, steps 1-40",
+        "ESS ratio",
+        "ESS, steps 1-40",
+        "B_simple (tokens)",
     )
     return {"v4_map": markdown_table(header, rows, escape=False)}
 
@@ -251,7 +260,7 @@ def main(argv=None) -> dict[str, str]:
     if args.root.exists():
         found = [s for s in load_summaries(args.root) if s["label"].startswith("v4")]
         runs = by_label(found)
-    blocks = {**cell(runs, args.root, args.out), **gac(runs), **alignment_map(runs)}
+    blocks = {**cell(runs, args.root, args.out), **gac(runs), **alignment_map(runs, args.root)}
     if args.theory:
         blocks.update(theory(args.out))
     publish(blocks, args.results_md)

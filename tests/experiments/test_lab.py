@@ -156,7 +156,11 @@ def test_the_v4_tables_are_the_runs_numbers(quick_lab):
     assert row[3] == f"{gac['skip_fraction']:.3f}"
     assert row[-1] == f"{gac['update_cosine_median']:.3g}"
     mapped = _summary(lagged, "v4map/g2/k2")
-    assert _row(_block(text, "v4_map"), "2", "2")[3] == f"{mapped['final_accuracy']:.3f}"
+    map_row = _row(_block(text, "v4_map"), "2", "2")
+    assert map_row[3] == f"{mapped['final_accuracy']:.3f}"
+    records = read_metrics(lagged / "v4map/g2/k2" / "seed0")[1:41]  # Before the loss.
+    early_kl = np.median([r["policy_change/kl"] for r in records])
+    assert map_row[8] == f"{early_kl:.3g}" and map_row[7] == f"{mapped['policy_kl_median']:.3g}"
     assert (out / "v4_cell.png").stat().st_size > 1000
 
 

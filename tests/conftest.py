@@ -31,18 +31,7 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 import jax  # noqa: E402
 
-from gac_jax.train.plan import with_cheap_cpu_compiles  # noqa: E402
-
 jax.config.update("jax_numpy_rank_promotion", "raise")
-# This process's backend starts here, with the flags above: the in-process tests run the
-# code users get (several compare float32 against tolerances of a few ulps). The processes
-# the suite starts (laboratory, CLI, benchmark and notebook runs, which inherit the
-# variable) compile with LLVM's optimisations off: compiling dominates them, and for these
-# tiny models the optimisations only cost time (a laboratory run's train step compiled in
-# 8.3 s instead of 15.2, its samplers in 0.6 of the time; its metrics moved in the sixth
-# significant digit, its rewards and evaluations did not).
-jax.devices()
-os.environ["XLA_FLAGS"] = with_cheap_cpu_compiles(os.environ["XLA_FLAGS"])
 
 from hypothesis import HealthCheck, settings  # noqa: E402
 
@@ -78,8 +67,8 @@ def free_port() -> int:
 
 def process_env(local_devices: int | None) -> dict[str, str]:
     """This environment for a child process without conftest's 8 fake devices (with
-    `local_devices` of its own, or none set: the process sets them), LLVM's optimisations
-    off as for every process the suite starts."""
+    `local_devices` of its own, or none set: the process sets them) and LLVM's
+    optimisations off (compile time dominates short runs)."""
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO))
     flags = [
         f
@@ -88,6 +77,7 @@ def process_env(local_devices: int | None) -> dict[str, str]:
     ]
     if local_devices is not None:
         flags.append(f"--xla_force_host_platform_device_count={local_devices}")
+    flags.append("--xla_backend_optimization_level=0")
     env["XLA_FLAGS"] = " ".join(flags)
     return env
 

@@ -304,13 +304,9 @@ class _HostLoop:
 
     def _episode_output(self, st, width: int) -> EpisodeOutput:
         started = max(int(jax.device_get(st.next_row)), width)
+        answers = _answer_output(st)
         return EpisodeOutput(
-            tokens=st.tokens_rn,
-            completion_mask=st.mask_rn,
-            logps=st.logps_rn,
-            policy_logps=st.policy_logps_rn,
-            lengths=jnp.sum(st.mask_rn, axis=1, dtype=jnp.int32),
-            token_versions=st.versions_rn,
+            **{f.name: getattr(answers, f.name) for f in dataclasses.fields(answers)},
             observation_mask=st.observed_rn,
             episode_lengths=jnp.sum(st.mask_rn | st.observed_rn, axis=1, dtype=jnp.int32),
             turns=self.turns,

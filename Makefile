@@ -54,16 +54,16 @@ bench-async: $(TEST_STAMP)
 bench-tools: $(TEST_STAMP)
 	$(BIN)/python benchmarks/tool_episodes.py
 
-# The learner's MFU, the sampler against its bandwidth roofline and GAC + ESS against AdamW
-# on whatever backend JAX finds (a GPU or TPU: full shapes), then the one-GPU 0.6B preset's
-# steps at its real shapes against `plan`. Writes benchmarks/results/{accelerator,
+# The one-GPU 0.6B preset's steps at its real shapes against `plan`, then the learner's MFU,
+# the sampler against its bandwidth roofline and GAC + ESS against AdamW on whatever backend
+# JAX finds (a GPU or TPU: full shapes). Writes benchmarks/results/{accelerator,
 # real_shapes}.{json,md}. On the offline accelerator machine, with the wheels of
 # benchmarks/accelerator_wheels.sh installed: `make bench-accelerator ACCEL_PYTHON=python3`
 # (that interpreter, this tree on its path, nothing installed).
 ACCEL_PYTHON ?=
 bench-accelerator: $(if $(ACCEL_PYTHON),,$(STAMP))
-	PYTHONPATH=. $(or $(ACCEL_PYTHON),$(BIN)/python) benchmarks/accelerator.py
 	PYTHONPATH=. $(or $(ACCEL_PYTHON),$(BIN)/python) benchmarks/real_shapes.py
+	PYTHONPATH=. $(or $(ACCEL_PYTHON),$(BIN)/python) benchmarks/accelerator.py
 
 # Tunix goes into its own environment (.venv-bench), created by the script itself.
 bench-tunix:

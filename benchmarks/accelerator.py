@@ -215,6 +215,7 @@ def bench_sampler(decode: dict, shape: dict, rounds: int, bandwidth: float) -> l
                 "compile_s": first - seconds,
             }
         )
+        print(f"sampler row: {json.dumps(rows[-1])}", flush=True)
     return rows
 
 
@@ -279,24 +280,26 @@ def markdown(result: dict) -> str:
         f"Commit {result['commit']}, `{result['command']}`.\n\n"
     )
     lines = ["| measurement | figure | against | compile s |", "|---|---|---|---|"]
-    learner = result["learner"]
-    lines.append(
-        f"| {learner['what']} | {learner['tokens_per_s']:.0f} tokens/s "
-        f"({learner['step_ms']:.1f} ms) | MFU {100 * learner['mfu']:.1f}% | "
-        f"{learner['compile_s']:.1f} |"
-    )
-    for row in result["sampler"]:
+    learner = result.get("learner")
+    if learner:
+        lines.append(
+            f"| {learner['what']} | {learner['tokens_per_s']:.0f} tokens/s "
+            f"({learner['step_ms']:.1f} ms) | MFU {100 * learner['mfu']:.1f}% | "
+            f"{learner['compile_s']:.1f} |"
+        )
+    for row in result.get("sampler", ()):
         lines.append(
             f"| {row['what']} | {row['tokens_per_s']:.0f} tokens/s | "
             f"{100 * row['fraction_of_roofline']:.1f}% of the bandwidth roofline "
             f"({row['roofline_tokens_per_s']:.0f}) | {row['compile_s']:.1f} |"
         )
-    update = result["update"]
-    lines.append(
-        f"| {update['what']} | GAC + ESS {update['gac_ess_ms']:.2f} ms | AdamW "
-        f"{update['adamw_ms']:.2f} ms: {100 * update['gac_ess_added_over_adamw']:+.0f}% | "
-        f"{update['compile_s']:.1f} |"
-    )
+    update = result.get("update")
+    if update:
+        lines.append(
+            f"| {update['what']} | GAC + ESS {update['gac_ess_ms']:.2f} ms | AdamW "
+            f"{update['adamw_ms']:.2f} ms: {100 * update['gac_ess_added_over_adamw']:+.0f}% | "
+            f"{update['compile_s']:.1f} |"
+        )
     return head + "\n".join(lines) + "\n"
 
 
@@ -305,7 +308,14 @@ def main(argv=None) -> dict:
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, one round")
     parser.add_argument("--rounds", type=int, default=None, help="timed rounds (default 5)")
     parser.add_argument("--out", default="benchmarks/results/accelerator", help="path stem")
+    parser.add_argument(
+        "--parts", default="learner,sampler,update", help="which measurements, in this order"
+    )
     args = parser.parse_args(argv)
+    parts = args.parts.split(",")
+    unknown = sorted(set(parts) - {"learner", "sampler", "update"})
+    if unknown:
+        parser.error(f"--parts={args.parts}: unknown {unknown}; expected learner, sampler, update")
     shape, decode = (SMOKE, SMOKE_DECODE) if args.smoke else (FULL, FULL_DECODE)
     rounds = args.rounds or (1 if args.smoke else 5)
     kind, peak, bandwidth, source = device_peaks()
@@ -320,12 +330,13 @@ def main(argv=None) -> dict:
         "command": "python benchmarks/accelerator.py" + (" --smoke" if args.smoke else ""),
     }
     # Each part printed as it ends, so that a run cut off by a time limit keeps what it did.
-    for part, measure in (
-        ("learner", lambda: bench_learner(shape, rounds, peak)),
-        ("sampler", lambda: bench_sampler(decode, shape, rounds, bandwidth)),
-        ("update", lambda: bench_update(shape, max(rounds, 3))),
-    ):
-        result[part] = measure()
+    measures = {
+        "learner": lambda: bench_learner(shape, rounds, peak),
+        "sampler": lambda: bench_sampler(decode, shape, rounds, bandwidth),
+        "update": lambda: bench_update(shape, max(rounds, 3)),
+    }
+    for part in parts:
+        result[part] = measures[part]()
         print(f"{part}: {json.dumps(result[part])}", flush=True)
     write_result(Path(args.out), result, markdown(result))
     return result

@@ -141,7 +141,7 @@ def peak_bytes_in_use() -> float | None:
     return None if peak is None else peak / GIB
 
 
-def measure(preset: str, steps: int, smoke: bool, work: Path) -> dict:
+def measure(preset: str, steps: int, smoke: bool, work: Path, on_partial=print) -> dict:
     base = get_preset(preset, validate=False)
     data_dir = work / "tfds"
     rows = write_data(data_dir)
@@ -154,17 +154,27 @@ def measure(preset: str, steps: int, smoke: bool, work: Path) -> dict:
     model_config = write_checkpoint(checkpoint, config.model, texts)
     config = apply_overrides(config, [f"init={checkpoint}"])
     config.validate()
-    started = time.perf_counter()
-    predicted = plan(config)
-    plan_seconds = time.perf_counter() - started
+    # The run first, then `plan`: on an accelerator both compile for minutes, and a call cut
+    # off by its time limit keeps the run's figures (written before `plan` starts).
     started = time.perf_counter()
     train(config, work / "run")
     train_seconds = time.perf_counter() - started
     records = read_metrics(work / "run" / "metrics.jsonl")[1:]  # The first step compiles.
-    return summarize(config, model_config, predicted, plan_seconds, train_seconds, records)
+    result = summarize(config, model_config, train_seconds, records)
+    result["measured_peak_gib"] = peak_bytes_in_use()  # The run's, before plan compiles.
+    on_partial(result)
+    started = time.perf_counter()
+    predicted = plan(config)
+    result.update(
+        plan_learner_peak_gib=predicted["learner"]["peak_gib"],
+        plan_sampler_peak_gib=predicted["sampler"]["peak_gib"],
+        plan_tflops_per_step=predicted["learner"]["tflops_per_step"],
+        plan_seconds=time.perf_counter() - started,
+    )
+    return result
 
 
-def summarize(config, model_config, predicted, plan_seconds, train_seconds, records) -> dict:
+def summarize(config, model_config, train_seconds, records) -> dict:
     kind, peak_flops, _, source = device_peaks()
     g = config.generation
     # A synchronous step: waiting for its batch (sampling) then the learner's update.
@@ -185,11 +195,6 @@ def summarize(config, model_config, predicted, plan_seconds, train_seconds, reco
         "learner_seconds": statistics.median(r["train_seconds"] for r in records),
         "learner_mfu": flops / statistics.median(r["train_seconds"] for r in records) / peak_flops,
         "generated_tokens": statistics.median(r["generated_tokens"] for r in records),
-        "measured_peak_gib": peak_bytes_in_use(),
-        "plan_learner_peak_gib": predicted["learner"]["peak_gib"],
-        "plan_sampler_peak_gib": predicted["sampler"]["peak_gib"],
-        "plan_tflops_per_step": predicted["learner"]["tflops_per_step"],
-        "plan_seconds": plan_seconds,
         "train_seconds": train_seconds,
     }
 
@@ -202,6 +207,14 @@ def markdown(result: dict) -> str:
     measured = result["measured_peak_gib"]
     memory = "not reported by this backend" if measured is None else f"{measured:.1f} GiB"
     rows, width = result["batch"]
+    if "plan_seconds" in result:
+        planned = (
+            f"; plan: learner {result['plan_learner_peak_gib']:.3g} GiB, "
+            f"sampler {result['plan_sampler_peak_gib']:.3g} GiB"
+        )
+        plan_row = f"{result['plan_seconds']:.0f} s; {result['plan_tflops_per_step']:.3g} TFLOPs a step"
+    else:
+        planned, plan_row = "", "not finished (the run's figures were written before it began)"
     return (
         f"Real shapes ({result['preset']}), random weights, on {result['device']} "
         f"({result['backend']}); commit {result['commit']}, `{result['command']}`.\n\n"
@@ -212,11 +225,9 @@ def markdown(result: dict) -> str:
         f"({result['generated_tokens']:.0f} a step) |\n"
         f"| learner | {result['learner_seconds']:.2f} s, MFU "
         f"{100 * result['learner_mfu']:.1f}% (peaks {result['peak_source']}) |\n"
-        f"| peak memory | {memory}; plan: learner {result['plan_learner_peak_gib']:.3g} GiB, "
-        f"sampler {result['plan_sampler_peak_gib']:.3g} GiB |\n"
-        f"| plan | {result['plan_seconds']:.0f} s; {result['plan_tflops_per_step']:.3g} "
-        f"TFLOPs a step |\n"
+        f"| peak memory | {memory}{planned} |\n"
         f"| train, all {result['timed_steps'] + 1} steps | {result['train_seconds']:.0f} s |\n"
+        f"| plan | {plan_row} |\n"
     )
 
 
@@ -229,10 +240,15 @@ def main(argv=None) -> dict:
     args = parser.parse_args(argv)
     if args.steps < 1:
         parser.error(f"--steps={args.steps}: expected at least 1 timed step")
+    command = "python benchmarks/real_shapes.py " + " ".join(argv or sys.argv[1:])
+
+    def write(result: dict) -> None:
+        result["command"] = command
+        write_result(Path(args.out), result, markdown(result))
+
     with tempfile.TemporaryDirectory(prefix="real_shapes_") as work:
-        result = measure(args.preset, args.steps, args.smoke, Path(work))
-    result["command"] = "python benchmarks/real_shapes.py " + " ".join(argv or sys.argv[1:])
-    write_result(Path(args.out), result, markdown(result))
+        result = measure(args.preset, args.steps, args.smoke, Path(work), on_partial=write)
+    write(result)
     return result
 
 

@@ -212,7 +212,9 @@ def markdown(result: dict) -> str:
             f"; plan: learner {result['plan_learner_peak_gib']:.3g} GiB, "
             f"sampler {result['plan_sampler_peak_gib']:.3g} GiB"
         )
-        plan_row = f"{result['plan_seconds']:.0f} s; {result['plan_tflops_per_step']:.3g} TFLOPs a step"
+        plan_row = (
+            f"{result['plan_seconds']:.0f} s; {result['plan_tflops_per_step']:.3g} TFLOPs a step"
+        )
     else:
         planned, plan_row = "", "not finished (the run's figures were written before it began)"
     return (

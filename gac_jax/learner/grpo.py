@@ -81,9 +81,10 @@ class GRPOLearner(ShardedLearner):
             config=self.config,
             row_sharding=NamedSharding(mesh, P(BATCH_AXES)),
         )
-        step = self._make_step()  # Validates the config, with the loss.
-        super().__init__(model, tx, mesh, step, num_extra=2, rules=rules, trainable=trainable)
-        self._steps = {self.config.micro_batches: self._step}  # By micro-batch count.
+        self.config.validate(self.objective.config)  # Before any array is placed.
+        super().__init__(model, tx, mesh, rules=rules, trainable=trainable)
+        self._steps = {}  # The compiled steps by micro-batch count.
+        self._step = self.step_for(self.config.micro_batches)
         self.reference = self._place_reference(reference, trainable)
 
     def _place_reference(self, reference, trainable):
@@ -108,7 +109,7 @@ class GRPOLearner(ShardedLearner):
         """The jitted step that splits a batch into `micro_batches` (compiled once)."""
         if micro_batches not in self._steps:
             step = self._make_step(micro_batches=micro_batches)
-            self._steps[micro_batches] = self.compile_step(step)
+            self._steps[micro_batches] = self.compile_step(step, num_extra=2)
         return self._steps[micro_batches]
 
     def budget_micro_batches(self, rows: int, width: int) -> int:

@@ -77,10 +77,6 @@ class ShardedLearner:
       model: a `gac_jax.models.Decoder` (its params are resharded onto `mesh`).
       tx: the optimizer chain.
       mesh: a mesh with axes ("data", "fsdp", "tensor").
-      step: ``step(params, opt_state, batch, *extra) -> (params, opt_state, metrics)``;
-        the batch's leaves are split by rows over ("data", "fsdp"), `extra` arguments
-        and the metrics are replicated.
-      num_extra: how many `extra` arguments the step takes.
       rules: logical-to-mesh sharding rules.
       trainable: None (every param trains), or an nnx filter of the params that train
         (`gac_jax.models.lora.lora_filter`): `params` (what the optimizer, GAC and ESS
@@ -93,9 +89,7 @@ class ShardedLearner:
         model: nnx.Module,
         tx: optax.GradientTransformation,
         mesh: Mesh,
-        step,
         *,
-        num_extra: int = 0,
         rules: ShardingRules | None = None,
         trainable=None,
     ):
@@ -127,8 +121,6 @@ class ShardedLearner:
         kept = _replaced_leaves(self.opt_state)
         self._kept = tuple(i for i in range(len(leaves)) if i in kept)
         self._donated = tuple(i for i in range(len(leaves)) if i not in kept)
-        self._num_extra = num_extra
-        self._step = self.compile_step(step)
 
     def _place_frozen(self, frozen):
         """The frozen params on their shardings (abstract ones kept abstract), or None."""
@@ -140,8 +132,12 @@ class ShardedLearner:
             return with_shardings(frozen, self.frozen_shardings)
         return jax.device_put(frozen, self.frozen_shardings)
 
-    def compile_step(self, step):
-        """`step` jitted with this learner's shardings and donation (see the class doc)."""
+    def compile_step(self, step, num_extra: int = 0):
+        """`step` jitted with this learner's shardings and donation (see the class doc):
+        ``step(params, opt_state, batch, *extra) -> (params, opt_state, metrics)`` with
+        `num_extra` `extra` arguments; the batch's leaves are split by rows over ("data",
+        "fsdp"), the `extra` arguments and the metrics are replicated. A subclass sets
+        ``self._step`` to one, the step `run_step` runs by default."""
         opt_sharding_leaves = self._opt_treedef.flatten_up_to(self.opt_shardings)
 
         def split_step(params, donated, kept, frozen, batch, *extra):
@@ -155,7 +151,7 @@ class ShardedLearner:
             split_step,
             in_shardings=(self.param_shardings, *shardings, self.frozen_shardings)
             + (self.batch_sharding,)
-            + (None,) * self._num_extra,
+            + (None,) * num_extra,
             out_shardings=(self.param_shardings, *shardings, self.replicated),
             donate_argnums=(0, 1),
         )

@@ -17,6 +17,14 @@ shuffled (a key folded from `shuffle_seed`, the learner version and the epoch), 
 `mini_batches` strided mini-batches, and each mini-batch is one optimizer step, its
 gradient accumulated over `micro_batches`. Per-update metrics come back stacked [U] (U =
 epochs x mini_batches); with U = 1 every metric is a scalar, as before.
+
+The path of one batch, six calls from the run to the optimizer: `Run.step` ->
+`GRPOLearner.step` (token budget, placement) -> `ShardedLearner.run_step` (the jitted
+`split_step`: donation) -> `_train_step` (this module: the batch's log-probs, advantages,
+epochs and mini-batches) -> `update` (`make_update`: one optimizer step's gradient) ->
+``tx.update``, its result kept or dropped by `apply_if_finite`. Metrics: an optimizer step's
+in `update` (and the guard's norms and chain statistics in `apply_if_finite`), the batch's
+in `_batch_metrics` and `_prepare`, the host's timings and queues in `Run.step`.
 """
 
 from __future__ import annotations

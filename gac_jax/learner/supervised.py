@@ -15,7 +15,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from gac_jax.learner.learner import ShardedLearner
-from gac_jax.learner.update import guarded_update
+from gac_jax.learner.update import apply_if_finite
 from gac_jax.models import ShardingRules, per_token_logps
 from gac_jax.numerics import masked_mean
 
@@ -51,7 +51,10 @@ def make_supervised_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformatio
 
         loss, grads = jax.value_and_grad(loss_fn)(params)
         # The RL step's guard: a non-finite loss, gradient or update leaves the state as is.
-        params, opt_state, metrics = guarded_update(tx, grads, opt_state, params, loss)
+        updates, new_opt_state = tx.update(grads, opt_state, params)
+        params, opt_state, metrics = apply_if_finite(
+            params, opt_state, grads, updates, new_opt_state, loss
+        )
         return params, opt_state, {"loss": loss, **metrics}
 
     return step
@@ -75,8 +78,8 @@ class SupervisedLearner(ShardedLearner):
         *,
         rules: ShardingRules | None = None,
     ):
-        step = make_supervised_step(nnx.graphdef(model), tx)
-        super().__init__(model, tx, mesh, step, rules=rules)
+        super().__init__(model, tx, mesh, rules=rules)
+        self._step = self.compile_step(make_supervised_step(self.graphdef, tx))
 
     def step(self, batch: dict[str, np.ndarray]) -> dict[str, float]:
         """One update on host rows ``{"tokens", "mask", "loss_mask"}``; returns metrics."""

@@ -87,9 +87,11 @@ def _chain_statistics(opt_state) -> dict[str, jax.Array]:
     return metrics
 
 
-def guarded_update(tx, grads, opt_state, params, loss, rewards=None, **extra_args):
-    """Applies `tx`'s update unless the loss, gradient norm or update norm is non-finite,
-    or a reward is (GRPO would zero that group's advantages and train on silently).
+def apply_if_finite(params, opt_state, grads, updates, new_opt_state, loss, rewards=None):
+    """`updates` applied to `params` and `new_opt_state` taken (the result of
+    ``tx.update(grads, opt_state, params)``) unless the loss, gradient norm or update norm
+    is non-finite, or a reward is (GRPO would zero that group's advantages and train on
+    silently).
 
     Returns `(params, opt_state, metrics)`; the metrics hold `nonfinite_step` (1.0 if the
     step was skipped), the norms and the chain's statistics of this update. A select inside
@@ -98,7 +100,6 @@ def guarded_update(tx, grads, opt_state, params, loss, rewards=None, **extra_arg
     old ones bit for bit (Adam moments, GAC's reference and counters, ESS state) when it is
     not, so one poisoned batch costs one skipped step, not the run.
     """
-    updates, new_opt_state = tx.update(grads, opt_state, params, **extra_args)
     grad_norm, update_norm = optax.tree.norm(grads), optax.tree.norm(updates)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & jnp.isfinite(update_norm)
     if rewards is not None:
@@ -230,15 +231,12 @@ def make_update(
         # Diagnostics of the whole mini-batch, from the log-probs the update saw.
         _, aux, _ = rows_loss(rows, logp, entropy, inputs, statistics)
         log_w = objectives.sequence_log_ratio(logp, rows.behaviour_logp, rows.loss_mask)
-        params, opt_state, update_metrics = guarded_update(
-            tx,
-            grads,
-            opt_state,
-            params,
-            total,
-            rows.rewards,
-            log_importance_weights=log_w,
-            sequence_mask=jnp.any(rows.loss_mask, axis=1),
+        mask = jnp.any(rows.loss_mask, axis=1)
+        updates, new_opt_state = tx.update(
+            grads, opt_state, params, log_importance_weights=log_w, sequence_mask=mask
+        )
+        params, opt_state, update_metrics = apply_if_finite(
+            params, opt_state, grads, updates, new_opt_state, total, rows.rewards
         )
         metrics = {
             "loss": total,

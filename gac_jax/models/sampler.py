@@ -138,6 +138,13 @@ class SlotState:
     waiting_b: jax.Array | None = None
     observed_rn: jax.Array | None = None
 
+    def output(self, cls: type, **extra):
+        """The rows' outputs so far as `cls` (`SampleOutput` or a subclass: `extra` holds
+        its other fields)."""
+        lengths = jnp.sum(self.mask_rn, axis=1, dtype=jnp.int32)
+        outputs = (self.tokens_rn, self.mask_rn, self.logps_rn, self.policy_logps_rn, lengths)
+        return cls(*outputs, **extra)
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
@@ -565,7 +572,7 @@ class Sampler:
         while True:
             s, _ = self._decode_loop(graphdef, state, s, inputs, no_budget)
             if not _narrower(s.row_b.shape[0]):
-                return _output(s, SampleOutput)
+                return s.output(SampleOutput)
             s = _compacted(s, _narrower(s.row_b.shape[0]))
 
     def _start_program(self, graphdef, state, prompt_tokens, prompt_mask, episodes):
@@ -866,17 +873,6 @@ def _feed(model, tokens_b, positions_b, busy_b, cache) -> tuple[jax.Array, dict]
 def _row_keys(key: jax.Array, rows: int) -> jax.Array:
     """[R] keys, row r's `fold_in(key, r)`: a row's draws do not depend on its slot."""
     return jax.vmap(jax.random.fold_in, (None, 0))(key, jnp.arange(rows, dtype=jnp.int32))
-
-
-def _output(s: SlotState, cls: type, **extra):
-    return cls(
-        tokens=s.tokens_rn,
-        completion_mask=s.mask_rn,
-        logps=s.logps_rn,
-        policy_logps=s.policy_logps_rn,
-        lengths=jnp.sum(s.mask_rn, axis=1, dtype=jnp.int32),
-        **extra,
-    )
 
 
 def _progress(s: SlotState, steps) -> jax.Array:

@@ -246,7 +246,7 @@ class _HostLoop:
                 if not decoding and not self.pending:
                     return self._episode_output(st, width)
             elif not busy:
-                return _answer_output(st)
+                return st.output(InflightSampleOutput, token_versions=st.versions_rn)
             remaining -= steps
             if remaining <= 0:
                 new_state, new_version = _published(self.params_fn)
@@ -304,25 +304,14 @@ class _HostLoop:
 
     def _episode_output(self, st, width: int) -> EpisodeOutput:
         started = max(int(jax.device_get(st.next_row)), width)
-        answers = _answer_output(st)
-        return EpisodeOutput(
-            **{f.name: getattr(answers, f.name) for f in dataclasses.fields(answers)},
+        return st.output(
+            EpisodeOutput,
+            token_versions=st.versions_rn,
             observation_mask=st.observed_rn,
             episode_lengths=jnp.sum(st.mask_rn | st.observed_rn, axis=1, dtype=jnp.int32),
             turns=self.turns,
             prefill_tokens=started * self.prompt_len + self.observed_blocks * self.k,
         )
-
-
-def _answer_output(st) -> InflightSampleOutput:
-    return InflightSampleOutput(
-        tokens=st.tokens_rn,
-        completion_mask=st.mask_rn,
-        logps=st.logps_rn,
-        policy_logps=st.policy_logps_rn,
-        lengths=jnp.sum(st.mask_rn, axis=1, dtype=jnp.int32),
-        token_versions=st.versions_rn,
-    )
 
 
 def _published(params_fn) -> tuple[nnx.State, int]:

@@ -51,7 +51,7 @@ from flax import nnx
 
 from gac_jax._locks import exclusive_lock
 from gac_jax._validation import check_int
-from gac_jax.learner import SupervisedLearner
+from gac_jax.learner import OptimizerConfig, SupervisedLearner, make_optimizer
 from gac_jax.learner.supervised import masked_nll, sft_loss
 from gac_jax.models import (
     CharTokenizer,
@@ -245,16 +245,18 @@ def _task_texts(task: Task, examples, count: int = 0):
 
 @functools.lru_cache(maxsize=8)
 def _optimizer(config: SFTConfig) -> optax.GradientTransformation:
-    schedule = optax.warmup_cosine_decay_schedule(
-        init_value=0.0,
-        peak_value=config.learning_rate,
-        warmup_steps=min(config.warmup_steps, config.steps - 1),
-        decay_steps=config.steps,
-        end_value=0.1 * config.learning_rate,
-    )
-    return optax.chain(
-        optax.clip_by_global_norm(config.clip_norm),
-        optax.adamw(schedule, weight_decay=config.weight_decay),
+    """The run's chain (`make_optimizer`: clip, AdamW under GAC's monitor), warm-up and
+    cosine decay to 10% of the peak rate."""
+    return make_optimizer(
+        OptimizerConfig(
+            learning_rate=config.learning_rate,
+            weight_decay=config.weight_decay,
+            clip_norm=config.clip_norm,
+            schedule="warmup_cosine",
+            warmup_steps=min(config.warmup_steps, config.steps - 1),
+            decay_steps=config.steps,
+            end_lr_ratio=0.1,
+        )
     )
 
 

@@ -19,22 +19,18 @@ Answers are read up to the first newline and scored by `gac_jax.tasks.rewards`
 
 from __future__ import annotations
 
+import operator
 import random
 from typing import NamedTuple
 
 from gac_jax.tasks.rewards import numeric_reward
 
-__all__ = [
-    "OPERATORS",
-    "ArithmeticProblem",
-    "arithmetic_reward",
-    "format_prompt",
-    "sample_problem",
-    "scratchpad",
-]
+__all__ = ["OPERATORS", "ArithmeticProblem", "arithmetic_reward", "format_prompt",
+           "sample_problem", "scratchpad"]  # fmt: skip
 
 #: The supported operators.
 OPERATORS = ("+", "-", "*")
+_APPLY = {"+": operator.add, "-": operator.sub, "*": operator.mul}
 
 
 class ArithmeticProblem(NamedTuple):
@@ -44,16 +40,6 @@ class ArithmeticProblem(NamedTuple):
     op: str  # one of OPERATORS
     b: int  # second operand
     answer: int  # a op b
-
-
-def _apply(a: int, op: str, b: int) -> int:
-    if op == "+":
-        return a + b
-    if op == "-":
-        return a - b
-    if op == "*":
-        return a * b
-    raise ValueError(f"Unknown operator {op!r}; expected one of {OPERATORS}.")
 
 
 def sample_problem(rng: random.Random, *, op: str, digits: int) -> ArithmeticProblem:
@@ -78,7 +64,7 @@ def sample_problem(rng: random.Random, *, op: str, digits: int) -> ArithmeticPro
     a, b = rng.randint(low, high), rng.randint(low, high)
     if op == "-" and a < b:
         a, b = b, a
-    return ArithmeticProblem(a, op, b, _apply(a, op, b))
+    return ArithmeticProblem(a, op, b, _APPLY[op](a, b))
 
 
 def format_prompt(a: int, op: str, b: int) -> str:
@@ -146,7 +132,7 @@ def scratchpad(a: int, op: str, b: int) -> str:
     steps = {"+": _add_steps, "-": _sub_steps, "*": _mul_steps}.get(op)
     if steps is None:
         raise ValueError(f"Unknown operator {op!r}; expected one of {OPERATORS}.")
-    return ";".join([*steps(a, b), str(_apply(a, op, b))])
+    return ";".join([*steps(a, b), str(_APPLY[op](a, b))])
 
 
 def arithmetic_reward(completion: str, answer: int) -> float:

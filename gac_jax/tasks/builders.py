@@ -19,9 +19,6 @@ Example::
     builder = Countdown(config="n3_max20", data_dir="/tmp/tfds")
     test = prepare_source(builder, "test")
     test[0]  # e.g. {'numbers': array([3, 5, 7], dtype=int32), 'target': 22, 'solution': b'5*3+7'}
-
-Over 450 lines because it holds every embedded task's tfds builder (countdown,
-arithmetic, calculator, GSM8K), each small, on one shared local-builder base.
 """
 
 from __future__ import annotations
@@ -31,7 +28,7 @@ import dataclasses
 import logging
 import random
 import sys
-from collections.abc import Callable, Hashable, Iterator, Sequence
+from collections.abc import Hashable, Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -43,14 +40,8 @@ from gac_jax._quiet import absl_records_dropped
 from gac_jax.tasks import arithmetic, calculator, countdown
 from gac_jax.tasks.gsm8k import GSM8K_FILES
 
-__all__ = [
-    "Arithmetic",
-    "ArithmeticConfig",
-    "Countdown",
-    "CountdownConfig",
-    "Gsm8k",
-    "prepare_source",
-]
+__all__ = ["Arithmetic", "ArithmeticConfig", "Countdown", "CountdownConfig", "Gsm8k",
+           "prepare_source"]  # fmt: skip
 
 _FILE_FORMAT = "array_record"
 
@@ -62,54 +53,66 @@ def _unprepared_notice(record: logging.LogRecord) -> bool:
     return record.msg == "Variant folder %s has no %s" and "dataset_info" in str(record.args)
 
 
-def _distinct_problems(
-    sample: Callable[[random.Random], object],
-    key: Callable[[object], Hashable],
-    count: int,
-    seed: int,
-    what: str,
-) -> list:
-    """`count` problems with distinct keys, drawn in order from ``random.Random(seed)``."""
-    rng = random.Random(seed)
-    seen: set = set()
-    problems = []
-    max_draws = 50 * count + 1000
-    draws = 0
-    while len(problems) < count:
-        if draws >= max_draws:
-            raise ValueError(
-                f"{what}: found only {len(problems)} distinct problems in {draws} draws, "
-                f"{count} requested; lower num_train/num_test or widen the ranges."
-            )
-        problem = sample(rng)
-        draws += 1
-        k = key(problem)
-        if k not in seen:
-            seen.add(k)
-            problems.append(problem)
-    return problems
-
-
-def _check_sizes(config) -> None:
-    if config.num_train < 1 or config.num_test < 1:
-        raise ValueError(
-            f"Config {config.name!r}: num_train and num_test must be >= 1, "
-            f"got num_train={config.num_train}, num_test={config.num_test}."
-        )
-
-
 class _LocalBuilder(tfds.core.GeneratorBasedBuilder, skip_registration=True):
-    """Shared by the synthetic builders: array_record files, train/test from one stream."""
+    """Shared by the synthetic builders: array_record files, train/test from one stream.
+
+    A subclass states its `DESCRIPTION` and `FEATURES` (each feature's numpy dtype, `str`
+    for text), draws a problem with `_sample`, and may override `_key` (when two problems
+    are the same), `_features` and `_example` (a problem's fields by default).
+    """
 
     VERSION = tfds.core.Version("1.0.0")
     RELEASE_NOTES = {"1.0.0": "Initial release."}
+    DESCRIPTION: str
+    FEATURES: dict
 
     def __init__(self, *, file_format: str | None = _FILE_FORMAT, **kwargs):
         with absl_records_dropped(_unprepared_notice):
             super().__init__(file_format=file_format, **kwargs)
 
-    def _problems(self) -> list:
+    def _info(self) -> tfds.core.DatasetInfo:
+        return self.dataset_info_from_configs(
+            description=f"{self.DESCRIPTION} Generated locally and deterministically.",
+            features=tfds.features.FeaturesDict(self._features()),
+            supervised_keys=None,
+        )
+
+    def _features(self) -> dict:
+        return {
+            name: tfds.features.Text() if dtype is str else tfds.features.Scalar(dtype=dtype)
+            for name, dtype in self.FEATURES.items()
+        }
+
+    def _sample(self, rng: random.Random):
         raise NotImplementedError
+
+    def _key(self, problem) -> Hashable:
+        return problem
+
+    def _problems(self) -> list:
+        """``num_test + num_train`` problems with distinct keys, drawn in order from
+        ``random.Random(seed)``."""
+        config = self.builder_config
+        count = config.num_train + config.num_test
+        rng = random.Random(config.seed)
+        seen: set = set()
+        problems = []
+        max_draws = 50 * count + 1000
+        draws = 0
+        while len(problems) < count:
+            if draws >= max_draws:
+                raise ValueError(
+                    f"{self.name}/{config.name}: found only {len(problems)} distinct problems "
+                    f"in {draws} draws, {count} requested; lower num_train/num_test or widen "
+                    "the ranges."
+                )
+            problem = self._sample(rng)
+            draws += 1
+            k = self._key(problem)
+            if k not in seen:
+                seen.add(k)
+                problems.append(problem)
+        return problems
 
     # tfds prints "Downloading and preparing dataset Unknown size ..." before preparing and
     # a "downloaded and prepared" line after: nothing is downloaded for an embedded task, so
@@ -126,12 +129,16 @@ class _LocalBuilder(tfds.core.GeneratorBasedBuilder, skip_registration=True):
         pass
 
     def _example(self, problem) -> dict:
-        raise NotImplementedError
+        return problem._asdict()
 
     def _split_generators(self, dl_manager):
         del dl_manager  # Generated locally: nothing to download.
         config = self.builder_config
-        _check_sizes(config)
+        if config.num_train < 1 or config.num_test < 1:
+            raise ValueError(
+                f"Config {config.name!r}: num_train and num_test must be >= 1, "
+                f"got num_train={config.num_train}, num_test={config.num_test}."
+            )
         problems = self._problems()
         return {
             "test": self._generate_examples(problems[: config.num_test]),
@@ -171,6 +178,10 @@ class CountdownConfig(tfds.core.BuilderConfig):
     seed: int = 0
 
 
+# The `CountdownConfig` fields that are arguments of `countdown.sample_problem`.
+_SAMPLE_ARGS = ("num_numbers", "min_number", "max_number", "min_target", "max_target", "min_used")
+
+
 def _countdown_configs() -> list[CountdownConfig]:
     specs = [
         # name, numbers, max number, target range, fewest numbers used, train, test
@@ -203,48 +214,25 @@ class Countdown(_LocalBuilder):
 
     name = "countdown"
     BUILDER_CONFIGS = _countdown_configs()
+    DESCRIPTION = (
+        "Countdown: make the target from the given numbers (each at most once) "
+        "with + - * / and parentheses."
+    )
+    FEATURES = {"target": np.int32, "solution": str}
 
-    def _info(self) -> tfds.core.DatasetInfo:
-        config = self.builder_config
-        return self.dataset_info_from_configs(
-            description=(
-                "Countdown: make the target from the given numbers (each at most once) "
-                "with + - * / and parentheses. Generated locally and deterministically."
-            ),
-            features=tfds.features.FeaturesDict(
-                {
-                    "numbers": tfds.features.Tensor(shape=(config.num_numbers,), dtype=np.int32),
-                    "target": tfds.features.Scalar(dtype=np.int32),
-                    "solution": tfds.features.Text(),
-                }
-            ),
-            supervised_keys=None,
-        )
+    def _features(self) -> dict:
+        shape = (self.builder_config.num_numbers,)
+        return {"numbers": tfds.features.Tensor(shape=shape, dtype=np.int32), **super()._features()}
 
-    def _problems(self) -> list[countdown.CountdownProblem]:
+    def _sample(self, rng: random.Random) -> countdown.CountdownProblem:
         config = self.builder_config
-        return _distinct_problems(
-            lambda rng: countdown.sample_problem(
-                rng,
-                num_numbers=config.num_numbers,
-                min_number=config.min_number,
-                max_number=config.max_number,
-                min_target=config.min_target,
-                max_target=config.max_target,
-                min_used=config.min_used,
-            ),
-            lambda p: (tuple(sorted(p.numbers)), p.target),
-            config.num_train + config.num_test,
-            config.seed,
-            f"countdown/{config.name}",
-        )
+        return countdown.sample_problem(rng, **{k: getattr(config, k) for k in _SAMPLE_ARGS})
+
+    def _key(self, problem: countdown.CountdownProblem) -> Hashable:
+        return tuple(sorted(problem.numbers)), problem.target
 
     def _example(self, problem: countdown.CountdownProblem) -> dict:
-        return {
-            "numbers": np.asarray(problem.numbers, dtype=np.int32),
-            "target": problem.target,
-            "solution": problem.solution,
-        }
+        return {**problem._asdict(), "numbers": np.asarray(problem.numbers, dtype=np.int32)}
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -303,24 +291,8 @@ class Arithmetic(_LocalBuilder):
 
     name = "arithmetic"
     BUILDER_CONFIGS = _arithmetic_configs()
-
-    def _info(self) -> tfds.core.DatasetInfo:
-        return self.dataset_info_from_configs(
-            description=(
-                "Multi-digit arithmetic (a op b) with the answer and a one-line scratchpad. "
-                "Generated locally and deterministically."
-            ),
-            features=tfds.features.FeaturesDict(
-                {
-                    "a": tfds.features.Scalar(dtype=np.int64),
-                    "op": tfds.features.Text(),
-                    "b": tfds.features.Scalar(dtype=np.int64),
-                    "answer": tfds.features.Scalar(dtype=np.int64),
-                    "scratchpad": tfds.features.Text(),
-                }
-            ),
-            supervised_keys=None,
-        )
+    DESCRIPTION = "Multi-digit arithmetic (a op b) with the answer and a one-line scratchpad."
+    FEATURES = {"a": np.int64, "op": str, "b": np.int64, "answer": np.int64, "scratchpad": str}
 
     def _problems(self) -> list[arithmetic.ArithmeticProblem]:
         config = self.builder_config
@@ -329,23 +301,18 @@ class Arithmetic(_LocalBuilder):
                 f"Config {config.name!r}: unknown op {config.op!r}; "
                 f"expected one of {arithmetic.OPERATORS}."
             )
-        commutative = config.op in "+*"
-        return _distinct_problems(
-            lambda rng: arithmetic.sample_problem(rng, op=config.op, digits=config.digits),
-            lambda p: (min(p.a, p.b), max(p.a, p.b)) if commutative else (p.a, p.b),
-            config.num_train + config.num_test,
-            config.seed,
-            f"arithmetic/{config.name}",
-        )
+        return super()._problems()
+
+    def _sample(self, rng: random.Random) -> arithmetic.ArithmeticProblem:
+        config = self.builder_config
+        return arithmetic.sample_problem(rng, op=config.op, digits=config.digits)
+
+    def _key(self, problem: arithmetic.ArithmeticProblem) -> Hashable:
+        a, b = problem.a, problem.b
+        return (min(a, b), max(a, b)) if problem.op in "+*" else (a, b)
 
     def _example(self, problem: arithmetic.ArithmeticProblem) -> dict:
-        return {
-            "a": problem.a,
-            "op": problem.op,
-            "b": problem.b,
-            "answer": problem.answer,
-            "scratchpad": arithmetic.scratchpad(problem.a, problem.op, problem.b),
-        }
+        return {**problem._asdict(), "scratchpad": arithmetic.scratchpad(*problem[:3])}
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -370,43 +337,16 @@ class Calculator(_LocalBuilder):
     BUILDER_CONFIGS = [
         CalculatorConfig(name="muladd", description="a*b+c or a*b-c with a calculator tool.")
     ]
+    DESCRIPTION = (
+        "a*b+c and a*b-c (a of 2-3 digits, b of 1-2, c of 1-3) for a policy with a calculator tool."
+    )
+    FEATURES = {"a": np.int64, "b": np.int64, "op": str, "c": np.int64, "answer": np.int64}
 
-    def _info(self) -> tfds.core.DatasetInfo:
-        return self.dataset_info_from_configs(
-            description=(
-                "a*b+c and a*b-c (a of 2-3 digits, b of 1-2, c of 1-3) for a policy with a "
-                "calculator tool. Generated locally and deterministically."
-            ),
-            features=tfds.features.FeaturesDict(
-                {
-                    "a": tfds.features.Scalar(dtype=np.int64),
-                    "b": tfds.features.Scalar(dtype=np.int64),
-                    "op": tfds.features.Text(),
-                    "c": tfds.features.Scalar(dtype=np.int64),
-                    "answer": tfds.features.Scalar(dtype=np.int64),
-                }
-            ),
-            supervised_keys=None,
-        )
-
-    def _problems(self) -> list[calculator.CalculatorProblem]:
-        config = self.builder_config
-        return _distinct_problems(
-            calculator.sample_problem,
-            lambda p: p,
-            config.num_train + config.num_test,
-            config.seed,
-            f"calculator/{config.name}",
-        )
+    def _sample(self, rng: random.Random) -> calculator.CalculatorProblem:
+        return calculator.sample_problem(rng)
 
     def _example(self, problem: calculator.CalculatorProblem) -> dict:
-        return {
-            "a": problem.a,
-            "b": problem.b,
-            "op": problem.op,
-            "c": problem.c,
-            "answer": problem.answer,
-        }
+        return {**problem._asdict(), "answer": problem.answer}
 
 
 class Gsm8k(_tfds_gsm8k.Gsm8k, skip_registration=True):

@@ -32,16 +32,8 @@ from typing import Any, NamedTuple
 from gac_jax.tasks.environments import Observation
 from gac_jax.tasks.tool_calls import ToolEnvironment, function_schema
 
-__all__ = [
-    "Calculator",
-    "CalculatorProblem",
-    "CalculatorTool",
-    "calculator_reward",
-    "evaluate",
-    "format_prompt",
-    "reference_turns",
-    "sample_problem",
-]
+__all__ = ["Calculator", "CalculatorProblem", "CalculatorTool", "calculator_reward", "evaluate",
+           "format_prompt", "reference_turns", "sample_problem"]  # fmt: skip
 
 TOOL_OPEN, TOOL_CLOSE = "<", ">"
 _OPERATION = re.compile(r"^\s*(-?\d{1,9})\s*([-+*])\s*(-?\d{1,9})\s*$")

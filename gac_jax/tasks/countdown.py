@@ -8,17 +8,15 @@ Three parts:
 * **Generation** (`sample_problem`): numbers drawn uniformly from a range, the target
   drawn among the reachable values in a target range (never one of the given numbers),
   and the reference solution from the search.
-* **Verification** (`check_countdown`, `countdown_reward`): a small tokenizer and a
-  recursive-descent parser with length and depth limits, no ``eval``. It lives in
-  `gac_jax.tasks.countdown_verifier`, whose docstring states the verifier's rule and how
-  the answer is read from a completion; its public names are importable from here too.
+* **Verification** (`check_countdown`, `countdown_reward`): in
+  `gac_jax.tasks.countdown_verifier` (no ``eval``), whose docstring states the verifier's
+  rule (exact rationals) and how the answer is read from a completion; its public names
+  are importable from here too.
 
-The verifier evaluates in exact rational arithmetic, so non-integer intermediates are
-allowed (``8/3*3`` makes 8). The reference search (``integer_only=True``, used for
-generation) is stricter, the classic game's rule: every intermediate is a positive
-integer. So every reference solution passes the verifier, and the targets of the data
-sets are reachable with whole numbers; ``integer_only=False`` searches under the
-verifier's own rule.
+The reference search (``integer_only=True``, used for generation) is stricter than the
+verifier, the classic game's rule: every intermediate is a positive integer. So every
+reference solution passes the verifier, and the targets of the data sets are reachable
+with whole numbers; ``integer_only=False`` searches under the verifier's own rule.
 """
 
 from __future__ import annotations
@@ -40,23 +38,10 @@ from gac_jax.tasks.countdown_verifier import (
     parse_expression,
 )
 
-__all__ = [
-    "MAX_ANSWER_CHARS",
-    "MAX_DEPTH",
-    "MAX_NUMBERS",
-    "CountdownProblem",
-    "CountdownVerdict",
-    "ExpressionError",
-    "check_countdown",
-    "countdown_reward",
-    "evaluate_expression",
-    "extract_countdown_answer",
-    "format_prompt",
-    "parse_expression",
-    "reachable",
-    "sample_problem",
-    "solve",
-]
+__all__ = ["MAX_ANSWER_CHARS", "MAX_DEPTH", "MAX_NUMBERS", "CountdownProblem", "CountdownVerdict",
+           "ExpressionError", "check_countdown", "countdown_reward", "evaluate_expression",
+           "extract_countdown_answer", "format_prompt", "parse_expression", "reachable",
+           "sample_problem", "solve"]  # fmt: skip
 
 #: Most numbers a problem may have: the search is exhaustive and grows quickly.
 MAX_NUMBERS = 5

@@ -17,21 +17,14 @@ Problems, their generation and the reference search are in `gac_jax.tasks.countd
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from fractions import Fraction
 from typing import NamedTuple
 
-__all__ = [
-    "MAX_ANSWER_CHARS",
-    "MAX_DEPTH",
-    "CountdownVerdict",
-    "ExpressionError",
-    "check_countdown",
-    "countdown_reward",
-    "evaluate_expression",
-    "extract_countdown_answer",
-    "parse_expression",
-]
+__all__ = ["MAX_ANSWER_CHARS", "MAX_DEPTH", "CountdownVerdict", "ExpressionError",
+           "check_countdown", "countdown_reward", "evaluate_expression",
+           "extract_countdown_answer", "parse_expression"]  # fmt: skip
 
 #: Longest answer (in characters, after extraction) the parser reads.
 MAX_ANSWER_CHARS = 200
@@ -41,6 +34,8 @@ MAX_DEPTH = 16
 _MAX_LITERAL_DIGITS = 9
 
 _OPEN_TAG, _CLOSE_TAG = "<answer>", "</answer>"
+# The binary operators; `Fraction` division raises ZeroDivisionError on a zero divisor.
+_OPERATORS = {"+": operator.add, "-": operator.sub, "*": operator.mul, "/": operator.truediv}
 
 
 class CountdownVerdict(NamedTuple):
@@ -114,6 +109,9 @@ class _Parser:
     Trees are ``("num", n)`` or ``(op, left, right)``.
     """
 
+    # The operators of `expr` (level 0) and of `term` (level 1); level 2 is `atom`.
+    LEVELS = (("+", "-"), ("*", "/"))
+
     def __init__(self, tokens, max_depth: int):
         self.tokens = tokens
         self.pos = 0
@@ -122,20 +120,16 @@ class _Parser:
     def peek(self) -> str | None:
         return self.tokens[self.pos][0] if self.pos < len(self.tokens) else None
 
-    def expr(self, depth: int):
-        tree = self.term(depth)
-        while self.peek() in ("+", "-"):
+    def expr(self, depth: int, level: int = 0):
+        """An ``expr`` (`level` 0) or a ``term`` (`level` 1): a left-associative chain of
+        the level's operators over operands of the next level."""
+        if level == len(self.LEVELS):
+            return self.atom(depth)
+        tree = self.expr(depth, level + 1)
+        while self.peek() in self.LEVELS[level]:
             op = self.tokens[self.pos][0]
             self.pos += 1
-            tree = (op, tree, self.term(depth))
-        return tree
-
-    def term(self, depth: int):
-        tree = self.atom(depth)
-        while self.peek() in ("*", "/"):
-            op = self.tokens[self.pos][0]
-            self.pos += 1
-            tree = (op, tree, self.atom(depth))
+            tree = (op, tree, self.expr(depth, level + 1))
         return tree
 
     def atom(self, depth: int):
@@ -206,14 +200,7 @@ def evaluate_expression(tree) -> Fraction:
     if tree[0] == "num":
         return Fraction(tree[1])
     op, left, right = tree
-    a, b = evaluate_expression(left), evaluate_expression(right)
-    if op == "+":
-        return a + b
-    if op == "-":
-        return a - b
-    if op == "*":
-        return a * b
-    return a / b  # Fraction raises ZeroDivisionError on b == 0
+    return _OPERATORS[op](evaluate_expression(left), evaluate_expression(right))
 
 
 def _verdict(completion, numbers: Sequence[int], target: int) -> CountdownVerdict:

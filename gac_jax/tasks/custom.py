@@ -26,10 +26,8 @@ converted; the optional extra ``gac_jax[datasets]``), for the same reasons as JS
 **Rewards by name** (`resolve_reward`): ``"package.module:function"``, a function taking
 ``(completion, example)`` and returning a float, or a short name of
 `gac_jax.tasks.rewards.MATCHERS` (``boxed``, ``hashes``, ``answer_tag``, ``last_number``,
-``lenient``). `GuardedReward` wraps one for a run (`RewardGuardConfig`): each call runs
-with a timeout, a call that raises, returns something that is not a finite number or times
-out scores `failure_score` (0.0) and is counted by kind, and the first of each kind is
-one warning line.
+``lenient``). `GuardedReward` wraps one for a run, with a timeout and its failures
+scored and counted (`RewardGuardConfig`).
 """
 
 from __future__ import annotations
@@ -52,16 +50,8 @@ import numpy as np
 
 from gac_jax.tasks.rewards import MATCHERS, lenient_match
 
-__all__ = [
-    "GuardedReward",
-    "RewardGuardConfig",
-    "RewardScores",
-    "hf_splits",
-    "jsonl_splits",
-    "load_jsonl",
-    "resolve_reward",
-    "score_group",
-]
+__all__ = ["GuardedReward", "RewardGuardConfig", "RewardScores", "hf_splits", "jsonl_splits",
+           "load_jsonl", "resolve_reward", "score_group"]  # fmt: skip
 
 logger = logging.getLogger(__name__)
 

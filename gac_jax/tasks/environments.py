@@ -38,14 +38,8 @@ import threading
 from collections.abc import Mapping
 from typing import Any, Protocol, runtime_checkable
 
-__all__ = [
-    "ERROR_KINDS",
-    "Environment",
-    "GuardedEnvironment",
-    "Observation",
-    "environment_tools",
-    "resolve_environment",
-]
+__all__ = ["ERROR_KINDS", "Environment", "GuardedEnvironment", "Observation", "environment_tools",
+           "resolve_environment"]  # fmt: skip
 
 logger = logging.getLogger(__name__)
 

@@ -22,13 +22,8 @@ from tensorflow_datasets.text.gsm8k import gsm8k as _tfds_gsm8k
 
 from gac_jax.tasks.rewards import DEFAULT_REL_TOL, numeric_reward
 
-__all__ = [
-    "GSM8K_FILES",
-    "format_prompt",
-    "gsm8k_manual_dir",
-    "gsm8k_reward",
-    "require_gsm8k_offline",
-]
+__all__ = ["GSM8K_FILES", "format_prompt", "gsm8k_manual_dir", "gsm8k_reward",
+           "require_gsm8k_offline"]  # fmt: skip
 
 #: The release files the offline builder reads, by split.
 GSM8K_FILES = {"train": "train.jsonl", "test": "test.jsonl"}
@@ -40,20 +35,9 @@ def format_prompt(question: str) -> str:
 
 
 def gsm8k_reward(completion: str, short_answer, *, rel_tol: float = DEFAULT_REL_TOL) -> float:
-    """1.0 if the final number of `completion` equals the gold answer, else 0.0.
-
-    The final number is found by `gac_jax.tasks.rewards.extract_numeric_answer`
-    (``#### N``, ``\\boxed{N}``, ``answer is N``, else the last number), so both the gold
-    solution text and the bare number score 1.0.
-
-    Args:
-      completion: model output.
-      short_answer: the gold number, as in the ``short_answer`` field (e.g. ``"1,080"``).
-      rel_tol: relative tolerance of the comparison.
-
-    Returns:
-      1.0 or 0.0. Never raises on any completion.
-    """
+    """`gac_jax.tasks.rewards.numeric_reward` against `short_answer`, the gold number as in
+    the ``short_answer`` field (e.g. ``"1,080"``): the gold solution text (``#### N``) and
+    the bare number both score 1.0."""
     return numeric_reward(completion, short_answer, rel_tol=rel_tol)
 
 

@@ -164,28 +164,16 @@ def _gsm8k_task(*, manual_dir: str | os.PathLike | None = None) -> Task:
     )
 
 
-def _jsonl_task(spec: str, /) -> Task:
-    custom.jsonl_splits(spec)  # Fails now, naming the file, rather than when training starts.
+def _custom_task(prefix: str, check: Callable, source: Callable, spec: str, /) -> Task:
+    """A JSONL or saved Hugging Face dataset task (`TASK_FAMILIES`)."""
+    check(spec)  # Fails now, naming the file or directory, rather than when training starts.
     return Task(
-        name=f"{custom.JSONL_PREFIX}{spec}",
+        name=f"{prefix}{spec}",
         make_builder=None,
         prompt=custom.jsonl_prompt,
         reference_completion=lambda ex: _text(ex["answer"]),
         reward=custom.default_reward(),
-        source=custom.JsonlSource(spec),
-        messages=custom.jsonl_messages,
-    )
-
-
-def _hf_task(spec: str, /) -> Task:
-    custom.hf_splits(spec)  # Fails now, naming the directory.
-    return Task(
-        name=f"{custom.HF_PREFIX}{spec}",
-        make_builder=None,
-        prompt=custom.jsonl_prompt,
-        reference_completion=lambda ex: _text(ex["answer"]),
-        reward=custom.default_reward(),
-        source=custom.HfSource(spec),
+        source=source(spec),
         messages=custom.jsonl_messages,
     )
 
@@ -207,12 +195,10 @@ def _calculator_task(config_name: str, /) -> Task:
 
 def _factories() -> dict[str, Callable[..., Task]]:
     factories: dict[str, Callable[..., Task]] = {}
-    for config in Countdown.BUILDER_CONFIGS:
-        factories[f"countdown/{config.name}"] = functools.partial(_countdown_task, config.name)
-    for config in Arithmetic.BUILDER_CONFIGS:
-        factories[f"arithmetic/{config.name}"] = functools.partial(_arithmetic_task, config.name)
-    for config in Calculator.BUILDER_CONFIGS:
-        factories[f"calculator/{config.name}"] = functools.partial(_calculator_task, config.name)
+    tasks = {Countdown: _countdown_task, Arithmetic: _arithmetic_task, Calculator: _calculator_task}
+    for builder, task in tasks.items():
+        for config in builder.BUILDER_CONFIGS:
+            factories[f"{builder.name}/{config.name}"] = functools.partial(task, config.name)
     factories["gsm8k"] = _gsm8k_task
     return factories
 
@@ -225,12 +211,15 @@ TASK_NAMES: tuple[str, ...] = tuple(sorted(_FACTORIES))
 #: Task families by prefix: ``<prefix><parameter>`` names a task, e.g.
 #: ``jsonl:data/train.jsonl,data/test.jsonl``.
 TASK_FAMILIES: Mapping[str, Callable[..., Task]] = MappingProxyType(
-    {custom.JSONL_PREFIX: _jsonl_task, custom.HF_PREFIX: _hf_task}
+    {
+        prefix: functools.partial(_custom_task, prefix, check, source)
+        for prefix, check, source in (
+            (custom.JSONL_PREFIX, custom.jsonl_splits, custom.JsonlSource),
+            (custom.HF_PREFIX, custom.hf_splits, custom.HfSource),
+        )
+    }
 )
-_FAMILY_FORMS = {
-    custom.JSONL_PREFIX: "jsonl:TRAIN_PATH[,TEST_PATH]",
-    custom.HF_PREFIX: "hf:PATH[:TRAIN_SPLIT[,TEST_SPLIT]]",
-}
+_FAMILY_FORMS = ("jsonl:TRAIN_PATH[,TEST_PATH]", "hf:PATH[:TRAIN_SPLIT[,TEST_SPLIT]]")
 
 
 def _option_names(factory: Callable[..., Task]) -> list[str]:
@@ -262,7 +251,7 @@ def get_task(name: str, **options) -> Task:
         if factory is None and isinstance(name, str) and name.startswith(prefix):
             factory = functools.partial(family, name[len(prefix) :])
     if factory is None:
-        forms = ", ".join([*TASK_NAMES, *_FAMILY_FORMS.values()])
+        forms = ", ".join([*TASK_NAMES, *_FAMILY_FORMS])
         raise ValueError(f"Unknown task {name!r}; known tasks: {forms}.")
     known = _option_names(factory)
     unknown = sorted(set(options) - set(known))

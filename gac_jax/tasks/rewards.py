@@ -32,10 +32,6 @@ collapsed; case kept by the strict matchers).
 
 Every function here is total on strings: malformed model output gives ``None`` or a
 reward of 0.0, never an exception.
-
-Over 450 lines because the answer matchers and the numeric rewards share one number
-reader (its regular expressions and precedence rules); apart, one module would reach
-into the other's private patterns.
 """
 
 from __future__ import annotations
@@ -44,24 +40,10 @@ import math
 import re
 from fractions import Fraction
 
-__all__ = [
-    "DEFAULT_REL_TOL",
-    "MATCHERS",
-    "answer_tag_match",
-    "answers_match",
-    "boxed_match",
-    "extract_answer_tag",
-    "extract_boxed",
-    "extract_hashes",
-    "extract_numeric_answer",
-    "find_numbers",
-    "hashes_match",
-    "last_number_match",
-    "lenient_match",
-    "numbers_match",
-    "numeric_reward",
-    "parse_number",
-]
+__all__ = ["DEFAULT_REL_TOL", "MATCHERS", "answer_tag_match", "answers_match", "boxed_match",
+           "extract_answer_tag", "extract_boxed", "extract_hashes", "extract_numeric_answer",
+           "find_numbers", "hashes_match", "last_number_match", "lenient_match",
+           "numbers_match", "numeric_reward", "parse_number"]  # fmt: skip
 
 #: Relative tolerance of `numbers_match` for non-integer gold answers:
 #: |a - b| <= tol * max(1, |b|).
@@ -276,6 +258,18 @@ def numbers_match(value: Fraction, gold: Fraction, *, rel_tol: float = DEFAULT_R
     return abs(value - gold) <= Fraction(rel_tol) * max(1, abs(gold))
 
 
+def _score(completion, read, accept=bool) -> float:
+    """1.0 if ``read(text)`` of the completion's text is not None and `accept` takes it;
+    0.0 otherwise, for a completion that is not str or bytes, and when either raises."""
+    if not isinstance(completion, str | bytes):
+        return 0.0
+    try:
+        stated = read(_to_text(completion))
+        return 1.0 if stated is not None and accept(stated) else 0.0
+    except Exception:  # model output must never crash a reward
+        return 0.0
+
+
 def numeric_reward(completion, gold, *, rel_tol: float = DEFAULT_REL_TOL) -> float:
     """1.0 if the final number stated in `completion` equals `gold`, else 0.0.
 
@@ -293,15 +287,9 @@ def numeric_reward(completion, gold, *, rel_tol: float = DEFAULT_REL_TOL) -> flo
     gold_value = parse_number(gold)
     if gold_value is None:
         raise ValueError(f"The gold answer {gold!r} holds no number.")
-    if not isinstance(completion, str | bytes):
-        return 0.0
-    try:
-        value = extract_numeric_answer(completion)
-        if value is None:
-            return 0.0
-        return 1.0 if numbers_match(value, gold_value, rel_tol=rel_tol) else 0.0
-    except Exception:  # model output must never crash a reward
-        return 0.0
+    return _score(
+        completion, extract_numeric_answer, lambda v: numbers_match(v, gold_value, rel_tol=rel_tol)
+    )
 
 
 # ---------------------------------------------------------------------------------------
@@ -395,13 +383,7 @@ def answers_match(
 
 def _strict(extract, completion, example) -> float:
     gold = example["answer"]
-    if not isinstance(completion, str | bytes):
-        return 0.0
-    try:
-        stated = extract(completion)
-        return 1.0 if stated is not None and answers_match(stated, gold) else 0.0
-    except Exception:  # model output must never crash a reward
-        return 0.0
+    return _score(completion, extract, lambda stated: answers_match(stated, gold))
 
 
 def boxed_match(completion, example) -> float:
@@ -430,34 +412,26 @@ def last_number_match(completion, example) -> float:
         gold_value = parse_number(gold_text)
     if gold_value is None:
         raise ValueError(f"The gold answer {gold_text!r} holds no number.")
-    if not isinstance(completion, str | bytes):
-        return 0.0
-    try:
-        value = _last_number(_to_text(completion))
-        return 1.0 if value is not None and numbers_match(value, gold_value) else 0.0
-    except Exception:  # model output must never crash a reward
-        return 0.0
+    return _score(completion, _last_number, lambda value: numbers_match(value, gold_value))
 
 
 def lenient_match(completion, example) -> float:
     """Lenient: the answer wherever it is stated (see the module docstring); the default
     reward of a JSONL task."""
     gold_text, gold_value = _gold(example)
-    if not isinstance(completion, str | bytes):
-        return 0.0
-    try:
-        text = _to_text(completion)
+
+    def judge(text: str) -> bool | float:
         tagged = extract_answer_tag(text)
         if gold_value is not None:
             return numeric_reward(text if tagged is None else tagged, gold_value)
         for extract in (extract_answer_tag, extract_boxed, extract_hashes):
             stated = extract(text)
             if stated is not None:
-                return 1.0 if answers_match(stated, gold_text, casefold=True) else 0.0
+                return answers_match(stated, gold_text, casefold=True)
         lines = text.strip().splitlines() or [""]
-        return 1.0 if answers_match(lines[-1], gold_text, casefold=True) else 0.0
-    except Exception:  # model output must never crash a reward
-        return 0.0
+        return answers_match(lines[-1], gold_text, casefold=True)
+
+    return _score(completion, judge)
 
 
 #: The built-in matchers by short name, for ``reward=<name>`` (the only list of them).

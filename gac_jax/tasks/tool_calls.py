@@ -37,13 +37,8 @@ from typing import Any
 
 from gac_jax.tasks.environments import Observation
 
-__all__ = [
-    "MalformedCall",
-    "ToolCall",
-    "ToolEnvironment",
-    "function_schema",
-    "parse_tool_calls",
-]
+__all__ = ["MalformedCall", "ToolCall", "ToolEnvironment", "function_schema",
+           "parse_tool_calls"]  # fmt: skip
 
 _CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
 import shutil
 import subprocess
@@ -17,6 +16,7 @@ import numpy as np
 import pytest
 
 from gac_jax.train.metrics import read_metrics
+from tests.conftest import process_env
 
 REPO = Path(__file__).resolve().parents[2]
 EXPERIMENTS = REPO / "experiments"
@@ -41,10 +41,10 @@ def _row(block: str, *first_cells: str) -> list[str]:
 
 
 def _env() -> dict[str, str]:
-    """This environment without conftest's 8 fake devices (the scripts run on one)."""
-    flags = os.environ.get("XLA_FLAGS", "").split()
-    keep = [f for f in flags if not f.startswith("--xla_force_host_platform_device_count")]
-    return dict(os.environ, XLA_FLAGS=" ".join(keep), PYTHONPATH=str(REPO))
+    """This environment without conftest's 8 fake devices (the scripts run on one), LLVM's
+    optimisations off (`process_env`: compiles are most of a quick run's time; the tests
+    compare the report with the runs' own numbers, whatever the code generation)."""
+    return process_env(None)
 
 
 def _summary(root: Path, label: str) -> dict:

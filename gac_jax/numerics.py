@@ -28,9 +28,7 @@ def masked_mean(values, mask, fallback=0.0) -> jax.Array:
     """Mean of `values` over `mask`, `fallback` when nothing is valid (the one masked mean
     of the package: objectives, the learner's metrics and the supervised loss use it)."""
     total = jnp.sum(jnp.where(mask, values, 0.0))
-    count = jnp.sum(mask, dtype=jnp.float32)
-    safe_count = jnp.where(count > 0, count, 1.0)
-    return jnp.where(count > 0, total / safe_count, fallback)
+    return safe_divide(total, jnp.sum(mask, dtype=jnp.float32), fallback)
 
 
 class EffectiveSampleSize(NamedTuple):
@@ -75,9 +73,6 @@ def effective_sample_size(
                 f"`where` has shape {where.shape}, expected the shape of the log weights "
                 f"{log_weights.shape}."
             )
-    # +inf log weights are the limit they are: those samples dominate every finite one, so
-    # they keep equal weights and the rest weigh nothing (k of them give ESS = k). -inf is
-    # a zero weight. NaN makes the ESS undefined and propagates rather than being dropped.
     dominant = where & (log_weights == jnp.inf)
     limit = jnp.where(dominant, 0.0, jnp.where(jnp.isnan(log_weights), jnp.nan, -jnp.inf))
     log_weights = jnp.where(jnp.any(dominant), limit, log_weights)

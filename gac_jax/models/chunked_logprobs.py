@@ -55,19 +55,26 @@ class _Head(NamedTuple):
     logits_spec: PartitionSpec | None  # Sharding constraint of a chunk's logits [B, C, V].
 
 
-def _logits(head: _Head, h_bcd: jax.Array, w: jax.Array) -> jax.Array:
-    """float32 logits [B, C, V] of one chunk (one 2-D matmul, as `layers.dense`)."""
-    b, c, d = h_bcd.shape
-    x_rd = jnp.reshape(h_bcd.astype(head.dtype), (b * c, d))
-    contract = (((1,), (1,)) if head.layout == "vd" else ((1,), (0,)), ((), ()))
-    z_rv = jax.lax.dot_general(x_rd, w, contract, preferred_element_type=jnp.float32)
-    z = jnp.reshape(z_rv, (b, c, z_rv.shape[-1]))
-    return z if head.logits_spec is None else constrain(z, head.logits_spec)
+def head_logits(
+    hidden: jax.Array, weights: jax.Array, layout: str, dtype, logits_spec=None
+) -> jax.Array:
+    """float32 logits [..., V] of hidden states [..., D] under the output projection
+    `weights` (`layout` as `head_layout` below), both cast to `dtype`: one 2-D matmul over
+    all positions (see `layers.dense` for why not an einsum), then `logits_spec`'s
+    sharding constraint, if any."""
+    *lead, d = hidden.shape
+    x_rd = jnp.reshape(hidden.astype(dtype), (-1, d))
+    contract = (((1,), (1,)) if layout == "vd" else ((1,), (0,)), ((), ()))
+    z_rv = jax.lax.dot_general(
+        x_rd, weights.astype(dtype), contract, preferred_element_type=jnp.float32
+    )
+    z = jnp.reshape(z_rv, (*lead, z_rv.shape[-1]))
+    return z if logits_spec is None else constrain(z, logits_spec)
 
 
 def _statistics(head: _Head, h_bcd, w, y_bc, tau):
     """`(logp, entropy, lse)` [B, C] of one chunk, float32."""
-    s = _logits(head, h_bcd, w) / tau
+    s = head_logits(h_bcd, w, *head) / tau
     lse = jax.nn.logsumexp(s, axis=-1)
     log_probs = s - lse[..., None]
     entropy = -jnp.sum(jnp.exp(log_probs) * log_probs, axis=-1)
@@ -110,7 +117,7 @@ def _bwd(head, residuals, cotangents):
     def body(carry, xs):
         g_w, g_tau = carry
         h_bcd, y_bc, lse, entropy, g_logp, g_entropy = xs
-        log_probs = _logits(head, h_bcd, w_c) / tau - lse[..., None]
+        log_probs = head_logits(h_bcd, w_c, *head) / tau - lse[..., None]
         p = jnp.exp(log_probs)
         one_hot = jax.nn.one_hot(y_bc, p.shape[-1], dtype=jnp.float32)
         g_s = g_logp[..., None] * (one_hot - p) - g_entropy[..., None] * p * (
@@ -121,14 +128,10 @@ def _bwd(head, residuals, cotangents):
         g_z_rv = jnp.reshape(g_s / tau, (b * c, -1)).astype(head.dtype)
         x_rd = jnp.reshape(h_bcd.astype(head.dtype), (b * c, d))
         g_h = jax.lax.dot_general(g_z_rv, w_c, back_h, preferred_element_type=jnp.float32)
-        if head.layout == "vd":  # [V, R] x [R, D]
-            g_w_chunk = jax.lax.dot_general(
-                g_z_rv, x_rd, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32
-            )
-        else:  # [D, R] x [R, V]
-            g_w_chunk = jax.lax.dot_general(
-                x_rd, g_z_rv, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32
-            )
+        pair = (g_z_rv, x_rd) if head.layout == "vd" else (x_rd, g_z_rv)
+        g_w_chunk = jax.lax.dot_general(
+            *pair, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32
+        )
         g_h_bcd = jnp.reshape(g_h, (b, c, d)).astype(h_bcd.dtype)
         return (g_w + g_w_chunk, g_tau), g_h_bcd
 

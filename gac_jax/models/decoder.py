@@ -22,11 +22,14 @@ refilling sampler's decode slots do.
 
 from __future__ import annotations
 
+import operator
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from gac_jax._validation import check_int
+from gac_jax.models.chunked_logprobs import head_logits
 from gac_jax.models.config import ModelConfig
 from gac_jax.models.layers import (
     DecoderLayer,
@@ -41,11 +44,8 @@ Cache = dict
 
 
 def positions_from_mask(mask_bt: jax.Array) -> jax.Array:
-    """Positions [B, T] counting real tokens from each row's first one (pads get 0).
-
-    Args:
-      mask_bt: bool or 0/1 [B, T], True for real tokens.
-    """
+    """Positions [B, T] counting the real tokens (True or 1 in `mask_bt` [B, T]) from each
+    row's first one (pads get 0)."""
     mask = mask_bt.astype(jnp.int32)
     return jnp.maximum(jnp.cumsum(mask, axis=1) - 1, 0).astype(jnp.int32)
 
@@ -82,22 +82,18 @@ def _remat_policy(name: str):
     return None  # "full": save nothing, recompute the whole layer.
 
 
-def _run_layer(layer, x_btd, positions_bt, mask_bts, cache, cache_index, rope):
-    return layer(x_btd, positions_bt, mask_bts, cache, cache_index, rope)
-
-
 def _rematerialized(policy_name: str):
-    """`_run_layer`, its activations recomputed in the backward pass (`jax.checkpoint` over
-    the layer's state). Not `nnx.remat`: it writes the state back into the layer's
-    variables afterwards, which fails ("Cannot mutate Param from a different trace level")
-    when some come from another trace, as a LoRA run's frozen base weights do; a training
-    forward pass changes no variable, so nothing needs writing back."""
+    """`run(layer, *args)`, the layer's call, its activations recomputed in the backward
+    pass (`jax.checkpoint` over the layer's state). Not `nnx.remat`: it writes the state
+    back into the layer's variables afterwards, which fails ("Cannot mutate Param from a
+    different trace level") when some come from another trace, as a LoRA run's frozen base
+    weights do; a training forward pass changes no variable, so nothing needs writing back."""
 
     def run(layer, *args):
         graphdef, state = nnx.split(layer)
 
         def pure(state, *args):
-            return _run_layer(nnx.merge(graphdef, state), *args)
+            return nnx.merge(graphdef, state)(*args)
 
         return jax.checkpoint(pure, policy=_remat_policy(policy_name))(state, *args)
 
@@ -143,8 +139,8 @@ def _cached_mask(cache: Cache, input_mask_bt: jax.Array) -> tuple[jax.Array, jax
     cache_index = cache["index"]
     offsets_t = jnp.arange(t, dtype=jnp.int32)
     if cache_index.ndim == 0:
-        key_mask = jax.lax.dynamic_update_slice(
-            cache["key_mask"], input_mask_bt, (jnp.zeros((), jnp.int32), cache_index)
+        key_mask = jax.lax.dynamic_update_slice_in_dim(
+            cache["key_mask"], input_mask_bt, cache_index, 1
         )
         query_slot_bt = (cache_index + offsets_t)[None, :]
     else:
@@ -157,12 +153,7 @@ def _cached_mask(cache: Cache, input_mask_bt: jax.Array) -> tuple[jax.Array, jax
 
 
 class Decoder(nnx.Module):
-    """Token embedding, `num_layers` pre-norm blocks, final RMSNorm, output projection.
-
-    Attributes:
-      config: the `ModelConfig` (static).
-      rules: the `ShardingRules` used for activation constraints (static).
-    """
+    """Token embedding, `num_layers` pre-norm blocks, final RMSNorm, output projection."""
 
     def __init__(
         self,
@@ -174,9 +165,10 @@ class Decoder(nnx.Module):
         """Builds a randomly initialised decoder (normal(0.02) weights, unit norm scales).
 
         Args:
-          config: architecture and dtypes.
-          rules: logical-to-mesh rules for activation constraints; `ShardingRules()` by
-            default. Constraints only apply under a mesh set with `jax.set_mesh`.
+          config: architecture and dtypes, kept (static) as `self.config`.
+          rules: logical-to-mesh rules for activation constraints, kept (static) as
+            `self.rules`; `ShardingRules()` by default. Constraints only apply under a mesh
+            set with `jax.set_mesh`.
           rngs: random streams; `rngs.params` initialises the weights.
         """
         if not isinstance(config, ModelConfig):
@@ -240,7 +232,7 @@ class Decoder(nnx.Module):
         embedding = self.embedding_vd[...].astype(cfg.compute_dtype)
         x_btd = constrain(jnp.take(embedding, tokens_bt, axis=0), rules.act_btd)
 
-        run = _run_layer
+        run = operator.call
         if cfg.remat != "none" and cache is None:  # Decoding has no backward pass.
             run = _rematerialized(cfg.remat)
         if rope is None:
@@ -274,26 +266,18 @@ class Decoder(nnx.Module):
         inv_freq = rope_inverse_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         return rope_tables(positions_bt, inv_freq, max_position)
 
+    def output_head(self) -> tuple[jax.Array, str]:
+        """`(weights, layout)` of the output projection: the lm_head [D, V], "dv", or the
+        tied embeddings as stored, [V, D], "vd" (transposing them would copy them)."""
+        if self.lm_head_dv is None:
+            return self.embedding_vd[...], "vd"
+        return self.lm_head_dv[...], "dv"
+
     def logits(self, hidden_btd: jax.Array) -> jax.Array:
         """Output logits [B, T, V] in float32 from hidden states [B, T, D]."""
+        weights, layout = self.output_head()
         dtype = self.config.compute_dtype
-        *lead, d = hidden_btd.shape
-        # One 2-D matmul over all positions (see `layers.dense` for why not an einsum).
-        x_rd = jnp.reshape(hidden_btd.astype(dtype), (-1, d))
-        if self.lm_head_dv is None:
-            contract_d = (((1,), (1,)), ((), ()))  # [R, D] x [V, D] -> [R, V]
-            logits = jax.lax.dot_general(
-                x_rd,
-                self.embedding_vd[...].astype(dtype),
-                contract_d,
-                preferred_element_type=jnp.float32,
-            )
-        else:
-            logits = jnp.dot(
-                x_rd, self.lm_head_dv[...].astype(dtype), preferred_element_type=jnp.float32
-            )
-        logits = jnp.reshape(logits, (*lead, logits.shape[-1]))
-        return constrain(logits.astype(jnp.float32), self.rules.act_btv)
+        return head_logits(hidden_btd, weights, layout, dtype, self.rules.act_btv)
 
     def __call__(
         self,

@@ -7,6 +7,7 @@ versions read. The weights are handled by `gac_jax.models.hf_checkpoint`.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -69,12 +70,9 @@ def config_from_hf(hf_config: dict[str, Any], **overrides: Any) -> ModelConfig:
     if rope_type == "default":
         scaling = None
     elif rope_type == "llama3":
-        scaling = RopeScaling(
-            factor=float(rope["factor"]),
-            low_freq_factor=float(rope["low_freq_factor"]),
-            high_freq_factor=float(rope["high_freq_factor"]),
-            original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
-        )
+        # Each field is read as the type of its default (float, int for the context).
+        scaling_fields = dataclasses.fields(RopeScaling)
+        scaling = RopeScaling(**{f.name: type(f.default)(rope[f.name]) for f in scaling_fields})
     else:
         raise ValueError(
             f"config.json has rope_type={rope_type!r}; supported: 'default', 'llama3'."
@@ -137,14 +135,7 @@ def config_to_hf(config: ModelConfig, *, dtype: str | None = None) -> dict[str, 
         "use_cache": True,
     }
     if config.rope_scaling is not None:
-        s = config.rope_scaling
-        hf["rope_scaling"] = {
-            "rope_type": "llama3",
-            "factor": s.factor,
-            "low_freq_factor": s.low_freq_factor,
-            "high_freq_factor": s.high_freq_factor,
-            "original_max_position_embeddings": s.original_max_position_embeddings,
-        }
+        hf["rope_scaling"] = {"rope_type": "llama3", **dataclasses.asdict(config.rope_scaling)}
     if config.family == "llama":
         hf["mlp_bias"] = False
     else:

@@ -145,7 +145,8 @@ def rope_tables(
 
 
 def rotate(x_btnh: jax.Array, rope: tuple[jax.Array, jax.Array]) -> jax.Array:
-    """Rotates `x` [B, T, N, H] by `rope = rope_tables(...)` ("rotate half" layout)."""
+    """Rotates `x` [B, T, N, H] by `rope = rope_tables(...)`, HF's "rotate half" layout (not
+    interleaved pairs)."""
     cos, sin = rope
     half = x_btnh.shape[-1] // 2
     x32 = x_btnh.astype(jnp.float32)
@@ -155,16 +156,8 @@ def rotate(x_btnh: jax.Array, rope: tuple[jax.Array, jax.Array]) -> jax.Array:
 
 
 def apply_rope(x_btnh: jax.Array, positions_bt: jax.Array, inv_freq_h: np.ndarray) -> jax.Array:
-    """Rotates `x` by its positions, HF's "rotate half" layout (not interleaved pairs).
-
-    Args:
-      x_btnh: queries or keys [B, T, N, H].
-      positions_bt: integer positions [B, T].
-      inv_freq_h: inverse frequencies [H/2] from `rope_inverse_frequencies`.
-
-    Returns:
-      The rotated array, same shape and dtype as `x_btnh`.
-    """
+    """Queries or keys [B, T, N, H] rotated by their integer positions [B, T] (inverse
+    frequencies [H/2] from `rope_inverse_frequencies`), same shape and dtype; see `rotate`."""
     return rotate(x_btnh, rope_tables(positions_bt, inv_freq_h))
 
 
@@ -281,16 +274,11 @@ def _write_kv_cache(
         k_bkhs = cache["k"].at[rows_b1, :, :, slots_bt].set(k_btkh.astype(cache["k"].dtype))
         v_bksh = cache["v"].at[rows_b1, :, slots_bt, :].set(v_btkh.astype(cache["v"].dtype))
     else:
-        zero = jnp.zeros((), jnp.int32)
-        k_bkhs = jax.lax.dynamic_update_slice(
-            cache["k"],
-            jnp.transpose(k_btkh, (0, 2, 3, 1)).astype(cache["k"].dtype),
-            (zero, zero, zero, index),
+        k_bkhs = jax.lax.dynamic_update_slice_in_dim(
+            cache["k"], jnp.transpose(k_btkh, (0, 2, 3, 1)).astype(cache["k"].dtype), index, 3
         )
-        v_bksh = jax.lax.dynamic_update_slice(
-            cache["v"],
-            jnp.transpose(v_btkh, (0, 2, 1, 3)).astype(cache["v"].dtype),
-            (zero, zero, index, zero),
+        v_bksh = jax.lax.dynamic_update_slice_in_dim(
+            cache["v"], jnp.transpose(v_btkh, (0, 2, 1, 3)).astype(cache["v"].dtype), index, 2
         )
     k_bkhs = constrain(k_bkhs, rules.spec("batch", "kv_heads", "head_dim", "sequence"))
     v_bksh = constrain(v_bksh, rules.spec("batch", "kv_heads", "sequence", "head_dim"))

@@ -89,11 +89,7 @@ def token_logps_and_entropy(
     """
     mask_bt = jnp.asarray(mask_bt).astype(bool)
     hidden_btd, _ = model.hidden_states(tokens_bt, None, mask_bt)
-    # Tied embeddings are used as stored, [V, D]: transposing them would copy them.
-    if model.lm_head_dv is None:
-        weights, layout = model.embedding_vd[...], "vd"
-    else:
-        weights, layout = model.lm_head_dv[...], "dv"
+    weights, layout = model.output_head()
     return chunked_token_logps_and_entropy(
         hidden_btd,
         weights,
@@ -121,15 +117,7 @@ def per_token_logps(
     out as the sampler returns them (left-padded prompt, then completion) reproduce the
     sampler's `policy_logps` (temperature 1). Differentiable in the model's parameters.
 
-    Args:
-      model: a `gac_jax.models.Decoder` (call inside `jax.jit`, e.g. after `nnx.merge`).
-      tokens_bt: int ids [B, T].
-      mask_bt: bool [B, T], True for real tokens.
-      temperature: logits are divided by it before the softmax.
-      chunk_size: at most this many positions' logits [B, chunk, V] exist at a time.
-
-    Returns:
-      float32 [B, T]; entry 0 and masked entries are 0.
+    Args and returns: as `token_logps_and_entropy` (its log-probs only).
     """
     logp_bt, _ = token_logps_and_entropy(
         model, tokens_bt, mask_bt, chunk_size=chunk_size, temperature=temperature

@@ -65,6 +65,8 @@ class CharTokenizer:
     """Character-level tokenizer: ids 0, 1, 2 are `<pad>`, `<bos>`, `<eos>`, then one id per
     character of `characters`."""
 
+    pad_id, bos_id, eos_id = 0, 1, 2
+
     def __init__(self, characters: str = DEFAULT_CHARACTERS):
         """Creates the tokenizer.
 
@@ -88,21 +90,6 @@ class CharTokenizer:
     def vocab_size(self) -> int:
         """3 special ids plus one per character."""
         return len(self._special) + len(self.characters)
-
-    @property
-    def pad_id(self) -> int:
-        """0."""
-        return 0
-
-    @property
-    def bos_id(self) -> int:
-        """1."""
-        return 1
-
-    @property
-    def eos_id(self) -> int:
-        """2."""
-        return 2
 
     def encode(self, text: str, *, add_bos: bool = False, add_eos: bool = False) -> list[int]:
         """One id per character of `text`.
@@ -162,9 +149,9 @@ class HFTokenizer:
           ValueError: if a named special token is not in the vocabulary.
         """
         self._tokenizer = tokenizer
-        self._eos_id = self._token_id(eos_token, "eos_token")
-        self._pad_id = self._eos_id if pad_token is None else self._token_id(pad_token, "pad_token")
-        self._bos_id = None if bos_token is None else self._token_id(bos_token, "bos_token")
+        self.eos_id = self._token_id(eos_token, "eos_token")
+        self.pad_id = self.eos_id if pad_token is None else self._token_id(pad_token, "pad_token")
+        self.bos_id = None if bos_token is None else self._token_id(bos_token, "bos_token")
 
     def _token_id(self, token: str, role: str) -> int:
         token_id = self._tokenizer.token_to_id(token)
@@ -226,27 +213,12 @@ class HFTokenizer:
         """Size of the vocabulary including added tokens."""
         return self._tokenizer.get_vocab_size(with_added_tokens=True)
 
-    @property
-    def pad_id(self) -> int:
-        """Padding id."""
-        return self._pad_id
-
-    @property
-    def eos_id(self) -> int:
-        """End-of-sequence id."""
-        return self._eos_id
-
-    @property
-    def bos_id(self) -> int | None:
-        """Beginning-of-sequence id, or None."""
-        return self._bos_id
-
     def encode(self, text: str, *, add_bos: bool = False, add_eos: bool = False) -> list[int]:
         """Token ids of `text`, without the tokenizer's own post-processing templates."""
-        if add_bos and self._bos_id is None:
+        if add_bos and self.bos_id is None:
             raise ValueError("add_bos=True but this tokenizer has no bos_token.")
         ids = self._tokenizer.encode(text, add_special_tokens=False).ids
-        return [self._bos_id] * add_bos + list(ids) + [self._eos_id] * add_eos
+        return [self.bos_id] * add_bos + list(ids) + [self.eos_id] * add_eos
 
     def decode(self, ids: Iterable[int], *, skip_special_tokens: bool = True) -> str:
         """Text of `ids`."""

@@ -61,9 +61,12 @@ def check_same_shape(**arrays) -> tuple[int, ...]:
     return shape
 
 
-def check_tokens(logp, behaviour_logp, mask) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Validates [B, T] token inputs; returns (logp, behaviour_logp, mask) as f32/f32/bool."""
-    shape = check_same_shape(logp=logp, behaviour_logp=behaviour_logp)
+def check_tokens(
+    logp, behaviour_logp, mask, name: str = "behaviour_logp"
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Validates [B, T] token inputs; returns (logp, behaviour_logp, mask) as f32/f32/bool.
+    `name` is the second array's in error messages."""
+    shape = check_same_shape(**{"logp": logp, name: behaviour_logp})
     if len(shape) != 2:
         raise ValueError(f"`logp` must be [B, T], got shape {shape}.")
     return as_float(logp), as_float(behaviour_logp), as_mask(mask, shape)
@@ -115,15 +118,16 @@ def ppo_clip_flags(ratio_bt, adv_bt, lower, upper, dual_clip):
     return low_bt, high_bt, dual_bt
 
 
+def fraction(flags_bt, mask_bt) -> jax.Array:
+    """The share of valid tokens flagged, without gradient."""
+    return jax.lax.stop_gradient(masked_mean(flags_bt.astype(jnp.float32), mask_bt))
+
+
 def clip_fraction_stats(low_bt, high_bt, dual_bt, mask_bt) -> dict[str, jax.Array]:
     """The shares of valid tokens each clip silenced (no gradient)."""
-
-    def fraction(flags_bt):
-        return jax.lax.stop_gradient(masked_mean(flags_bt.astype(jnp.float32), mask_bt))
-
     return {
-        "clip_fraction": fraction(low_bt | high_bt),
-        "clip_fraction_low": fraction(low_bt),
-        "clip_fraction_high": fraction(high_bt),
-        "dual_clip_fraction": fraction(dual_bt),
+        "clip_fraction": fraction(low_bt | high_bt, mask_bt),
+        "clip_fraction_low": fraction(low_bt, mask_bt),
+        "clip_fraction_high": fraction(high_bt, mask_bt),
+        "dual_clip_fraction": fraction(dual_bt, mask_bt),
     }

@@ -49,10 +49,6 @@ def _ppo_terms(ratio_bt, adv_bt, lower, upper, dual_clip):
     return (loss_bt, *ppo_clip_flags(ratio_bt, adv_bt, lower, upper, dual_clip))
 
 
-def _fraction(flags_bt, mask_bt):
-    return _sg(masked_mean(flags_bt.astype(jnp.float32), mask_bt))
-
-
 def _ratio_aux(ratio_bt, ell_bt, mask_bt) -> dict[str, jax.Array]:
     return {
         "ratio_mean": _sg(masked_mean(ratio_bt, mask_bt, fallback=1.0)),

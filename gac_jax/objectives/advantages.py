@@ -12,12 +12,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from gac_jax.objectives._common import (
-    as_float,
-    as_mask,
-    check_choice,
-    check_nonnegative,
-)
+from gac_jax.objectives._common import as_float, as_mask, check_choice, check_nonnegative
 from gac_jax.objectives._groups import dense_group_ids, group_max, group_moments, group_sum
 
 GRAD_NORM_PROXIES = ("length", "inverse_length", "uniform")
@@ -70,9 +65,6 @@ def grpo_advantages(
     are all equal, gets advantage 0 (verl instead gives a singleton group its raw reward).
 
     Args:
-      rewards: per-sequence scalar rewards, [B].
-      group_ids: [B] integers; equal ids form a group.
-      where: optional [B] bool, sequences to include.
       epsilon: added to the std, :math:`\ge 0`.
       std_ddof: 1 (sample std) or 0 (population std).
 
@@ -183,15 +175,12 @@ def vcpo_advantages(
     reproduces it.
 
     Args:
-      rewards: [B] scalar rewards.
-      group_ids: [B] integers.
       log_weights: [B] sequence log importance weights :math:`\log w_i`, e.g.
         `sequence_log_ratio(logp, behaviour_logp, mask)`. No gradient flows through them.
       grad_sq_norms: [B] :math:`\|\nabla\log\pi(\tau_i)\|^2 \ge 0`: exact per-example
         squared gradient norms of the token-sum log-likelihood (the released code's
         norm) for small models, or a proxy (`grad_sq_norm_proxy`) for large ones. The
         caller reports which one it used.
-      where: optional [B] bool, sequences to include.
       normalize_std: divide by the group std (True) or not.
       epsilon: added to the std.
       std_ddof: 0 (population std, VCPO's code) or 1.

@@ -101,14 +101,8 @@ def aggregation_size(mask_bt: jax.Array, aggregation: str = "token-mean") -> jax
     the sequences with a valid token for ``seq-mean-token-mean`` and
     ``seq-mean-token-sum``, and the rows for ``seq-mean-token-sum-norm`` (its normaliser
     counts every row; modes as in DAPO, arXiv 2503.14476, and Dr. GRPO, arXiv 2503.20783). A
-    learner weighs its micro-batches' losses and gradients by it.
-
-    Args:
-      mask_bt: [B, T] bool (or float: nonzero is valid).
-      aggregation: one of `AGGREGATIONS`.
-
-    Returns:
-      A float32 scalar.
+    learner weighs its micro-batches' losses and gradients by it. Arguments and result as
+    `aggregate`'s.
     """
     check_aggregation(aggregation)
     mask_bt = jnp.asarray(mask_bt) != 0

@@ -8,10 +8,10 @@ import jax.numpy as jnp
 from gac_jax.objectives._common import (
     MAX_LOG_RATIO,
     as_float,
-    as_mask,
     check_choice,
     check_nonnegative,
     check_same_shape,
+    check_tokens,
     masked_log_ratio,
     masked_mean,
 )
@@ -90,13 +90,9 @@ def kl_penalty(
     """
     check_nonnegative("coef", coef)
     check_aggregation(aggregation)
-    check_same_shape(logp=logp, reference_logp=reference_logp)
-    logp = as_float(logp)
-    if logp.ndim != 2:
-        raise ValueError(f"`logp` must be [B, T], got shape {logp.shape}.")
-    mask_bt = as_mask(mask, logp.shape)
+    logp, reference_bt, mask_bt = check_tokens(logp, reference_logp, mask, "reference_logp")
     # Padded positions get a zero log-ratio (zero KL, zero gradient) before the estimator.
-    neg_delta = masked_log_ratio(logp, as_float(reference_logp), mask_bt)
+    neg_delta = masked_log_ratio(logp, reference_bt, mask_bt)
     kl_bt = kl_estimate(neg_delta, jnp.zeros_like(neg_delta), estimator=estimator)
     loss = coef * aggregate(kl_bt, mask_bt, aggregation)
     aux = {"kl": jax.lax.stop_gradient(masked_mean(kl_bt, mask_bt))}

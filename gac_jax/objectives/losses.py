@@ -13,6 +13,7 @@ and returns ``(loss, aux)``:
   trajectory-balance loss takes raw rewards [B] in this position;
 - ``mask``: [B, T] valid tokens (bool, or float with nonzero = valid). Padded tokens
   contribute exactly zero to the loss and to its gradient, whatever values they hold;
+- ``aggregation``: the reduction of the per-token loss, see `aggregate`;
 - ``aux``: a dict of float32 scalar diagnostics, without gradient.
 
 The loss is minimised (it is the negative of the paper's objective). Where a ratio value
@@ -31,13 +32,13 @@ from gac_jax.objectives._common import (
     check_tokens,
     clamped_exp,
     clip_fraction_stats,
+    fraction,
     masked_log_ratio,
     masked_mean,
     sequence_valid,
 )
 from gac_jax.objectives._loss_terms import (
     _check_clip,
-    _fraction,
     _ppo_terms,
     _prepare,
     _ratio_aux,
@@ -72,9 +73,7 @@ def reinforce_loss(
     weight never carries gradient.
 
     Args:
-      logp, behaviour_logp, advantages, mask: see the module docstring.
       is_weights: optional [B] or [B, T] weights.
-      aggregation: see `aggregate`.
 
     Returns:
       ``(loss, aux)`` with ``weight_mean``, ``ratio_mean``, ``approx_kl``.
@@ -87,8 +86,7 @@ def reinforce_loss(
         if is_weights is None
         else _weights_bt(is_weights, mask_bt)
     )
-    logp_m = jnp.where(mask_bt, logp_bt, 0.0)
-    loss_bt = -w_bt * adv_bt * logp_m
+    loss_bt = -w_bt * adv_bt * jnp.where(mask_bt, logp_bt, 0.0)
     aux = {"weight_mean": _sg(masked_mean(w_bt, mask_bt, fallback=1.0))}
     aux.update(_ratio_aux(ratio_bt, ell_bt, mask_bt))
     return aggregate(loss_bt, mask_bt, aggregation), aux
@@ -122,11 +120,9 @@ def ppo_clip_loss(
     inference policy) multiplies each token's loss without gradient.
 
     Args:
-      logp, behaviour_logp, advantages, mask: see the module docstring.
       eps_low, eps_high: clip ranges, :math:`\ge 0`.
       dual_clip: :math:`c > 1`, or None for no dual clip (verl uses 3).
       is_weights: optional [B] or [B, T] extra weights.
-      aggregation: see `aggregate`.
 
     Returns:
       ``(loss, aux)`` with ``clip_fraction`` (= low + high), ``clip_fraction_low``,
@@ -176,13 +172,9 @@ def decoupled_ppo_loss(
     does.
 
     Args:
-      logp: [B, T] current-policy log-probabilities.
-      behaviour_logp: [B, T] behaviour (inference) policy log-probabilities.
-      advantages, mask: see the module docstring.
       proximal_logp: [B, T] proximal-policy log-probabilities.
       eps_low, eps_high, dual_clip: as `ppo_clip_loss`.
       behaviour_weight_cap: optional cap > 0 on the behaviour weight.
-      aggregation: see `aggregate`.
 
     Returns:
       ``(loss, aux)``: the clip diagnostics of `ppo_clip_loss` (against the proximal
@@ -210,7 +202,7 @@ def decoupled_ppo_loss(
     aux = clip_fraction_stats(low_bt, high_bt, dual_bt, mask_bt)
     aux.update(_ratio_aux(_sg(ratio_bt), ell_prox_bt, mask_bt))
     aux["behaviour_weight_mean"] = _sg(masked_mean(weight_bt, mask_bt, fallback=1.0))
-    aux["behaviour_mask_fraction"] = _fraction(mask_bt & ~keep_bt, mask_bt)
+    aux["behaviour_mask_fraction"] = fraction(mask_bt & ~keep_bt, mask_bt)
     return aggregate(loss_bt, mask_bt, aggregation), aux
 
 
@@ -240,10 +232,8 @@ def cispo_loss(
     aggregation, as in the paper.
 
     Args:
-      logp, behaviour_logp, advantages, mask: see the module docstring.
       eps_low, eps_high: the weight is clipped to
         :math:`[1-\epsilon_{low}, 1+\epsilon_{high}]`.
-      aggregation: see `aggregate`.
 
     Returns:
       ``(loss, aux)`` with the fractions of clipped weights (``clip_fraction``,
@@ -256,14 +246,13 @@ def cispo_loss(
     ratio_bt = _sg(clamped_exp(ell_bt))
     lower, upper = 1.0 - eps_low, 1.0 + eps_high
     weight_bt = jnp.where(mask_bt, jnp.clip(ratio_bt, lower, upper), 0.0)
-    logp_m = jnp.where(mask_bt, logp_bt, 0.0)
-    loss_bt = -weight_bt * adv_bt * logp_m
+    loss_bt = -weight_bt * adv_bt * jnp.where(mask_bt, logp_bt, 0.0)
     high_bt = mask_bt & (ratio_bt > upper)
     low_bt = mask_bt & (ratio_bt < lower)
     aux = {
-        "clip_fraction": _fraction(low_bt | high_bt, mask_bt),
-        "clip_fraction_low": _fraction(low_bt, mask_bt),
-        "clip_fraction_high": _fraction(high_bt, mask_bt),
+        "clip_fraction": fraction(low_bt | high_bt, mask_bt),
+        "clip_fraction_low": fraction(low_bt, mask_bt),
+        "clip_fraction_high": fraction(high_bt, mask_bt),
         "weight_mean": _sg(masked_mean(weight_bt, mask_bt, fallback=1.0)),
     }
     aux.update(_ratio_aux(ratio_bt, ell_bt, mask_bt))
@@ -300,9 +289,7 @@ def gspo_loss(
     :math:`4\cdot 10^{-4}` are the paper's ranges.
 
     Args:
-      logp, behaviour_logp, advantages, mask: see the module docstring.
       eps_low, eps_high: clip ranges of the sequence ratio.
-      aggregation: see `aggregate`.
 
     Returns:
       ``(loss, aux)``: token-level clip fractions as `ppo_clip_loss`, ``ratio_mean`` (of
@@ -349,12 +336,8 @@ def topr_loss(
     stops the push-down once :math:`\pi` has left them behind. The loss is
     :math:`-\operatorname{sg}[w_b] A_{bt} \log\pi_\theta(y_{bt})`; the sequence ratio is
     formed in log space (:math:`\min(\sum_t \ell_{bt}, 0)`, exact for any length). The
-    default aggregation sums each sequence's tokens (:math:`\log\pi(\tau)`).
-
-    Args:
-      logp, behaviour_logp, advantages, mask: see the module docstring (advantages are
-        normally per sequence, :math:`R(\tau)` minus a baseline).
-      aggregation: see `aggregate`.
+    default aggregation sums each sequence's tokens (:math:`\log\pi(\tau)`). Advantages
+    are normally per sequence, :math:`R(\tau)` minus a baseline.
 
     Returns:
       ``(loss, aux)`` with ``positive_fraction`` (valid tokens with :math:`A \ge 0`),
@@ -368,12 +351,11 @@ def topr_loss(
     neg_weight_bt = jnp.broadcast_to(neg_weight_b[:, None], mask_bt.shape)
     positive_bt = adv_bt >= 0
     weight_bt = jnp.where(mask_bt, jnp.where(positive_bt, 1.0, neg_weight_bt), 0.0)
-    logp_m = jnp.where(mask_bt, logp_bt, 0.0)
-    loss_bt = -weight_bt * adv_bt * logp_m
+    loss_bt = -weight_bt * adv_bt * jnp.where(mask_bt, logp_bt, 0.0)
     truncated_bt = ~positive_bt & jnp.broadcast_to(seq_log_b[:, None] > 0, mask_bt.shape)
     aux = {
-        "positive_fraction": _fraction(positive_bt, mask_bt),
-        "truncated_fraction": _fraction(truncated_bt, mask_bt),
+        "positive_fraction": fraction(positive_bt, mask_bt),
+        "truncated_fraction": fraction(truncated_bt, mask_bt),
         "weight_mean": _sg(masked_mean(weight_bt, mask_bt, fallback=1.0)),
     }
     aux.update(_ratio_aux(_sg(clamped_exp(ell_bt)), ell_bt, mask_bt))

@@ -11,18 +11,9 @@ import jax
 import jax.numpy as jnp
 
 from gac_jax.objectives._common import check_choice, check_nonnegative, clamped_exp
-from gac_jax.objectives._loss_terms import (
-    _prepare,
-    _ratio_aux,
-    _sg,
-)
+from gac_jax.objectives._loss_terms import _prepare, _ratio_aux, _sg
 from gac_jax.objectives.aggregation import aggregate, check_aggregation
-from gac_jax.objectives.importance import (
-    M2POHarmfulClip,
-    M2POMask,
-    m2po_harmful_clip,
-    m2po_mask,
-)
+from gac_jax.objectives.importance import M2POHarmfulClip, M2POMask, m2po_harmful_clip, m2po_mask
 from gac_jax.objectives.losses import ppo_clip_loss
 
 M2PO_VARIANTS = ("mask", "harmful_budget")
@@ -60,11 +51,9 @@ def m2po_loss(
     whose ratio moved in the rewarded direction.
 
     Args:
-      logp, behaviour_logp, advantages, mask: see the module docstring.
       tau_m2: :math:`\tau_{M_2} \ge 0` (0.04 in the paper and the official scripts).
       variant: ``"mask"`` or ``"harmful_budget"``.
       min_eps_low, min_eps_high: ``harmful_budget`` only, see `m2po_harmful_clip`.
-      aggregation: see `aggregate`.
       statistics: the whole batch's mask (`m2po_mask`, ``variant="mask"``) or clip
         ranges (`m2po_harmful_clip`), when this call sees only part of the batch (a
         micro-batch; see `m2po_batch_statistics`); None computes them from this call's
@@ -100,25 +89,19 @@ def m2po_loss(
             eps_high=clip.eps_high,
             aggregation=aggregation,
         )
-        aux.update(
-            m2_before=clip.m2_before,
-            m2_after=clip.m2_after,
-            masked_fraction=clip.masked_fraction,
-            eps_low=clip.eps_low,
-            eps_high=clip.eps_high,
-        )
+        aux.update(_statistics_aux(clip), eps_low=clip.eps_low, eps_high=clip.eps_high)
         return loss, aux
     _, mask_bt, adv_bt, ell_bt = _prepare(logp, behaviour_logp, advantages, mask)
-    m2 = statistics
     ratio_bt = clamped_exp(ell_bt)
-    loss_bt = jnp.where(m2.mask, -adv_bt * ratio_bt, 0.0)
-    aux = {
-        "m2_before": m2.m2_before,
-        "m2_after": m2.m2_after,
-        "masked_fraction": m2.masked_fraction,
-    }
+    loss_bt = jnp.where(statistics.mask, -adv_bt * ratio_bt, 0.0)
+    aux = _statistics_aux(statistics)
     aux.update(_ratio_aux(_sg(ratio_bt), ell_bt, mask_bt))
     return aggregate(loss_bt, mask_bt, aggregation), aux
+
+
+def _statistics_aux(statistics: M2POMask | M2POHarmfulClip) -> dict[str, jax.Array]:
+    names = ("m2_before", "m2_after", "masked_fraction")
+    return {name: getattr(statistics, name) for name in names}
 
 
 def m2po_batch_statistics(

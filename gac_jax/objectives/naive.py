@@ -36,12 +36,7 @@ def naive_pg_loss(
     ``verl/trainer/ppo/ray_trainer.py``: the actor's ``compute_log_prob`` pass gives
     ``old_log_prob``, so the PPO ratio is 1 at the first update; `ppo_recompute_loss` is
     that loss with its clip for later updates). The behaviour policy enters only the
-    diagnostics (``ratio_mean``, ``approx_kl``): the field's naive asynchronous baseline,
-    against which GAC and VCPO are judged. It is `reinforce_loss` with unit weights.
-
-    Args:
-      logp, behaviour_logp, advantages, mask: see the module docstring.
-      aggregation: see `aggregate`.
+    diagnostics (``ratio_mean``, ``approx_kl``). It is `reinforce_loss` with unit weights.
 
     Returns:
       ``(loss, aux)`` as `reinforce_loss` (``weight_mean`` is 1).
@@ -81,8 +76,6 @@ def ppo_recompute_loss(
     :math:`\pi_{prox}/\pi_{behav}`.
 
     Args:
-      logp, behaviour_logp, advantages, mask: see the module docstring
-        (`behaviour_logp` is not used by the loss).
       proximal_logp: [B, T] the learner's log-probs at the start of the batch.
       eps_low, eps_high, dual_clip, aggregation: as `ppo_clip_loss`.
 

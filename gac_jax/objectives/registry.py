@@ -47,7 +47,7 @@ class PolicyLossSpec:
     """A policy loss and what a learner must feed it.
 
     Attributes:
-      fn: the loss, ``fn(logp, behaviour_logp, advantages, mask, **kwargs) -> (loss, aux)``.
+      fn: the loss, of the common signature (see the module docstring).
       default_aggregation: the reduction it uses when ``aggregation`` is not given (a name
         of `AGGREGATIONS`); a learner that splits the batch weighs micro-batches by it.
       needs_proximal: takes ``proximal_logp``, the log-probs of a proximal policy.
@@ -89,7 +89,7 @@ class AdvantageSpec:
     """An advantage estimator and what it needs beyond rewards and group ids.
 
     Attributes:
-      fn: ``fn(rewards, group_ids, **kwargs) -> (advantages, aux)``.
+      fn: the estimator, of the common signature (see the module docstring).
       needs_log_weights: takes per-sequence ``log_weights`` of current to behaviour policy
         and per-sequence squared gradient norms ``grad_sq_norms`` (VCPO's baseline).
     """
@@ -166,28 +166,15 @@ def get_advantage_spec(name: str) -> AdvantageSpec:
 
 
 def get_policy_loss(name: str) -> Callable:
-    """The policy loss registered under `name` (a key of `POLICY_LOSSES`).
-
-    Raises:
-      ValueError: for an unknown name, listing the known ones.
-    """
+    """The policy loss registered under `name`; ValueError listing the names otherwise."""
     return get_policy_loss_spec(name).fn
 
 
 def get_advantage_estimator(name: str) -> Callable:
-    """The advantage estimator registered under `name` (a key of `ADVANTAGE_ESTIMATORS`).
-
-    Raises:
-      ValueError: for an unknown name, listing the known ones.
-    """
+    """The advantage estimator under `name`; ValueError listing the names otherwise."""
     return get_advantage_spec(name).fn
 
 
 def get_importance_correction(name: str) -> Callable:
-    """The importance correction registered under `name` (a key of
-    `IMPORTANCE_CORRECTIONS`).
-
-    Raises:
-      ValueError: for an unknown name, listing the known ones.
-    """
+    """The importance correction under `name`; ValueError listing the names otherwise."""
     return _lookup("importance correction", IMPORTANCE_CORRECTIONS, name)

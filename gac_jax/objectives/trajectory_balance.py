@@ -46,11 +46,8 @@ def trajectory_balance_loss(
     starting value (annealed there to 0.004). Sequences without valid tokens are left out.
 
     Args:
-      logp: [B, T] current-policy log-probabilities.
-      behaviour_logp: [B, T] (unused by the objective).
       rewards: [B] raw rewards :math:`R_i` (in the advantages position of the common
-        signature).
-      mask: [B, T] valid tokens.
+        signature; the other arguments as in `gac_jax.objectives.losses`).
       reference_logp: [B, T] reference-policy log-probabilities.
       group_ids: [B] integers, sequences of the same prompt share one.
       beta: :math:`\beta > 0`.

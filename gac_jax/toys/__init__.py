@@ -14,12 +14,5 @@ from gac_jax.toys.delayed_quadratic import (
 )
 from gac_jax.toys.stale_bandit import BanditConfig, BanditRunResult, run_stale_bandit
 
-__all__ = [
-    "BanditConfig",
-    "BanditRunResult",
-    "DelayedQuadratic",
-    "delayed_losses",
-    "run_stale_bandit",
-    "sgd_stability_limit",
-    "stability_boundary",
-]
+__all__ = ["BanditConfig", "BanditRunResult", "DelayedQuadratic", "delayed_losses",
+           "run_stale_bandit", "sgd_stability_limit", "stability_boundary"]  # fmt: skip

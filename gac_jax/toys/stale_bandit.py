@@ -5,9 +5,8 @@ pay reward 1. Every step samples a GRPO group of actions for each of a batch of 
 from the *behaviour* policy, the parameters of `staleness` steps ago (the lagged mode of
 gac_jax: step t trains on samples of version max(0, t - staleness)), and trains the current
 policy with truncated-importance-weighted REINFORCE on GRPO advantages, both from
-`gac_jax.objectives`. Any optax chain
-can be plugged in; GAC's cosine is recorded for every run through a monitor or the
-controller itself.
+`gac_jax.objectives`. Any optax chain can be plugged in; GAC's cosine is recorded for every
+run through a monitor or the controller itself.
 """
 
 from __future__ import annotations
@@ -169,12 +168,5 @@ def run_stale_bandit(
         del history[: max(0, len(history) - config.staleness - 1)]
         rows.append(metrics)
     rows = jax.device_get(rows)
-    column = lambda name: np.asarray([row[name] for row in rows])  # noqa: E731
-    return BanditRunResult(
-        reward=column("reward"),
-        greedy_accuracy=column("greedy_accuracy"),
-        cosine=column("cosine"),
-        cosine_after=column("cosine_after"),
-        regime=column("regime"),
-        ess_ratio=column("ess_ratio"),
-    )
+    names = [field.name for field in dataclasses.fields(BanditRunResult)]
+    return BanditRunResult(**{name: np.asarray([row[name] for row in rows]) for name in names})

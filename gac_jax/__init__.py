@@ -27,16 +27,7 @@ from gac_jax.transforms import (
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "AlignmentControlledState",
-    "GradientAlignmentControlState",
-    "ScaleByEssState",
-    "alignment_controlled",
-    "alignment_statistics",
-    "effective_sample_size",
-    "gradient_alignment_control",
-    "gradient_alignment_monitor",
-    "objectives",
-    "scale_by_ess",
-    "transforms",
-]
+__all__ = ["AlignmentControlledState", "GradientAlignmentControlState", "ScaleByEssState",
+           "alignment_controlled", "alignment_statistics", "effective_sample_size",
+           "gradient_alignment_control", "gradient_alignment_monitor", "objectives", "scale_by_ess",
+           "transforms"]  # fmt: skip

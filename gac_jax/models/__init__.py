@@ -17,19 +17,8 @@ Typical use::
 
 from gac_jax.models.chunked_logprobs import chunked_token_logps_and_entropy
 from gac_jax.models.compute import ComputeConfig, with_compute
-from gac_jax.models.config import (
-    PRESETS,
-    ModelConfig,
-    RopeScaling,
-    get_config,
-    preset_names,
-)
-from gac_jax.models.decoder import (
-    Decoder,
-    create_model,
-    init_cache,
-    positions_from_mask,
-)
+from gac_jax.models.config import PRESETS, ModelConfig, RopeScaling, get_config, preset_names
+from gac_jax.models.decoder import Decoder, create_model, init_cache, positions_from_mask
 from gac_jax.models.hf_checkpoint import (
     config_from_hf,
     config_to_hf,
@@ -61,54 +50,14 @@ from gac_jax.models.sharding import (
     shard_model,
     state_shardings,
 )
-from gac_jax.models.tokenizers import (
-    CharTokenizer,
-    HFTokenizer,
-    Tokenizer,
-    decode_completion,
-)
+from gac_jax.models.tokenizers import CharTokenizer, HFTokenizer, Tokenizer, decode_completion
 
-__all__ = [
-    "with_compute",
-    "ComputeConfig",
-    "PRESETS",
-    "CharTokenizer",
-    "Decoder",
-    "HFTokenizer",
-    "InflightSampleOutput",
-    "LoraConfig",
-    "ModelConfig",
-    "RopeScaling",
-    "SampleOutput",
-    "Sampler",
-    "MeshConfig",
-    "ShardingRules",
-    "Tokenizer",
-    "decode_completion",
-    "chunked_token_logps_and_entropy",
-    "apply_lora",
-    "lora_filter",
-    "merge_lora",
-    "config_from_hf",
-    "config_to_hf",
-    "create_model",
-    "create_sharded",
-    "describe_shardings",
-    "filter_logits",
-    "get_config",
-    "init_cache",
-    "left_pad",
-    "load_hf_checkpoint",
-    "logps_of_tokens",
-    "make_mesh",
-    "per_token_logps",
-    "positions_from_mask",
-    "preset_names",
-    "rope_inverse_frequencies",
-    "sample_step",
-    "save_hf_checkpoint",
-    "shard_model",
-    "state_shardings",
-    "token_logps_and_entropy",
-    "token_logps_from_logits",
-]
+__all__ = ["with_compute", "ComputeConfig", "PRESETS", "CharTokenizer", "Decoder", "HFTokenizer",
+           "InflightSampleOutput", "LoraConfig", "ModelConfig", "RopeScaling", "SampleOutput",
+           "Sampler", "MeshConfig", "ShardingRules", "Tokenizer", "decode_completion",
+           "chunked_token_logps_and_entropy", "apply_lora", "lora_filter", "merge_lora",
+           "config_from_hf", "config_to_hf", "create_model", "create_sharded", "describe_shardings",
+           "filter_logits", "get_config", "init_cache", "left_pad", "load_hf_checkpoint",
+           "logps_of_tokens", "make_mesh", "per_token_logps", "positions_from_mask", "preset_names",
+           "rope_inverse_frequencies", "sample_step", "save_hf_checkpoint", "shard_model",
+           "state_shardings", "token_logps_and_entropy", "token_logps_from_logits"]  # fmt: skip

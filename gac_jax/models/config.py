@@ -104,16 +104,8 @@ class ModelConfig:
     def __post_init__(self):
         if self.family not in FAMILIES:
             raise ValueError(f"family={self.family!r} is not one of {FAMILIES}.")
-        for name in (
-            "vocab_size",
-            "embed_dim",
-            "num_layers",
-            "num_heads",
-            "num_kv_heads",
-            "head_dim",
-            "mlp_dim",
-            "max_position_embeddings",
-        ):
+        for name in ("vocab_size", "embed_dim", "num_layers", "num_heads", "num_kv_heads",
+                     "head_dim", "mlp_dim", "max_position_embeddings"):  # fmt: skip
             check_int(name, getattr(self, name), 1)
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
@@ -170,10 +162,6 @@ class ModelConfig:
         return dataclasses.replace(self, **changes)
 
 
-_LLAMA3_2_SCALING = RopeScaling(
-    factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192
-)
-
 _QWEN3 = dict(
     family="qwen3",
     vocab_size=151_936,
@@ -181,6 +169,7 @@ _QWEN3 = dict(
     num_kv_heads=8,
     rope_theta=1_000_000.0,
     rms_norm_eps=1e-6,
+    tie_word_embeddings=True,
     max_position_embeddings=40_960,
     bos_token_id=151_643,
     eos_token_ids=(151_645, 151_643),
@@ -191,89 +180,47 @@ _LLAMA3_2 = dict(
     vocab_size=128_256,
     num_kv_heads=8,
     rope_theta=500_000.0,
-    rope_scaling=_LLAMA3_2_SCALING,
+    rope_scaling=RopeScaling(factor=32.0),
     rms_norm_eps=1e-5,
     tie_word_embeddings=True,
     max_position_embeddings=131_072,
     bos_token_id=128_000,
     eos_token_ids=(128_001, 128_008, 128_009),
 )
+# Tiny models for CPU tests and demos. Vocabulary 128 holds the character tokenizer.
+_TINY = ModelConfig(
+    family="qwen3",
+    vocab_size=128,
+    embed_dim=64,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    mlp_dim=128,
+    rope_theta=10_000.0,
+    tie_word_embeddings=True,
+    max_position_embeddings=2048,
+    dtype="float32",
+    bos_token_id=1,
+    eos_token_ids=(2,),
+    pad_token_id=0,
+)
 
 PRESETS: dict[str, ModelConfig] = {
-    # Tiny models for CPU tests and demos. Vocabulary 128 holds the character tokenizer.
-    "tiny": ModelConfig(
-        family="qwen3",
-        vocab_size=128,
-        embed_dim=64,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=16,
-        mlp_dim=128,
-        rope_theta=10_000.0,
-        tie_word_embeddings=True,
-        max_position_embeddings=2048,
-        dtype="float32",
-        bos_token_id=1,
-        eos_token_ids=(2,),
-        pad_token_id=0,
-    ),
-    "tiny_llama": ModelConfig(
+    "tiny": _TINY,
+    "tiny_llama": _TINY.replace(
         family="llama",
-        vocab_size=128,
-        embed_dim=64,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=16,
-        mlp_dim=128,
         rope_theta=500_000.0,
-        rope_scaling=RopeScaling(
-            factor=8.0,
-            low_freq_factor=1.0,
-            high_freq_factor=4.0,
-            original_max_position_embeddings=64,
-        ),
+        rope_scaling=RopeScaling(original_max_position_embeddings=64),
         rms_norm_eps=1e-5,
         tie_word_embeddings=False,
-        max_position_embeddings=2048,
-        dtype="float32",
-        bos_token_id=1,
-        eos_token_ids=(2,),
-        pad_token_id=0,
     ),
-    "qwen3_0_6b": ModelConfig(
-        **_QWEN3,
-        embed_dim=1024,
-        num_layers=28,
-        num_heads=16,
-        mlp_dim=3072,
-        tie_word_embeddings=True,
-    ),
-    "qwen3_1_7b": ModelConfig(
-        **_QWEN3,
-        embed_dim=2048,
-        num_layers=28,
-        num_heads=16,
-        mlp_dim=6144,
-        tie_word_embeddings=True,
-    ),
-    "qwen3_4b": ModelConfig(
-        **_QWEN3,
-        embed_dim=2560,
-        num_layers=36,
-        num_heads=32,
-        mlp_dim=9728,
-        tie_word_embeddings=True,
-    ),
+    "qwen3_0_6b": ModelConfig(**_QWEN3, embed_dim=1024, num_layers=28, num_heads=16, mlp_dim=3072),
+    "qwen3_1_7b": ModelConfig(**_QWEN3, embed_dim=2048, num_layers=28, num_heads=16, mlp_dim=6144),
+    "qwen3_4b": ModelConfig(**_QWEN3, embed_dim=2560, num_layers=36, num_heads=32, mlp_dim=9728),
     "qwen3_8b": ModelConfig(
-        **_QWEN3,
-        embed_dim=4096,
-        num_layers=36,
-        num_heads=32,
-        mlp_dim=12288,
-        tie_word_embeddings=False,
-    ),
+        **_QWEN3, embed_dim=4096, num_layers=36, num_heads=32, mlp_dim=12288
+    ).replace(tie_word_embeddings=False),
     "llama3_2_1b": ModelConfig(
         **_LLAMA3_2, embed_dim=2048, num_layers=16, num_heads=32, head_dim=64, mlp_dim=8192
     ),

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -28,6 +29,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
+from gac_jax._closing import Closing
 from gac_jax.models.config import DTYPES, ModelConfig
 from gac_jax.models.decoder import Decoder
 from gac_jax.models.hf_config import CONFIG_FILE, config_from_hf, config_to_hf, read_hf_config
@@ -70,23 +72,13 @@ def _same(path, hf_name) -> TensorMapping:
     return TensorMapping(path, hf_name, lambda x: x, lambda x: x)
 
 
-def _linear(path, hf_name, in_dim, out_shape) -> TensorMapping:
-    """An `nn.Linear` weight, stored [out, in], kept here as [in, *out_shape]."""
+def _linear(path, hf_name, in_shape, out_shape) -> TensorMapping:
+    """An `nn.Linear` weight, stored [out, in], kept here as [*in_shape, *out_shape]."""
     return TensorMapping(
         path,
         hf_name,
-        lambda w: np.reshape(w.T, (in_dim, *out_shape)),
-        lambda x: np.ascontiguousarray(np.reshape(x, (in_dim, -1)).T),
-    )
-
-
-def _out_projection(path, hf_name, in_shape, out_dim) -> TensorMapping:
-    """An `nn.Linear` weight, stored [out, in], kept here as [*in_shape, out]."""
-    return TensorMapping(
-        path,
-        hf_name,
-        lambda w: np.reshape(w.T, (*in_shape, out_dim)),
-        lambda x: np.ascontiguousarray(np.reshape(x, (-1, out_dim)).T),
+        lambda w: np.reshape(w.T, (*in_shape, *out_shape)),
+        lambda x: np.ascontiguousarray(np.reshape(x, (math.prod(in_shape), -1)).T),
     )
 
 
@@ -99,19 +91,19 @@ def parameter_mapping(config: ModelConfig) -> list[TensorMapping]:
         _same(("final_norm", "scale"), "model.norm.weight"),
     ]
     if not config.tie_word_embeddings:
-        mapping.append(_linear(("lm_head_dv",), "lm_head.weight", d, (v,)))
+        mapping.append(_linear(("lm_head_dv",), "lm_head.weight", (d,), (v,)))
     for i in range(config.num_layers):
         hf, attn, mlp = f"model.layers.{i}.", ("layers", i, "attn"), ("layers", i, "mlp")
         mapping += [
             _same(("layers", i, "attn_norm", "scale"), hf + "input_layernorm.weight"),
             _same(("layers", i, "mlp_norm", "scale"), hf + "post_attention_layernorm.weight"),
-            _linear((*attn, "q_dnh"), hf + "self_attn.q_proj.weight", d, (n, h)),
-            _linear((*attn, "k_dkh"), hf + "self_attn.k_proj.weight", d, (k, h)),
-            _linear((*attn, "v_dkh"), hf + "self_attn.v_proj.weight", d, (k, h)),
-            _out_projection((*attn, "o_nhd"), hf + "self_attn.o_proj.weight", (n, h), d),
-            _linear((*mlp, "gate_df"), hf + "mlp.gate_proj.weight", d, (f,)),
-            _linear((*mlp, "up_df"), hf + "mlp.up_proj.weight", d, (f,)),
-            _out_projection((*mlp, "down_fd"), hf + "mlp.down_proj.weight", (f,), d),
+            _linear((*attn, "q_dnh"), hf + "self_attn.q_proj.weight", (d,), (n, h)),
+            _linear((*attn, "k_dkh"), hf + "self_attn.k_proj.weight", (d,), (k, h)),
+            _linear((*attn, "v_dkh"), hf + "self_attn.v_proj.weight", (d,), (k, h)),
+            _linear((*attn, "o_nhd"), hf + "self_attn.o_proj.weight", (n, h), (d,)),
+            _linear((*mlp, "gate_df"), hf + "mlp.gate_proj.weight", (d,), (f,)),
+            _linear((*mlp, "up_df"), hf + "mlp.up_proj.weight", (d,), (f,)),
+            _linear((*mlp, "down_fd"), hf + "mlp.down_proj.weight", (f,), (d,)),
         ]
         if config.qk_norm:
             mapping += [
@@ -183,7 +175,7 @@ def _named_errors(file: Path):
         ) from error
 
 
-class _SafetensorsFile:
+class _SafetensorsFile(Closing):
     """An open safetensors file whose errors name it."""
 
     def __init__(self, file: Path):
@@ -192,10 +184,7 @@ class _SafetensorsFile:
         with _named_errors(file):
             self._handle = safe_open(file, framework="numpy").__enter__()
 
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
+    def close(self) -> None:
         self._handle.__exit__(None, None, None)
 
     def keys(self) -> list[str]:
@@ -206,19 +195,16 @@ class _SafetensorsFile:
             return self._handle.get_tensor(name)
 
 
-class _TensorReader:
+class _TensorReader(Closing):
     """Reads tensors by name, keeping each safetensors file open once."""
 
     def __init__(self, files: dict[str, Path]):
         self.files = files
         self._open: dict[Path, _SafetensorsFile] = {}
 
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
+    def close(self) -> None:
         for handle in self._open.values():
-            handle.__exit__(None, None, None)
+            handle.close()
         self._open.clear()
 
     def read(self, name: str) -> np.ndarray:

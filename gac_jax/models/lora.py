@@ -34,7 +34,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from gac_jax._validation import check_int
-from gac_jax.models.sharding import logical_axes_of, state_shardings
+from gac_jax.models.sharding import abstract_with_shardings, logical_axes_of, state_shardings
 
 # Projection names (as Hugging Face / PEFT name them) -> (submodule of a decoder layer,
 # weight attribute, number of leading input axes of the weight). The only list of valid
@@ -191,9 +191,7 @@ class Policy:
         )
         self.graphdef, state = nnx.split(abstract)
         shardings = state_shardings(state, learner.mesh, learner.rules)
-        self._like = jax.tree.map(
-            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, shardings
-        )
+        self._like = abstract_with_shardings(state, shardings)
         merge = functools.partial(_merged_state, learner.graphdef)
         self._merge = jax.jit(merge, out_shardings=shardings)
 

@@ -235,6 +235,14 @@ def state_shardings(state: nnx.State, mesh: Mesh, rules: ShardingRules) -> nnx.S
     return jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs)
 
 
+def abstract_with_shardings(tree, shardings):
+    """`tree`'s leaves (anything with `.shape` and `.dtype`) as `jax.ShapeDtypeStruct`s on
+    `shardings`, a pytree of `tree`'s structure: a target to lower or restore onto."""
+    return jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings
+    )
+
+
 def shard_model(model: nnx.Module, mesh: Mesh, rules: ShardingRules | None = None):
     """Moves every variable of `model` onto its NamedSharding, in place; returns `model`."""
     rules = ShardingRules() if rules is None else rules

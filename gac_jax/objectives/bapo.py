@@ -21,13 +21,7 @@ from gac_jax.objectives._common import (
     clip_fraction_stats,
     is_python_number,
 )
-from gac_jax.objectives._loss_terms import (
-    _check_clip,
-    _ppo_terms,
-    _prepare,
-    _ratio_aux,
-    _sg,
-)
+from gac_jax.objectives._loss_terms import _check_clip, _ppo_terms, _prepare, _ratio_aux, _sg
 from gac_jax.objectives.aggregation import aggregate, check_aggregation
 
 BAPO_CONTRIBUTIONS = ("unclipped", "clamped")
@@ -57,40 +51,24 @@ def _positive_share(ratio_bt, adv_bt, mask_bt, low, high, contribution):
     return jnp.where(total > 0, pos_sum / jnp.where(total > 0, total, 1.0), 1.0)
 
 
-def _check_bapo(
-    target_positive_share,
-    low_start,
-    low_max,
-    low_step,
-    high_start,
-    high_max,
-    high_step,
-    contribution,
-):
+def _check_bapo(contribution, **search):
+    """Checks `contribution` and the search's hyperparameters (`bapo_clip_bounds`'s)."""
     check_choice("contribution", contribution, BAPO_CONTRIBUTIONS)
-    values = {
-        "target_positive_share": target_positive_share,
-        "low_start": low_start,
-        "low_max": low_max,
-        "low_step": low_step,
-        "high_start": high_start,
-        "high_max": high_max,
-        "high_step": high_step,
-    }
-    for name, value in values.items():
+    for name, value in search.items():
         if not is_python_number(value):
             raise ValueError(
                 f"BAPO's `{name}` must be a Python number, got {type(value).__name__}."
             )
-    if not 0.0 <= target_positive_share <= 1.0:
-        raise ValueError(f"`target_positive_share` must be in [0, 1], got {target_positive_share}.")
-    check_positive("low_step", low_step)
-    check_positive("high_step", high_step)
-    check_nonnegative("low_start", low_start)
-    if low_start > low_max:
-        raise ValueError(f"`low_start` ({low_start}) must not exceed `low_max` ({low_max}).")
-    if high_start > high_max:
-        raise ValueError(f"`high_start` ({high_start}) must not exceed `high_max` ({high_max}).")
+    share = search["target_positive_share"]
+    if not 0.0 <= share <= 1.0:
+        raise ValueError(f"`target_positive_share` must be in [0, 1], got {share}.")
+    check_positive("low_step", search["low_step"])
+    check_positive("high_step", search["high_step"])
+    check_nonnegative("low_start", search["low_start"])
+    for side in ("low", "high"):
+        start, limit = search[f"{side}_start"], search[f"{side}_max"]
+        if start > limit:
+            raise ValueError(f"`{side}_start` ({start}) must not exceed `{side}_max` ({limit}).")
 
 
 def bapo_clip_bounds(
@@ -149,14 +127,14 @@ def bapo_clip_bounds(
       `BAPOBounds`.
     """
     _check_bapo(
-        target_positive_share,
-        low_start,
-        low_max,
-        low_step,
-        high_start,
-        high_max,
-        high_step,
         contribution,
+        target_positive_share=target_positive_share,
+        low_start=low_start,
+        low_max=low_max,
+        low_step=low_step,
+        high_start=high_start,
+        high_max=high_max,
+        high_step=high_step,
     )
     _, mask_bt, adv_bt, ell_bt = _prepare(logp, behaviour_logp, advantages, mask)
     ratio_bt = _sg(clamped_exp(ell_bt))

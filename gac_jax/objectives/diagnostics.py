@@ -4,6 +4,9 @@ fractions, the second moment of the log-ratio, and KL(behaviour || current).
 All functions return float32 scalars (or dicts of them) without gradient, finite for
 log-probabilities of any magnitude. Token statistics count valid tokens only; with no
 valid token, ratio statistics report the neutral value 1 and the others 0.
+
+Their arrays: `logp` [B, T], current-policy log-probabilities; `behaviour_logp` [B, T],
+behaviour-policy log-probabilities; `mask` [B, T], valid tokens; `advantages` [B] or [B, T].
 """
 
 from __future__ import annotations
@@ -55,11 +58,6 @@ def sequence_ess(
     uses :math:`\rho` to detect collapse and to scale the step). Delegates to
     `gac_jax.numerics.effective_sample_size`, which shifts by the largest log weight.
 
-    Args:
-      logp: [B, T] current-policy log-probabilities.
-      behaviour_logp: [B, T] behaviour-policy log-probabilities.
-      mask: [B, T] valid tokens.
-
     Returns:
       ``{"ess", "ess_ratio"}``.
     """
@@ -85,9 +83,6 @@ def ratio_statistics(
     linear interpolation (NumPy's default).
 
     Args:
-      logp: [B, T] current-policy log-probabilities.
-      behaviour_logp: [B, T] behaviour-policy log-probabilities.
-      mask: [B, T] valid tokens.
       quantiles: levels in [0, 1].
 
     Returns:
@@ -117,13 +112,7 @@ def ratio_statistics(
 def second_moment(logp: jax.Array, behaviour_logp: jax.Array, mask: jax.Array) -> jax.Array:
     r"""Second moment of the token log-ratio, M2PO's trust-region statistic
     (arXiv 2510.01161, Eq. 5): :math:`\hat M_2 = \frac1N \sum_i (\log r_i)^2` over the N
-    valid tokens (0 if there are none).
-
-    Args:
-      logp: [B, T] current-policy log-probabilities.
-      behaviour_logp: [B, T] behaviour-policy log-probabilities.
-      mask: [B, T] valid tokens.
-    """
+    valid tokens (0 if there are none)."""
     ell_bt, mask_bt = _inputs(logp, behaviour_logp, mask)
     return masked_mean(ell_bt * ell_bt, mask_bt)
 
@@ -137,11 +126,6 @@ def kl_behaviour_current(
     :math:`-\ell` (verl's ``ppo_kl``) and ``kl_k3`` the mean of :math:`e^{\ell} - 1 - \ell`
     (Schulman's low-variance, non-negative estimator, http://joschu.net/blog/kl-approx.html;
     see `kl_estimate`). DESIGN.md asks every run to report it.
-
-    Args:
-      logp: [B, T] current-policy log-probabilities.
-      behaviour_logp: [B, T] behaviour-policy log-probabilities.
-      mask: [B, T] valid tokens.
 
     Returns:
       ``{"kl_k1", "kl_k3"}``.
@@ -171,10 +155,6 @@ def clip_fractions(
     The same numbers `ppo_clip_loss` reports, for logging without computing the loss.
 
     Args:
-      logp: [B, T] current-policy log-probabilities.
-      behaviour_logp: [B, T] behaviour-policy log-probabilities.
-      mask: [B, T] valid tokens.
-      advantages: [B] or [B, T].
       eps_low, eps_high: clip ranges.
       dual_clip: :math:`c > 1`, or None.
     """

@@ -4,6 +4,10 @@ built on them: truncated IS (TIS), masked IS (MIS), IcePop's band and M2PO's mas
 Every weight returned here carries no gradient (it is a correction factor, as verl's
 ``rollout_is_weights``), and every mask is a new boolean [B, T] array: tokens it drops are
 meant to contribute exactly zero to a loss. Sequence-level ratios are formed in log space.
+
+Their arrays: `logp` [B, T], log-probabilities of the current policy (the one corrected
+towards); `behaviour_logp` [B, T], those of the sampling (behaviour) policy; `mask` [B, T],
+valid tokens; `advantages` [B] or [B, T].
 """
 
 from __future__ import annotations
@@ -62,11 +66,6 @@ def token_log_ratio(logp: jax.Array, behaviour_logp: jax.Array, mask: jax.Array)
     r"""Per-token log importance ratio :math:`\ell_{bt} = \log\pi_\theta - \log\mu`,
     the log of PPO's :math:`r_t(\theta)` (arXiv 1707.06347, Eq. 6).
 
-    Args:
-      logp: current-policy log-probabilities :math:`\log\pi_\theta(y_t)`, [B, T].
-      behaviour_logp: log-probabilities under the sampling policy :math:`\mu`, [B, T].
-      mask: [B, T] valid tokens.
-
     Returns:
       [B, T] float32, exactly 0 (with zero gradient) on padded tokens.
     """
@@ -86,7 +85,6 @@ def sequence_log_ratio(
       (GSPO, arXiv 2507.18071, Eq. 7). 0 for a sequence without valid tokens.
 
     Args:
-      logp, behaviour_logp, mask: as in `token_log_ratio`.
       mode: ``"sum"`` or ``"mean"``.
 
     Returns:
@@ -126,7 +124,6 @@ def importance_ratio(
     `gac_jax.objectives._common.MAX_LOG_RATIO`).
 
     Args:
-      logp, behaviour_logp, mask: as in `token_log_ratio`.
       level: ``"token"``, ``"sequence"`` or ``"geometric"``.
 
     Returns:
@@ -156,9 +153,6 @@ def truncated_importance_weights(
     sequence ratio, and VCPO (arXiv 2602.17616) compares against sequence-level TIS.
 
     Args:
-      logp: [B, T] log-probabilities of the policy being corrected towards.
-      behaviour_logp: [B, T] log-probabilities of the sampling policy.
-      mask: [B, T] valid tokens.
       cap: :math:`C > 0`.
       level: ``"token"``, ``"sequence"`` or ``"geometric"``.
 
@@ -217,7 +211,6 @@ def masked_importance_weights(
     as merged into verl's rollout correction.
 
     Args:
-      logp, behaviour_logp, mask: as in `truncated_importance_weights`.
       cap: upper bound :math:`C > 0`.
       lower: optional lower bound :math:`L \ge 0`.
       level: ``"token"``, ``"sequence"`` or ``"geometric"``.
@@ -256,9 +249,7 @@ def icepop_weights(
     gradient; the others are corrected by their ratio.
 
     Args:
-      logp: [B, T] training-engine log-probabilities (``logp`` of the correction target).
-      behaviour_logp: [B, T] inference-engine log-probabilities.
-      mask: [B, T] valid tokens.
+      logp, behaviour_logp: the training and the inference engine's log-probabilities.
       low: :math:`\alpha > 0`.
       high: :math:`\beta \ge \alpha`.
 
@@ -301,9 +292,7 @@ def m2po_mask(
     zero, a skipped step. Ties at the boundary are broken by position.
 
     Args:
-      logp: [B, T] current-policy log-probabilities (AReaL passes the proximal policy).
-      behaviour_logp: [B, T] behaviour-policy log-probabilities.
-      mask: [B, T] valid tokens.
+      logp: the current policy's (AReaL passes the proximal policy's).
       tau_m2: threshold :math:`\tau_{M_2} \ge 0`.
 
     Returns:
@@ -372,9 +361,6 @@ def m2po_harmful_clip(
     code's 1e-12 tolerances are dropped.
 
     Args:
-      logp, behaviour_logp: [B, T] log-probabilities of the current and behaviour policy.
-      advantages: [B] or [B, T].
-      mask: [B, T] valid tokens.
       tau_m2: the M2 budget (0.04 in the official scripts).
       min_eps_low, min_eps_high: optional lower limits on the clip ranges.
 

@@ -30,7 +30,13 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from gac_jax._validation import check_int
-from gac_jax.models.sharding import MeshConfig, ShardingRules, make_mesh, state_shardings
+from gac_jax.models.sharding import (
+    MeshConfig,
+    ShardingRules,
+    abstract_with_shardings,
+    make_mesh,
+    state_shardings,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,9 +172,7 @@ class RolloutPlacement:
             shardings = jax.tree.map(lambda x: x.sharding, params)
         else:
             shardings = state_shardings(params, self.mesh, self._rules)
-        return jax.tree.map(
-            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), params, shardings
-        )
+        return abstract_with_shardings(params, shardings)
 
     def to_learner(self, params, like):
         """Published `params` back on the learner's shardings (those of `like`): what a

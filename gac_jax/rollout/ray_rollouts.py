@@ -10,21 +10,13 @@ Weights travel by version through Ray's object store: the first call that asks f
 version copies the params to host memory and `ray.put`s them once; every actor that samples
 with that version fetches the same object (zero-copy on the learner's node) and places it on
 its own devices, once per version. Actor deaths arrive as Ray's `RayActorError` at the
-waiting thread: the pool replaces the actor and retries the same groups, or raises
-`RolloutActorDied`, which the worker turns into a failed buffer so the learner's next
-`take` raises `RolloutWorkerError` at once.
+waiting thread (see `on_actor_failure`); a `RolloutActorDied` becomes a failed buffer in the
+worker, so the learner's next `take` raises `RolloutWorkerError` at once.
 
-In-flight updates (`follow=store`): the pool subscribes to the learner's `ParamStore`; a
-thread of the pool puts each newly published version into the object store and posts its
-reference on a small board actor. A thread in each actor waits on the board for a newer
-version (no polling); between decode chunks the actor's generator reads what that thread
-last saw and fetches and places it when it is newer than the params it holds, so a call
-started on version v may finish on a later one, and every token keeps its version
-(`EpisodeSampler.sample_inflight`).
-
-Weight transfer is timed on both sides: `put_seconds()` (the learner's host copy and
-`ray.put`, per version) and `transfer_seconds()` (each actor's fetch and placement, per
-version); `call_intervals()` gives each actor's busy spans on the wall clock.
+In-flight updates (`follow=store`) post each version on a small board actor that a thread
+in each actor waits on, so a call started on version v may finish on a later one, and every
+token keeps its version (`EpisodeSampler.sample_inflight`). Weight transfers are timed on
+both sides (`put_seconds`, `transfer_seconds`), calls by `call_intervals`.
 
 Ray's engine does the process management, the transport and the failure detection; there is
 no hand-written RPC and no polling of files for weights.
@@ -63,6 +55,7 @@ import jax
 import numpy as np
 import ray
 
+from gac_jax._closing import Closing
 from gac_jax._validation import check_int
 from gac_jax.rollout.buffer import RolloutBufferClosed
 from gac_jax.rollout.param_store import ParamStore
@@ -210,7 +203,7 @@ class _RolloutActor:
         return os.getpid()
 
 
-class RayRolloutPool:
+class RayRolloutPool(Closing):
     """Rollout generation in `num_actors` Ray actor processes; a `GenerateGroups`.
 
     Each calling thread is bound to one actor: its first call claims the actor with the
@@ -480,12 +473,6 @@ class RayRolloutPool:
         if ray.is_initialized():
             for actor in actors + ([self._board] if self._board is not None else []):
                 ray.kill(actor)
-
-    def __enter__(self) -> RayRolloutPool:
-        return self
-
-    def __exit__(self, *exc_info) -> None:
-        self.close()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -11,12 +11,9 @@ orbax relies on a ``commit_success.txt`` marker written last instead). Orbax lis
 finalised steps, so a save interrupted at any point leaves nothing that `latest_step` or
 `restore` would pick.
 
-A step that cannot be read back (a truncated data file, a deleted manifest or metadata,
-garbage JSON) raises `DamagedCheckpointError`, one line naming the step and the cause;
-`restore_newest` then falls back to the newest intact step and says which it skipped. Old
-steps are deleted by renaming them out of the listing first (``.deleting-<step>-<id>``)
-and only then removing the files, so a process killed while deleting never leaves a
-half-deleted step that a restore would list.
+A step that cannot be read back raises `DamagedCheckpointError` (one line naming the step
+and the cause), which `restore_newest` skips; old steps are deleted by rename first
+(`_prune`: ``.deleting-<step>-<id>``), so a killed deletion leaves no half-deleted step.
 
 Flax NNX models are saved as the pure dict of their parameters (`model_params`) and
 restored onto a model of the same architecture (`restore_model`), which also restores
@@ -52,8 +49,10 @@ import jax
 import orbax.checkpoint as ocp
 from flax import nnx
 
+from gac_jax._closing import Closing
 from gac_jax._quiet import absl_records_dropped
 from gac_jax._validation import check_int
+from gac_jax.models.sharding import abstract_with_shardings
 from gac_jax.train.checkpoint_faults import (
     DamagedCheckpointError,
     disk_errno,
@@ -61,19 +60,9 @@ from gac_jax.train.checkpoint_faults import (
     short_cause,
 )
 
-__all__ = [
-    "Checkpoint",
-    "CheckpointManager",
-    "DamagedCheckpointError",
-    "abstract_tree",
-    "latest_step",
-    "load_model_params",
-    "model_params",
-    "read_metadata",
-    "restore_checkpoint",
-    "restore_model",
-    "save_checkpoint",
-]
+__all__ = ["Checkpoint", "CheckpointManager", "DamagedCheckpointError", "abstract_tree",
+           "latest_step", "load_model_params", "model_params", "read_metadata",
+           "restore_checkpoint", "restore_model", "save_checkpoint"]  # fmt: skip
 
 STATE_ITEM = "state"
 METADATA_ITEM = "metadata"
@@ -131,11 +120,7 @@ def abstract_tree(tree, shardings=None):
         shardings = jax.tree.map(own_sharding, tree)
     elif isinstance(shardings, jax.sharding.Sharding):
         shardings = jax.tree.map(lambda _: shardings, tree)
-    return jax.tree.map(
-        lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding),
-        tree,
-        shardings,
-    )
+    return abstract_with_shardings(tree, shardings)
 
 
 def _read_only_notice(record: logging.LogRecord) -> bool:
@@ -145,7 +130,7 @@ def _read_only_notice(record: logging.LogRecord) -> bool:
     return record.getMessage().startswith("Given directory is read only")
 
 
-class CheckpointManager:
+class CheckpointManager(Closing):
     """A directory of step checkpoints, each a pytree of arrays plus JSON metadata.
 
     A thin layer over `orbax.checkpoint.CheckpointManager` that fixes the layout (the
@@ -207,12 +192,6 @@ class CheckpointManager:
         if not read_only and jax.process_index() == 0:
             for leftover in self.directory.glob(DELETING_PREFIX + "*"):
                 shutil.rmtree(leftover, ignore_errors=True)
-
-    def __enter__(self) -> CheckpointManager:
-        return self
-
-    def __exit__(self, *exc_info) -> None:
-        self.close()
 
     def close(self) -> None:
         """Waits for any pending save (and its pruning), then releases orbax's resources."""

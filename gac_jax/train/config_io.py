@@ -241,18 +241,9 @@ def config_hash(config: Any, exclude: Sequence[str] = ()) -> str:
 
 # What may change when a run is resumed: how long it runs and how it is evaluated and
 # checkpointed, nothing that changes what it trains.
-RESUMABLE_FIELDS = (
-    "steps",
-    "eval_every",
-    "eval_size",
-    "eval_samples",
-    "checkpoint_every",
-    "keep_checkpoints",
-    "samples_every",
-    "samples_per_log",
-    "wandb_project",
-    "wandb_mode",
-)
+RESUMABLE_FIELDS = ("steps", "eval_every", "eval_size", "eval_samples", "checkpoint_every",
+                    "keep_checkpoints", "samples_every", "samples_per_log", "wandb_project",
+                    "wandb_mode")  # fmt: skip
 
 
 def run_hash(config: Any) -> str:

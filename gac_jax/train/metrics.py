@@ -20,6 +20,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
+from gac_jax._closing import Closing
+
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
 
@@ -180,7 +182,7 @@ def metric_series(records: Sequence[Mapping[str, Any]], key: str) -> tuple[list[
     return steps, values
 
 
-class MetricWriter:
+class MetricWriter(Closing):
     """Writes each step's flat dict of scalars to ``metrics.jsonl`` and TensorBoard.
 
     Args:
@@ -270,14 +272,11 @@ class MetricWriter:
             self._wandb.finish(exit_code=exit_code)
             self._wandb = None
 
-    def __enter__(self) -> MetricWriter:
-        return self
-
     def __exit__(self, exc_type, *exc_info) -> None:
         self.close(exit_code=0 if exc_type is None else 1)
 
 
-class NullMetricWriter:
+class NullMetricWriter(Closing):
     """`MetricWriter`'s interface, writing nothing: what the other processes of a
     multi-process run use (process 0 writes the run's metrics)."""
 
@@ -288,12 +287,6 @@ class NullMetricWriter:
         del step, tag, columns, rows
 
     def close(self) -> None:
-        pass
-
-    def __enter__(self) -> NullMetricWriter:
-        return self
-
-    def __exit__(self, *exc_info) -> None:
         pass
 
 
@@ -319,7 +312,7 @@ def _format_value(value: Any) -> str:
     return f"{value:.4g}" if abs(value) < 100 else f"{value:.0f}"
 
 
-class ProgressLine:
+class ProgressLine(Closing):
     """A one-line progress display: step/total and a few metrics.
 
     On a terminal this is a tqdm bar whose postfix holds the metrics. Elsewhere (a log file,
@@ -388,9 +381,3 @@ class ProgressLine:
         if self._bar is not None:
             self._bar.close()
             self._bar = None
-
-    def __enter__(self) -> ProgressLine:
-        return self
-
-    def __exit__(self, *exc_info) -> None:
-        self.close()

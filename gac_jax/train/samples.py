@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from gac_jax._closing import Closing
 from gac_jax.models.tokenizers import decode_completion
 from gac_jax.rollout.sampling import cut_at_stop
 from gac_jax.train.metrics import keep_before, to_json_scalar
@@ -85,7 +86,7 @@ def _turns(tokenizer, tokens, observed) -> list[dict[str, str]]:
     return turns
 
 
-class SampleLogger:
+class SampleLogger(Closing):
     """Writes sampled completions every `every` steps (see the module docstring).
 
     Args:
@@ -137,24 +138,15 @@ class SampleLogger:
             self._file.close()
             self._file = None
 
-    def __enter__(self) -> SampleLogger:
-        return self
 
-    def __exit__(self, *exc_info) -> None:
-        self.close()
-
-
-class NullSampleLogger:
+class NullSampleLogger(Closing):
     """`SampleLogger`'s interface, writing nothing (sampling off, or not process 0)."""
 
     def write(self, step: int, rollouts: Sequence[Any]) -> list[dict[str, Any]]:
         del step, rollouts
         return []
 
-    def __enter__(self) -> NullSampleLogger:
-        return self
-
-    def __exit__(self, *exc_info) -> None:
+    def close(self) -> None:
         pass
 
 

@@ -20,29 +20,10 @@ from gac_jax.transforms.controlled import (
     alignment_controlled,
     alignment_statistics,
 )
-from gac_jax.transforms.ess_scaling import (
-    ESSConfig,
-    ScaleByEssState,
-    ess_step_scale,
-    scale_by_ess,
-)
+from gac_jax.transforms.ess_scaling import ESSConfig, ScaleByEssState, ess_step_scale, scale_by_ess
 
-__all__ = [
-    "REGIME_NAMES",
-    "REGIME_NONFINITE",
-    "REGIME_PASS",
-    "REGIME_PROJECT",
-    "REGIME_SKIP",
-    "AlignmentControlledState",
-    "ESSConfig",
-    "GACConfig",
-    "GradientAlignmentControlState",
-    "ScaleByEssState",
-    "alignment_controlled",
-    "alignment_statistics",
-    "ess_step_scale",
-    "gradient_alignment_control",
-    "gradient_alignment_monitor",
-    "scale_by_ess",
-    "set_gac_reference",
-]
+__all__ = ["REGIME_NAMES", "REGIME_NONFINITE", "REGIME_PASS", "REGIME_PROJECT", "REGIME_SKIP",
+           "AlignmentControlledState", "ESSConfig", "GACConfig", "GradientAlignmentControlState",
+           "ScaleByEssState", "alignment_controlled", "alignment_statistics", "ess_step_scale",
+           "gradient_alignment_control", "gradient_alignment_monitor", "scale_by_ess",
+           "set_gac_reference"]  # fmt: skip

@@ -10,21 +10,13 @@ precedes collapse. GAC measures
     c_t = \cos(g_t, r_{t-1}) = \frac{\langle g_t, r_{t-1} \rangle}{\|g_t\| \, \|r_{t-1}\|}
 
 over the whole flattened parameter tree (or per leaf), with `r` a reference direction (the
-previous gradient by default), and controls the step with two thresholds
-`tau_low < tau_high`:
+previous gradient by default), and with two thresholds `tau_low < tau_high` passes the
+step, projects out its aligned component or skips it (`gradient_alignment_control`).
 
-* `c_t <= tau_low`: pass `g_t` unchanged (negative alignment is never touched);
-* `tau_low < c_t <= tau_high`: project, removing the component along `r` (all of it, or
-  just enough that the cosine falls to `tau_low`);
-* `c_t > tau_high`: skip the step, if skipping is on; otherwise project.
-
-On its own, this transformation emits a zero gradient for a skipped step, and an optimizer
-after it in a chain still moves the params (Adam's momentum applies most of the previous
-update again) and advances its state. The paper's skip leaves the params and the whole
-optimizer state as they were: wrap the optimizer with
-`gac_jax.transforms.alignment_controlled(adamw(...), gradient_alignment_control())`
-(or `GACConfig.wrap`), which is what the learner runs. The same wrapper can control the
-applied update instead (`acts_on="update"`), and it monitors both cosines.
+On its own, this transformation emits zeros for a skipped step, which an optimizer after it
+still moves the params on; the paper's skip, params and optimizer state kept, is
+`gac_jax.transforms.alignment_controlled(adamw(...), gradient_alignment_control())` (or
+`GACConfig.wrap`), what the learner runs: see `gac_jax.transforms.controlled`.
 
 Cost, with the default "gradient" reference: two inner products per leaf, `<g, r>` and
 `|g|^2` (the reference's `|r|^2` is the previous step's `|g|^2`, carried in the state), and

@@ -28,17 +28,10 @@ into skipping, since nothing moves it.
         scale_by_ess(),
     )
 
-As measured (experiments/RESULTS.md, laboratory v4, five seeds a method): in a GRPO cell
-where stale rollouts trained as if on-policy collapse and their gradients are more
-aligned than synchronous ones, every run of every variant collapsed (defaults, thresholds
-from the synchronous cosine with a true skip, adaptive, on applied updates; the last
-ended above naive, still below its start); its step-size controls did as well and its
-momentum controls better (one collapse in ten runs, no gain), while PPO-clip and VCPO
-held; on a noisy quadratic with delayed gradients
-(`gac_jax.toys.delayed_quadratic`), control of applied updates widened Adam's stable step
-10x at a staleness of 16. A skip at thresholds below a problem's own synchronous cosine
-skips every step and stalls: choose them from a synchronous run's `gac_cosine` /
-`gac_update_cosine`.
+Its measured effect, in a collapsing GRPO cell and on a noisy quadratic with delayed
+gradients (`gac_jax.toys.delayed_quadratic`), is in experiments/RESULTS.md (laboratory v4).
+A skip at thresholds below a problem's own synchronous cosine skips every step and stalls:
+choose them from a synchronous run's `gac_cosine` / `gac_update_cosine`.
 
 Cost over the bare optimizer: the two alignment passes (inner products, and one reference
 copy each) and a select over the optimizer state.
@@ -85,17 +78,9 @@ def _select(skipped, old, new):
 
 def _with_reference_of(state, old, skipped):
     """`state` with `old`'s reference (and its norms) where `skipped`."""
-    return optax.tree.set(
-        state,
-        gac_reference=_select(
-            skipped, optax.tree.get(old, "gac_reference"), optax.tree.get(state, "gac_reference")
-        ),
-        gac_reference_sq=_select(
-            skipped,
-            optax.tree.get(old, "gac_reference_sq"),
-            optax.tree.get(state, "gac_reference_sq"),
-        ),
-    )
+    names = ("gac_reference", "gac_reference_sq")
+    get = optax.tree.get
+    return optax.tree.set(state, **{n: _select(skipped, get(old, n), get(state, n)) for n in names})
 
 
 def alignment_controlled(

@@ -54,11 +54,8 @@ def collapse_step(records: Sequence[Mapping[str, Any]], rule: CollapseRule) -> i
     return int(records[below[0] + 2 * w - 1]["step"])
 
 
-def _quantiles(x: np.ndarray) -> tuple[float, float, float]:
-    if len(x) == 0:
-        return (math.nan, math.nan, math.nan)
-    q25, q50, q75 = np.percentile(x, [25, 50, 75])
-    return float(q25), float(q50), float(q75)
+def _percentile(x: np.ndarray, q: float) -> float:
+    return float(np.percentile(x, q)) if len(x) else math.nan
 
 
 def cosine_samples(records: Sequence[Mapping[str, Any]], key: str = "gac_cosine") -> np.ndarray:
@@ -95,10 +92,10 @@ def summarize_run(
         "reward_first": float(reward[: rule.window].mean()),
         "reward_last": float(reward[-rule.window :].mean()),
         "collapse_step": collapse_step(records, rule),
-        "c_t_q25": _quantiles(c_t)[0],
-        "c_t_median": _quantiles(c_t)[1],
-        "c_t_q75": _quantiles(c_t)[2],
-        "c_after_median": _quantiles(c_after)[1],
+        "c_t_q25": _percentile(c_t, 25),
+        "c_t_median": _percentile(c_t, 50),
+        "c_t_q75": _percentile(c_t, 75),
+        "c_after_median": _percentile(c_after, 50),
         "zero_grad_fraction": 1.0 - len(with_grad) / max(len(records) - 1, 1),
         "ess_ratio_median": _median(records, "ess_ratio"),
         "grad_norm_median": _median(records, "grad_norm"),
@@ -137,13 +134,9 @@ def _control_statistics(records: Sequence[Mapping[str, Any]], regimes: np.ndarra
         "project_fraction": float(np.mean(projected & (skipped == 0))) if len(regimes) else 0.0,
         "skip_fraction": float(np.mean(skipped)) if len(skipped) else 0.0,
         "removed_fraction_median": float(np.median(removed)) if len(removed) else math.nan,
-        "update_cosine_median": _quantiles(applied_cosine)[1],
-        "update_cosine_q90": (
-            float(np.percentile(applied_cosine, 90)) if len(applied_cosine) else math.nan
-        ),
-        "c_t_q90": float(np.percentile(cosine_samples(records), 90))
-        if len(cosine_samples(records))
-        else math.nan,
+        "update_cosine_median": _percentile(applied_cosine, 50),
+        "update_cosine_q90": _percentile(applied_cosine, 90),
+        "c_t_q90": _percentile(cosine_samples(records), 90),
     }
 
 

@@ -1,16 +1,10 @@
 """Seeded sweeps of GRPO runs: the named methods, resumable execution, per-run summaries.
 
 A sweep is a list of `RunSpec`s (a label, config overrides, a seed). `run_spec` trains one
-into ``root/<label>/seed<seed>`` and writes ``summary.json`` there; a run whose summary
-exists for the same config is skipped and an interrupted one resumes from its newest
-checkpoint, so a sweep is restarted by running it again. `summarize_run`
-(`gac_jax.lab.summary`) turns a run's metrics into the numbers the experiments
-report (experiments/report*.py make the tables).
-
-A summary records the code that made it (`provenance.code_version`). A sweep refuses a
-summary of other code unless told to retrain it (``--rerun-stale``) or reuse it
-(``--allow-stale``); a report refuses runs of two code versions
-(`provenance.check_one_version`).
+into ``root/<label>/seed<seed>`` and writes ``summary.json`` there (`summarize_run`'s
+numbers and the code version that made it); a run whose summary exists for the same config
+is skipped and an interrupted one resumes from its newest checkpoint, so a sweep is
+restarted by running it again. experiments/report*.py make the tables.
 
     specs = [RunSpec(f"{m}/k8", ("rollout.lag=8", *o), seed)
              for m, o in METHODS.items() for seed in (0, 1, 2)]
@@ -30,17 +24,9 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from gac_jax.lab.provenance import (  # noqa: F401  (StaleRunError: what a sweep raises)
-    StaleRunError,
-    code_version,
-    settle_stale,
-)
-from gac_jax.lab.summary import (  # noqa: F401  (re-exported: a sweep's vocabulary)
-    CollapseRule,
-    collapse_step,
-    cosine_samples,
-    summarize_run,
-)
+# Re-exported, a sweep's vocabulary: StaleRunError (what it raises), collapse_step, ...
+from gac_jax.lab.provenance import StaleRunError, code_version, settle_stale  # noqa: F401
+from gac_jax.lab.summary import CollapseRule, collapse_step, cosine_samples, summarize_run  # noqa: F401
 from gac_jax.train import train
 from gac_jax.train.build import warm_start_directory
 from gac_jax.train.config import TrainConfig
@@ -192,14 +178,8 @@ def load_summaries(root: str | os.PathLike) -> list[dict[str, Any]]:
 @dataclasses.dataclass(frozen=True)
 class SweepProcesses:
     """The child processes a sweep's parent starts (`run_sweep`): ``python script argv...
-    --shard i/jobs`` for each i.
-
-    Attributes:
-      script: the experiment script the children run.
-      jobs: at most this many children (fewer when fewer runs are left).
-      argv: the children's arguments before ``--shard``; None: this process's own
-        (``sys.argv[1:]``).
-    """
+    --shard i/jobs`` for each i < `jobs` (fewer when fewer runs are left); `argv` None
+    passes this process's own arguments (``sys.argv[1:]``)."""
 
     script: str
     jobs: int = 1

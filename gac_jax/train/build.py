@@ -54,8 +54,9 @@ def use_compilation_cache(config: TrainConfig) -> None:
 
 
 def _checkpoint_dir(config: TrainConfig) -> Path | None:
-    """The Hugging Face directory the model is read from (None for `warm_start`/`random`)."""
-    if config.init in ("random", "warm_start"):
+    """The Hugging Face directory the model is read from (None for `warm_start`/`random`,
+    and for a preset's checkpoint not downloaded yet)."""
+    if config.init in ("random", "warm_start") or not os.path.isdir(config.init):
         return None
     return Path(config.init)
 
@@ -66,14 +67,14 @@ def model_config(config: TrainConfig) -> models.ModelConfig:
     A preset's checkpoint not downloaded yet gives its `model` preset (the same layout)."""
     overrides = config.compute.overrides()
     path = _checkpoint_dir(config)
-    if path is None or not path.is_dir():
+    if path is None:
         return models.get_config(config.model, **overrides)
     return hf_model_config(path, **overrides)
 
 
 def build_tokenizer(config: TrainConfig):
     path = _checkpoint_dir(config)
-    if path is None or not path.is_dir():
+    if path is None:
         return models.CharTokenizer()
     return models.HFTokenizer.from_directory(path)
 
@@ -178,18 +179,13 @@ def data_sources(task, data_dir) -> tuple[Any, Any]:
     """The task's train and test splits. With several processes, process 0 prepares them
     first (tfds builds a dataset once per directory) and the others then read them."""
 
-    def load():
-        return (
-            task.data_source("train", data_dir=data_dir),
-            task.data_source("test", data_dir=data_dir),
-        )
-
-    if processes.is_primary():
-        sources = load()
+    primary = processes.is_primary()
+    if not primary:
         processes.barrier("gac_jax.train: data prepared")
-        return sources
-    processes.barrier("gac_jax.train: data prepared")
-    return load()
+    sources = tuple(task.data_source(split, data_dir=data_dir) for split in ("train", "test"))
+    if primary:
+        processes.barrier("gac_jax.train: data prepared")
+    return sources
 
 
 def build_generator(

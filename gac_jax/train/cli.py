@@ -40,17 +40,6 @@ def _fail(parser: argparse.ArgumentParser, message: str, code: int = BAD_INPUT_E
     raise SystemExit(code)
 
 
-def _loop():
-    # Imported when a run starts, not with the CLI: `presets` and `show-config` stay fast,
-    # and tests can put a fake loop in sys.modules.
-    return importlib.import_module("gac_jax.train.loop")
-
-
-def _run_module():
-    # As `_loop`: imported when a checkpoint is evaluated.
-    return importlib.import_module("gac_jax.train.run")
-
-
 def _resolve(parser: argparse.ArgumentParser, config: str, overrides: Sequence[str]):
     try:
         return apply_overrides(load_config(config), overrides)
@@ -109,7 +98,9 @@ def _cmd_train(args, parser) -> int:
         processes.initialize(args.coordinator, args.num_processes, args.process_id)
     except ValueError as error:
         _fail(parser, str(error))
-    loop = _loop()
+    # Imported when a run starts, not with the CLI: `presets` and `show-config` stay fast,
+    # and tests can put a fake loop (and run module, for `eval`) in sys.modules.
+    loop = importlib.import_module("gac_jax.train.loop")
     if args.resume:
         config = _resume_config(parser, out_dir, args.set, RESUMABLE_FIELDS)
     else:
@@ -131,8 +122,9 @@ def _cmd_train(args, parser) -> int:
         _fail(parser, "interrupted twice: stopped without saving this step", 128 + 2)
     except KeyboardInterrupt:  # Once, before the steps (no handler of the run's yet).
         _fail(parser, "interrupted during start-up: stopped before the first step", 128 + 2)
-    except OSError as error:  # The disk: full, read-only, not ours.
-        _fail(parser, _disk_message(error, out_dir), DISK_EXIT)
+    except OSError as error:  # The disk: full, read-only, not ours. Said: where and why.
+        where = f"under {out_dir}" if error.filename is None else error.filename
+        _fail(parser, f"cannot write {where}: {error.strerror or error}", DISK_EXIT)
     except loop.RunInterrupted as stopped:
         print(stopped, file=sys.stderr)
         return stopped.exit_code
@@ -141,21 +133,6 @@ def _cmd_train(args, parser) -> int:
         return 1
     print(f"Run written to {out_dir}: {out_dir / 'metrics.jsonl'}, plot {out_dir / 'plot.png'}")
     return 0
-
-
-def _disk_message(error: OSError, out_dir: Path) -> str:
-    """One line naming the path that could not be written and why."""
-    if error.filename is None:
-        return f"cannot write under {out_dir}: {error.strerror or error}"
-    return f"cannot write {error.filename}: {error.strerror or error}"
-
-
-def _find_run_config(checkpoint: Path) -> Path | None:
-    """The config.json of the run a checkpoint belongs to (run/checkpoints/<step>/...)."""
-    for directory in (checkpoint, *list(checkpoint.parents)[:2]):
-        if (directory / CONFIG_FILE).is_file():
-            return directory / CONFIG_FILE
-    return None
 
 
 def _json_value(value):
@@ -168,20 +145,19 @@ def _json_value(value):
 
 
 def _checkpoint_config(args, parser, checkpoint: Path):
-    """The config of the run `checkpoint` belongs to (or `--config`), with `--set`."""
+    """`--config`, or else the config.json of the run `checkpoint` belongs to (in it or the
+    two directories above: run/checkpoints/<step>/...), with `--set`."""
     if not checkpoint.exists():  # Said before the data, the model or a warm start is built.
         _fail(parser, f"{checkpoint} does not exist: a run directory or one of its checkpoints.")
-    config_name = args.config
-    if config_name is None:
-        found = _find_run_config(checkpoint)
-        if found is None:
-            _fail(
-                parser,
-                f"no {CONFIG_FILE} found in {checkpoint} or the two directories above it; "
-                "pass --config.",
-            )
-        config_name = str(found)
-    return _resolve(parser, config_name, args.set)
+    if args.config is not None:
+        return _resolve(parser, args.config, args.set)
+    for directory in (checkpoint, *list(checkpoint.parents)[:2]):
+        if (directory / CONFIG_FILE).is_file():
+            return _resolve(parser, str(directory / CONFIG_FILE), args.set)
+    _fail(
+        parser,
+        f"no {CONFIG_FILE} found in {checkpoint} or the two directories above it; pass --config.",
+    )
 
 
 def _cmd_export_hf(args, parser) -> int:
@@ -203,7 +179,8 @@ def _cmd_eval(args, parser) -> int:
     if _missing_task_data(config, "eval"):
         return 2
     try:
-        metrics = _run_module().evaluate_checkpoint(config, checkpoint, step=args.step)
+        run = importlib.import_module("gac_jax.train.run")  # As `loop` in `_cmd_train`.
+        metrics = run.evaluate_checkpoint(config, checkpoint, step=args.step)
     except (ValueError, FileNotFoundError) as error:
         _fail(parser, str(error))
     print(json.dumps({k: _json_value(v) for k, v in dict(metrics).items()}, indent=2))
@@ -302,10 +279,6 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
         "(--set may change steps and the evaluation and checkpoint cadence)",
     )
     p.add_argument("--overwrite", action="store_true", help="delete a run already in --out")
-    _add_distributed_args(p)
-
-
-def _add_distributed_args(p: argparse.ArgumentParser) -> None:
     group = p.add_argument_group(
         "several learner processes (jax.distributed; every process runs the same command)"
     )
@@ -343,7 +316,6 @@ def _add_checkpoint_commands(sub) -> None:
     )
     p.add_argument("--step", type=int, help="the step to evaluate (default: the newest)")
     _add_config_args(p, default=None)
-    p.set_defaults(func=_cmd_eval, parser=p)
 
     p = sub.add_parser(
         "export-hf", help="write a checkpoint's policy as a Hugging Face model directory"
@@ -353,7 +325,6 @@ def _add_checkpoint_commands(sub) -> None:
     p.add_argument("--out", required=True, metavar="DIR", help="the model directory to write")
     p.add_argument("--dtype", help="store the weights in this dtype (default: the params')")
     _add_config_args(p, default=None)
-    p.set_defaults(func=_cmd_export_hf, parser=p)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -375,16 +346,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_config_args(p, default=None, shown_default="demo")
     _add_train_args(p)
-    p.set_defaults(func=_cmd_train, parser=p)
 
     _add_checkpoint_commands(sub)
 
-    p = sub.add_parser("presets", help="list the config presets")
-    p.set_defaults(func=_cmd_presets, parser=p)
-
+    sub.add_parser("presets", help="list the config presets")
     p = sub.add_parser("show-config", help="print the resolved config as YAML")
     _add_config_args(p, default="demo")
-    p.set_defaults(func=_cmd_show_config, parser=p)
 
     p = sub.add_parser(
         "plan", help="compile the learner step and sampler from abstract arrays: will it fit?"
@@ -408,13 +375,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="compile the learner step at 2, 3 and 4 layers and extend the line to the "
         "model's (checked on the third; about a quarter of the time); the sampler whole",
     )
-    p.set_defaults(func=_cmd_plan, parser=p)
 
     p = sub.add_parser("plot", help="plot a run's metrics, or compare runs on one metric")
     p.add_argument("runs", nargs="+", metavar="RUN", help="run directory or metrics.jsonl")
     p.add_argument("--key", action="append", help="metric to plot (repeatable)")
     p.add_argument("--out", metavar="PNG", help="default: RUN/plot.png or compare.png")
-    p.set_defaults(func=_cmd_plot, parser=p)
+    for name, p in sub.choices.items():  # `gac-jax NAME` runs `_cmd_NAME(args, its parser)`.
+        p.set_defaults(func=globals()[f"_cmd_{name.replace('-', '_')}"], parser=p)
     return parser
 
 

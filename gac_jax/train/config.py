@@ -1,16 +1,10 @@
 """The run's config: the components' own configs composed, and the named presets.
 
-Each section is the config of one component, defined next to its code and passed to it
-whole: `OptimizerConfig` (the optax chain), `GACConfig` and `ESSConfig` (the
-transformations, one field per argument), `LossConfig` (the objective), `LearnerConfig`,
-`LoraConfig` (adapters that train instead of the whole model),
-`GenerationConfig` (the sampler and rollout generator), `RolloutConfig` (the source of
-batches), `PlacementConfig` (which devices sample), `RayConfig` (the Ray rollout actors),
-`BufferConfig` (the asynchronous buffer), `MeshConfig` and `ComputeConfig` (the
-model's dtypes and remat). `TrainConfig` adds
-what the loop itself uses (task, model, steps, evaluation, checkpoints) and the checks that
-span sections. `gac_jax.train.config_io` reads and writes configs (YAML, JSON, ``--set``).
-`RewardGuardConfig` (how the run's own reward is called) is the reward guard's.
+Each section of `TrainConfig` (``optimizer``, ``gac``, ``loss``, ``learner``, ``rollout``,
+...) is the config of one component, defined next to its code and passed to it whole;
+`TrainConfig` adds what the loop itself uses (task, model, steps, evaluation, checkpoints)
+and the checks that span sections. `gac_jax.train.config_io` reads and writes configs
+(YAML, JSON, ``--set``).
 
 Over 450 lines because `TrainConfig` documents every field of its own in its docstring and
 the presets (each with the measurements that sized it, and its one-line description) sit
@@ -179,10 +173,6 @@ def _in_section(name: str, section, error: ValueError) -> str:
     return f"{name}: {message}"
 
 
-def _int_at_least(config, name: str, low: int) -> None:
-    check_int(name, getattr(config, name), low)
-
-
 WARM_START_WARMUP = 100  # `WarmStartConfig.warmup_steps`: `warm_start_steps` must exceed it.
 
 
@@ -201,7 +191,7 @@ def _validate_run_fields(config: TrainConfig) -> None:
         ("samples_every", 0),
         ("warm_start_steps", WARM_START_WARMUP + 1),  # Its schedule warms up first.
     ):
-        _int_at_least(config, name, low)
+        check_int(name, getattr(config, name), low)
     _validate_logging(config)
     try:
         get_task(config.task)
@@ -227,8 +217,7 @@ def _validate_run_fields(config: TrainConfig) -> None:
 
 # The checkpoints the Qwen3 presets train, by the directory the README says to download
 # them into (relative to where gac-jax runs) -> their Hugging Face model id. Validation
-# lets them be absent, so `plan` and `show-config` work before the download; building the
-# run's model then fails in one line naming the download (`require_init`).
+# lets them be absent (`plan` and `show-config` work before the download; `require_init`).
 PRESET_CHECKPOINTS = {
     "checkpoints/Qwen3-0.6B": "Qwen/Qwen3-0.6B",
     "checkpoints/Qwen3-1.7B": "Qwen/Qwen3-1.7B",
@@ -320,7 +309,7 @@ def _validate_logging(config: TrainConfig) -> None:
     import importlib.util
 
     if config.samples_per_log is not None:
-        _int_at_least(config, "samples_per_log", 1)
+        check_int("samples_per_log", config.samples_per_log, 1)
     if config.wandb_mode not in WANDB_MODES:
         raise ValueError(f"wandb_mode={config.wandb_mode!r} must be one of {list(WANDB_MODES)}.")
     for name in ("wandb_project", "compilation_cache"):
@@ -399,8 +388,7 @@ def _validate_across_sections(config: TrainConfig) -> None:
         raise ValueError(
             f"rollout.groups_per_call={rollout.groups_per_call} must be <= the buffer's "
             f"{room} groups (buffer.capacity, or {BATCHES_HELD} x rollout.groups_per_batch when "
-            "null), or "
-            "the rollout workers deadlock."
+            "null), or the rollout workers deadlock."
         )
 
 

@@ -13,14 +13,8 @@ from gac_jax.train.config import TrainConfig
 from gac_jax.train.run import load_checkpoint
 
 # Files of a Hugging Face model directory that describe its tokenizer, copied on export.
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "vocab.json",
-    "merges.txt",
-    "generation_config.json",
-)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+TOKENIZER_FILES += ("vocab.json", "merges.txt", "generation_config.json")
 
 
 def export_checkpoint(

@@ -7,11 +7,8 @@ checkpoint, the stop check, and at the end the plot. A new periodic job is one m
 `Hooks.add(fn, every=n)` (levanter's trainer hooks, nanodo's periodic actions), not an
 edit of the loop. `resume=True` continues from the newest checkpoint in
 `out_dir/checkpoints`; lagged mode then reproduces an uninterrupted run exactly (the
-ParamStore's history is part of the checkpoint).
-
-Stopping cleanly: SIGINT (Ctrl-C) and SIGTERM (a preempted VM) finish the current step,
-write a checkpoint and end the run with `RunInterrupted`, whose message says how to resume.
-A second Ctrl-C stops at once (Python's default behaviour).
+ParamStore's history is part of the checkpoint). SIGINT (Ctrl-C) and SIGTERM (a
+preempted VM) stop a run cleanly: see `train`.
 """
 
 from __future__ import annotations
@@ -208,15 +205,8 @@ class RunExistsError(ValueError):
 
 
 # What a run writes into its directory (wandb's own folder is `wandb` under it).
-RUN_FILES = (
-    "checkpoints",
-    "metrics.jsonl",
-    "tensorboard",
-    "config.json",
-    "plot.png",
-    "samples.jsonl",
-    "wandb",
-)
+RUN_FILES = ("checkpoints", "metrics.jsonl", "tensorboard", "config.json", "plot.png")
+RUN_FILES += ("samples.jsonl", "wandb")
 
 
 def _prepare_directory(out_dir: Path, *, resume: bool, overwrite: bool) -> None:
@@ -229,16 +219,12 @@ def _prepare_directory(out_dir: Path, *, resume: bool, overwrite: bool) -> None:
             f"{str(out_dir)!r} already holds a run ({', '.join(present)}): resume it "
             "(`--resume`), overwrite it (`--overwrite`) or choose another directory."
         )
-    for name in present:
-        path = out_dir / name
-        shutil.rmtree(path) if path.is_dir() else path.unlink()
+    _remove_run_files(out_dir, directory_too=False, strict=True)
 
 
 def _stop_requested(stop: StopSignals) -> bool:
     """Whether any process was signalled: all of them then checkpoint and stop together
     (a step's collectives need every process)."""
-    if jax.process_count() == 1:
-        return stop.signum is not None
     return any(processes.allgather_json(stop.signum is not None))
 
 
@@ -339,11 +325,12 @@ def _train(config: TrainConfig, out_dir: Path, resume: bool, overwrite: bool, no
         raise
 
 
-def _remove_run_files(out_dir: Path, directory_too: bool) -> None:
+def _remove_run_files(out_dir: Path, directory_too: bool, strict: bool = False) -> None:
+    """Deletes the run's files (`strict`: failing if a directory cannot be deleted)."""
     for name in RUN_FILES:
         path = out_dir / name
         if path.is_dir():
-            shutil.rmtree(path, ignore_errors=True)
+            shutil.rmtree(path, ignore_errors=not strict)
         elif path.exists():
             path.unlink()
     if directory_too:

@@ -14,12 +14,10 @@ decode step (`tflops_loop_bodies_once`), not a whole generation.
 
 `extrapolate=True` compiles the learner step at 2, 3 and 4 decoder layers instead of the
 model's own count and extends the line through them: with every layer alike, its memory
-and FLOPs are affine in the layers (for the 0.6B one-GPU preset, at 2, 3, 4, 8, 16 and 28
-layers, the 28-layer peak 41.5555 GiB against 41.557 extended from 3 and 4). It checks the
-line on the third point and refuses when it does not hold. The sampler is compiled whole:
-XLA:CPU's buffer assignment for its decode loop is not affine in the layers (0.49 GiB a
-layer up to 8 layers, 0.86 from 12 on, for that preset). The learner step is most of a
-plan's compile time (about 290 of 340 s of CPU for that preset; 50 s the sampler).
+and FLOPs are affine in the layers. It checks the line on the third point and refuses when
+it does not hold. The sampler is compiled whole: XLA:CPU's buffer assignment for its decode
+loop is not affine in the layers. The learner step is most of a plan's compile time
+(measurements of both: README, "Will it fit?").
 
 The figures are those of the backend that compiled them: on fake CPU devices, XLA's CPU
 buffer assignment, which schedules for speed rather than memory and so over-states what
@@ -29,6 +27,7 @@ measurement of the accelerator).
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -85,9 +84,7 @@ def _bytes_per_device(tree) -> float:
 
 
 def _abstract_batch(learner: GRPOLearner, rows: int, width: int) -> TrainBatch:
-    def spec(shape, dtype):
-        return jax.ShapeDtypeStruct(shape, dtype, sharding=learner.batch_sharding)
-
+    spec = functools.partial(jax.ShapeDtypeStruct, sharding=learner.batch_sharding)
     tokens = (rows, width)
     return TrainBatch(
         spec(tokens, jnp.int32),
@@ -102,10 +99,8 @@ def _abstract_batch(learner: GRPOLearner, rows: int, width: int) -> TrainBatch:
 
 def plan_learner(config: TrainConfig, learner: GRPOLearner) -> dict[str, Any]:
     """The learner step at the run's batch and full width (the widest batch it can get)."""
-    rows, width = (
-        config.batch_size,
-        config.generation.prompt_length + config.generation.max_new_tokens,
-    )
+    rows = config.batch_size
+    width = config.generation.prompt_length + config.generation.max_new_tokens
     micro_batches = learner.budget_micro_batches(rows, width)
     batch = _abstract_batch(learner, rows, width)
     step = learner.step_for(micro_batches)
@@ -128,21 +123,13 @@ def plan_learner(config: TrainConfig, learner: GRPOLearner) -> dict[str, Any]:
 def plan_sampler(config: TrainConfig, run: Run) -> dict[str, Any]:
     """One rollout call: `groups_per_call` groups of `group_size` rows (async mode), or a
     step's groups (sync and lagged), on the sampler's devices."""
-    g = config.generation
-    groups = (
-        config.rollout.groups_per_call
-        if config.rollout.mode == "async"
-        else config.rollout.groups_per_batch
-    )
+    g, rollout = config.generation, config.rollout
+    groups = rollout.groups_per_call if rollout.mode == "async" else rollout.groups_per_batch
     rows = groups * g.group_size
     params = run.placement.abstract_rollout(run.policy.like())
     # As `place_inputs` places them: None in the shared layout, where the run passes the
     # prompts uncommitted and the compiler places them with the params.
-    inputs = run.placement.input_sharding(rows)
-
-    def spec(shape, dtype):
-        return jax.ShapeDtypeStruct(shape, dtype, sharding=inputs)
-
+    spec = functools.partial(jax.ShapeDtypeStruct, sharding=run.placement.input_sharding(rows))
     key = jax.eval_shape(lambda: jax.random.key(0))
     lowered = run.sampler.lower(
         run.policy.graphdef,

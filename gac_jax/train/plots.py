@@ -2,8 +2,6 @@
 
 Figures are drawn with matplotlib's object API and its Agg renderer, never through pyplot,
 so plotting neither needs a display nor changes the backend of a notebook that imports this.
-A run's ``plot.png`` (`plot_run`) draws each metric smoothed over its faint raw values, with
-the held-out evaluations as markers on the curve they compare with.
 """
 
 from __future__ import annotations
@@ -24,7 +22,14 @@ def _figure(num_panels: int):
     return Figure(figsize=(7.0, 2.4 * num_panels + 0.6), layout="constrained")
 
 
-def _save(fig, png_path: str | os.PathLike) -> Path:
+def _save(fig, png_path: str | os.PathLike, ax=None, ylabel=None, title=None, grid="both") -> Path:
+    """Saves `fig`; with `ax`, a one-panel plot's, labelled `ylabel` and `title` (if given),
+    under a light grid on `grid`'s axes."""
+    if ax is not None:
+        ax.set_ylabel(ylabel)
+        ax.grid(True, axis=grid, alpha=0.3)
+        if title is not None:
+            ax.set_title(title)
     png_path = Path(png_path)
     png_path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(png_path, format="png", dpi=100)
@@ -161,15 +166,9 @@ def plot_run(
     title: str | None = None,
     lines: Mapping[str, Sequence[tuple[float, str]]] | None = None,
 ) -> Path:
-    """Plots each of `keys` against step, one panel each; returns the PNG's path.
-
-    Curves are smoothed (`ema_smooth`, the raw values faint underneath) and carry the
-    held-out evaluations as markers (`EVAL_MARKERS`); see `run_figure`. Keys absent from
-    the run are skipped (non-finite values leave gaps).
-
-    Raises:
-      ValueError: if none of `keys` has a numeric value in the run, listing the keys it has.
-    """
+    """Saves `run_figure` (each of `keys` against step, one panel each; keys absent from
+    the run skipped, non-finite values left as gaps) as a PNG; returns its path. Raises
+    ValueError as `run_figure` does."""
     fig = run_figure(metrics_jsonl_path, keys, smoothing=smoothing, title=title, lines=lines)
     return _save(fig, png_path)
 
@@ -182,12 +181,7 @@ def plot_runs(
     title: str | None = None,
 ) -> Path:
     """Overlays `key` against step for several runs (label -> metrics path); returns the PNG.
-
-    Runs without `key` are left out of the plot.
-
-    Raises:
-      ValueError: if no run has `key`.
-    """
+    Runs without `key` are left out of the plot (ValueError if none has it)."""
     curves = {}
     for label, path in runs.items():
         steps, values = metric_series(read_metrics(path), key)
@@ -200,12 +194,9 @@ def plot_runs(
     for label, (steps, values) in curves.items():
         ax.plot(steps, values, linewidth=1.2, label=label)
     ax.set_xlabel("step")
-    ax.set_ylabel(key)
-    ax.grid(True, alpha=0.3)
     _plain_axes(ax)
     ax.legend()
-    ax.set_title(title if title is not None else key)
-    return _save(fig, png_path)
+    return _save(fig, png_path, ax, key, title if title is not None else key)
 
 
 def plot_distributions(
@@ -216,11 +207,8 @@ def plot_distributions(
     title: str | None = None,
 ) -> Path:
     """Box plots (quartile box, 5th-95th percentile whiskers, no fliers) of each group's
-    values, in the mapping's order; returns the PNG's path.
-
-    Raises:
-      ValueError: if `groups` is empty or a group has no values.
-    """
+    values, in the mapping's order; returns the PNG's path. ValueError if `groups` is empty
+    or a group has no values."""
     if not groups:
         raise ValueError("plot_distributions needs at least one group.")
     empty = [label for label, values in groups.items() if len(values) == 0]
@@ -236,11 +224,7 @@ def plot_distributions(
         medianprops={"color": "black"},
     )
     ax.axhline(0.0, color="gray", linewidth=0.8)
-    ax.set_ylabel(ylabel)
-    ax.grid(True, axis="y", alpha=0.3)
-    if title is not None:
-        ax.set_title(title)
-    return _save(fig, png_path)
+    return _save(fig, png_path, ax, ylabel, title, grid="y")
 
 
 def _smooth(values, window: int):
@@ -263,10 +247,7 @@ def plot_seed_curves(
 ) -> Path:
     """For each label, the mean over seeds of a per-step series (trailing `smooth`-step
     mean), with the seeds' range shaded; series are cut to the shortest of their label.
-
-    Raises:
-      ValueError: if `curves` is empty or a label has no series.
-    """
+    ValueError if `curves` is empty or a label has no series."""
     import numpy as np
 
     if not curves or any(len(series) == 0 for series in curves.values()):
@@ -283,12 +264,8 @@ def plot_seed_curves(
                 steps, stacked.min(axis=0), stacked.max(axis=0), color=line.get_color(), alpha=0.15
             )
     ax.set_xlabel("step")
-    ax.set_ylabel(ylabel)
-    ax.grid(True, alpha=0.3)
     ax.legend()
-    if title is not None:
-        ax.set_title(title)
-    return _save(fig, png_path)
+    return _save(fig, png_path, ax, ylabel, title)
 
 
 def plot_grouped_bars(
@@ -301,10 +278,7 @@ def plot_grouped_bars(
 ) -> Path:
     """Bars of ``values[group][category] = (mean, std)``: one cluster per category, one bar
     per group, with std error bars; `reference` = (label, value) draws a horizontal line.
-
-    Raises:
-      ValueError: if `values` is empty.
-    """
+    ValueError if `values` is empty."""
     import numpy as np
 
     if not values:
@@ -323,10 +297,6 @@ def plot_grouped_bars(
     if reference is not None:
         ax.axhline(reference[1], color="black", linestyle="--", linewidth=1.0, label=reference[0])
     ax.set_xticks(x, categories)
-    ax.set_ylabel(ylabel)
-    ax.grid(True, axis="y", alpha=0.3)
     # Beside the axes, so it never hides a bar (constrained layout makes room for it).
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small")
-    if title is not None:
-        ax.set_title(title)
-    return _save(fig, png_path)
+    return _save(fig, png_path, ax, ylabel, title, grid="y")

@@ -43,17 +43,10 @@ def initialize(
     if num_processes == -1:
         jax.distributed.initialize()
         return True
-    if coordinator is None and num_processes is None and process_id is None:
+    given = {"coordinator": coordinator, "num_processes": num_processes, "process_id": process_id}
+    missing = [name for name, value in given.items() if value is None]
+    if len(missing) == len(given):
         return False
-    missing = [
-        name
-        for name, value in (
-            ("coordinator", coordinator),
-            ("num_processes", num_processes),
-            ("process_id", process_id),
-        )
-        if value is None
-    ]
     if missing:
         raise ValueError(
             f"a multi-process run needs coordinator, num_processes and process_id; "

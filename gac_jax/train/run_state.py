@@ -25,17 +25,10 @@ from gac_jax.train.checkpoint import CheckpointManager, DamagedCheckpointError
 
 @dataclasses.dataclass
 class RunState:
-    """What a checkpoint of a run holds (see the module's docstring).
-
-    Attributes:
-      next_step: the step a resume continues from (the updates done).
-      params, opt_state: the learner's.
-      history: version -> the policy's params the sampler ran at that version.
-      rollout_states: one rollout source state per learner process (None in checkpoints
-        written before multi-process runs, which held one `rollout_state`).
-      config_hash: `config_io.resume_hash` of the run's config.
-      seed: the run's seed.
-    """
+    """What a checkpoint of a run holds (see the module's docstring): `history` maps a
+    version to the params the sampler ran at it; `rollout_states` is None in checkpoints
+    written before multi-process runs (they held one `rollout_state`); `config_hash` is
+    `config_io.resume_hash` of the run's config."""
 
     next_step: int
     params: Any
@@ -83,20 +76,12 @@ def restore_run_state(
     step: int | None = None,
     check: Callable[[dict[str, Any]], None] | None = None,
 ) -> tuple[RunState, list[DamagedCheckpointError]]:
-    """The run state of `step`, or of the newest step that reads back intact.
-
-    Args:
-      checkpoints: the run's checkpoints.
-      template: the restore target of a checkpoint holding the store's versions: a
-        `RunState.arrays()`-shaped tree of arrays or abstract arrays (with shardings).
-      step: the step to read (a damaged one raises `DamagedCheckpointError`); None: the
-        newest intact one, the damaged newer ones skipped.
-      check: called on the metadata of the step about to be restored (e.g. refusing
-        another config's); what it raises propagates.
-
-    Returns:
-      The state and the damaged newer steps skipped, newest first.
-    """
+    """The run state of `step` (a damaged one raises `DamagedCheckpointError`), or with
+    None of the newest step that reads back intact, and the damaged newer steps skipped,
+    newest first. `template(versions)` is the restore target of a checkpoint holding the
+    store's `versions`: a `RunState.arrays()`-shaped tree of arrays or abstract arrays (with
+    shardings). `check` is called on the metadata of the step about to be restored (e.g.
+    refusing another config's); what it raises propagates."""
     skipped: list[DamagedCheckpointError] = []
     if step is None:
         restored, skipped = checkpoints.restore_newest(

@@ -92,35 +92,21 @@ class BufferStats:
 class RolloutBuffer:
     """A bounded FIFO of `Rollout` groups with a staleness bound (ROLL Flash's alpha).
 
-    Groups are atomic: a batch holds whole groups. `take` never returns a group whose
-    staleness (learner version - group's oldest policy version) exceeds `max_staleness`;
-    what happens to older groups is the `stale_policy` (the rules are the pure functions of
-    `gac_jax.rollout.staleness`, which the pipeline simulation shares):
-
-    - "drop": they are discarded when a batch is taken, and counted.
-    - "block": producers call `reserve(version)` before generating and wait until a group
-      started now cannot be consumed too late, AReaL's rule: the j-th reserved group (0-based)
-      is consumed at learner step j // groups_per_batch at the earliest, so it may start with
-      version v only if j < (v + max_staleness + 1) * groups_per_batch. Groups finished out
-      of order can still end up stale; `take` drops (and counts) those too.
-
-    A reservation is held until its group is put, or given back with `release()` by a
-    producer that will not put it (it failed, or was stopped). One never given back holds
-    its place in the consumption order for good: under the block policy producers then run
-    one group less far ahead, and at max_staleness 0 the pipeline can stall.
+    Groups are atomic. `take` never returns a group whose staleness exceeds
+    `max_staleness`: it drops (and counts) the older ones. Under the "block" policy,
+    producers also `reserve` a slot before generating, granted only while a group started
+    now cannot be consumed too late (AReaL's rule; the rules are the pure functions of
+    `gac_jax.rollout.staleness`). A reservation is held until its group is put, or given
+    back with `release()`; one never given back keeps its place in the consumption order
+    for good (at max_staleness 0 the pipeline can stall).
 
     `close()` wakes every waiter (they raise `RolloutBufferClosed`); `fail(exc)` does the
-    same with `RolloutWorkerError` so a worker's crash reaches the learner at once.
+    same with `RolloutWorkerError`, so a worker's crash reaches the learner at once.
 
-    Dynamic sampling (DAPO, arXiv 2503.14476; verl's ``filter_groups``): with
-    `max_filtered`, `put` discards a group whose completions all got the same reward (its
-    GRPO advantages are all zero: it carries no gradient) and counts it, as long as fewer
-    than `max_filtered` groups were discarded since the last batch was taken; past that,
-    every group is kept, so a batch never waits on more than ``max_filtered +
-    groups_per_batch`` draws (a collapsed policy whose groups all score 0 still trains). A
-    discarded group gives its reservation back, like a stale one.
-
-    `state()` and `restore()` carry the counters across a checkpoint (see `state`).
+    Dynamic sampling (DAPO, arXiv 2503.14476): with `max_filtered`, `put` discards (and
+    counts) a group whose rewards are all equal (no GRPO gradient) while fewer than
+    `max_filtered` were discarded since the last batch was taken; past that every group is
+    kept, so a collapsed policy still trains. A discarded group gives its reservation back.
 
     Args:
       capacity: most groups held at once (>= groups_per_batch); `put` blocks when full.
@@ -166,36 +152,28 @@ class RolloutBuffer:
     def reserve(
         self, version: int | Callable[[], int | None], timeout: float | None = None
     ) -> bool:
-        """Waits for a generation slot for params of `version` (block policy; free otherwise).
-
-        `version` may be a function returning the latest published version (None: nothing
-        yet); it is read again each time a waiter wakes, so a producer that calls `wake()`
-        when a version is published (`ParamStore.subscribe`) is granted its slot at once,
-        instead of after a timeout. The producer must then sample with that version or a
-        newer one. Returns False on timeout; raises `RolloutBufferClosed` once closed.
-        """
+        """Whether a slot was granted by `reserve_slot` before `timeout`."""
         return self.reserve_slot(version, timeout) is not None
 
     def reserve_slot(
         self, version: int | Callable[[], int | None], timeout: float | None = None
     ) -> int | None:
-        """`reserve`, returning the slot's place in the consumption order (0-based: the
-        reservations held before it), or None on timeout.
+        """Waits for a generation slot for params of `version` (block policy; free
+        otherwise); returns its place in the consumption order (0-based), or None on
+        timeout; raises `RolloutBufferClosed` once closed.
 
-        Under the block policy the group of slot j may be sampled by any version from
-        `staleness.oldest_allowed_version(j, ...)` on; a producer that wants reproducible
-        versions samples with exactly that one.
+        `version` may be a function returning the latest published version (None: nothing
+        yet), read again each time a waiter wakes (`wake()`, on each publish), so a slot
+        that opens with a new version is granted at once. The group of slot j may be
+        sampled by any version from `staleness.oldest_allowed_version(j, ...)` on.
         """
 
         def granted() -> bool:
             latest = version() if callable(version) else version
             return latest is not None and reservation_allowed(
-                self._reserved,
-                latest,
-                max_staleness=self.max_staleness,
-                groups_per_batch=self.groups_per_batch,
-                stale_policy=self.stale_policy,
-            )
+                self._reserved, latest, max_staleness=self.max_staleness,
+                groups_per_batch=self.groups_per_batch, stale_policy=self.stale_policy,
+            )  # fmt: skip
 
         with self._lock:
             ok = self._lock.wait_for(lambda: self._closed or granted(), timeout)
@@ -267,12 +245,9 @@ class RolloutBuffer:
                 if self._error is not None:  # A crash surfaces at once, not after draining.
                     self._check_open()
                 outcome = take_fresh(
-                    self._queue,
-                    learner_version,
-                    num_groups,
-                    self.max_staleness,
+                    self._queue, learner_version, num_groups, self.max_staleness,
                     lambda r: r.policy_version,
-                )
+                )  # fmt: skip
                 self._queue = collections.deque(outcome.kept)
                 self._discard(len(outcome.dropped))
                 if outcome.batch is not None:
@@ -341,14 +316,12 @@ class RolloutBuffer:
     def state(self) -> dict[str, Any]:
         """The counters a resumed buffer continues from (plain ints, JSON-serialisable).
 
-        The groups waiting are not carried (a resumed buffer starts empty and its producers
-        generate them again), so the counters read as if they had never been produced:
-        produced = consumed + dropped, and the reservations held are those of the consumed
-        groups (block policy; a dropped group gave its slot back) or of every produced group
-        (drop policy, where the count is a record, not a limit), at most those held now (a
-        buffer filled without reservations carries none). Reservations in flight are not
-        carried either. The reservation order is thus exact on resume: the next group
-        reserved is consumed at step `consumed // groups_per_batch` at the earliest.
+        The groups waiting and the reservations in flight are not carried (a resumed
+        buffer's producers generate them again), so the counters read as if those had never
+        been produced: produced = consumed + dropped, and the reservations are the consumed
+        groups' (block policy) or every produced group's (drop policy), at most those held
+        now. The next group reserved is then consumed at step `consumed // groups_per_batch`
+        at the earliest, as before.
         """
         with self._lock:
             produced = self._consumed + self._dropped

@@ -1,23 +1,9 @@
-"""Multi-turn rollouts: a task's environment answering the policy's turns, off the decode loop.
-
-`EpisodeConfig` holds a run's episode settings; `EpisodeRunner` samples one episode per
-row with `gac_jax.rollout.episode_driver.EpisodeSampler` (the run's one `Sampler`), calling the
-environment through `GuardedEnvironment` (each step in its own thread, with a timeout; an
-error becomes an observation), and scores each finished episode with the environment's
-`reward` under the run's reward guard (`score_group`'s deadline). `TaskGroupGenerator`
-uses it for tasks with an environment, so sync, lagged and async runs, in-flight updates
-and Ray actors all sample episodes the same way.
-
-What a row holds: its policy tokens (`completion_mask`, trained on, with behaviour
-log-probs and versions) and its observation tokens (`observation_mask`: in the context,
-never trained on, never counted), interleaved in the `max_new_tokens` columns.
-
-With a chat template (`chat`, a `ChatTurns`), a turn also ends on the template's end of an
-assistant message (``<|im_end|>``, which is EOS too: the environment decides whether the
-episode ends), and an observation is the text the template writes after the turn: the
-observation as a message of its role (``tool``) and the next assistant turn opened. An
-observation too long for `max_observation_tokens` has its content cut, never the
-template's frame around it.
+"""Multi-turn rollouts: `EpisodeRunner` samples one episode per row on the run's sampler
+(`episode_driver.EpisodeSampler`), the task's environment answering each turn off the
+decode loop (`GuardedEnvironment`: each step in a thread, with a timeout; an error becomes
+an observation), and scores each episode with the environment's `reward`, guarded. With a
+chat template (`ChatTurns`) a turn also ends on its end of an assistant message, and an
+observation is the template's text after the turn.
 """
 
 from __future__ import annotations
@@ -110,7 +96,7 @@ class EpisodeRows:
     policy_mask: np.ndarray  # bool [R, N]
     policy_logps: np.ndarray  # f32 [R, N]
     token_versions: np.ndarray | None  # int32 [R, N], -1 off policy tokens.
-    transcripts: list[str | None]  # Each row's context text (a single answer's: once scored).
+    transcripts: list[str | None]  # Each row's context text (a single answer's: by `items`).
     observation_mask: np.ndarray | None = None  # bool [R, N]
     turns: np.ndarray | None = None  # int [R]
     states: list[Any] | None = None  # Each row's environment state, for its reward.
@@ -164,7 +150,7 @@ class EpisodeRunner:
         chat: ChatTurns | None = None,
     ):
         config.validate()
-        self.episodes = EpisodeSampler(sampler)
+        self.sampler = sampler
         self.tokenizer = tokenizer
         self.environment = environment
         self.config = config
@@ -187,15 +173,6 @@ class EpisodeRunner:
 
         self.reward = GuardedReward(reward, f"{name}.reward", reward_guard or RewardGuardConfig())
 
-    @property
-    def sampler(self):
-        """The run's `Sampler` the episodes decode on (settable: a spy or a replacement)."""
-        return self.episodes.sampler
-
-    @sampler.setter
-    def sampler(self, sampler) -> None:
-        self.episodes.sampler = sampler
-
     def sample(
         self,
         graphdef,
@@ -215,7 +192,7 @@ class EpisodeRunner:
         tokens, mask = left_pad(prompts, self.tokenizer.pad_id, settings.prompt_length)
         if settings.place_inputs is not None:
             tokens, mask = settings.place_inputs(tokens, mask)
-        out = self.episodes.sample(
+        out = EpisodeSampler(self.sampler).sample(
             graphdef,
             params_fn,
             tokens,
@@ -303,10 +280,6 @@ class EpisodeRunner:
         """The rewards of one group's episodes: the environment's `reward`, guarded (one
         deadline per group, failures scored and counted)."""
         return self.reward.score_group(list(items), example)
-
-    def scores(self, rows: EpisodeRows, row_slice: slice, example):
-        """The rewards of the episodes in `row_slice` (one group)."""
-        return self.score(self.items(rows)[row_slice], example)
 
     def _check_chat(self, name: str) -> None:
         """The template's end of turn becomes a turn end; its frame around a tool's result

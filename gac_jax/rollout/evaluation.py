@@ -59,11 +59,9 @@ def evaluate_policy(
 
     Args:
       graphdef, params: the policy.
-      runner: how a sample is made and scored, the rollouts' own
-        (`TaskGroupGenerator.runner`): an `AnswerRunner` (one answer a sample, cut at its
-        stop strings with `cut_at_stop` and scored by `task.reward`, as the rollouts are),
-        or a multi-turn task's `EpisodeRunner` (an episode with the task's environment,
-        scored by its reward). Its sampler may have any `max_new_tokens`.
+      runner: how a sample is made and scored, as the rollouts do
+        (`TaskGroupGenerator.runner`): an `AnswerRunner` or an `EpisodeRunner`. Its sampler
+        may have any `max_new_tokens`.
       task, examples, tokenizer: the task and its held-out split.
       settings: how many problems and samples (`EvalSettings`).
       key: sampling key.

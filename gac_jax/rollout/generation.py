@@ -35,14 +35,10 @@ class GenerationConfig:
       top_k: keep the k most likely tokens; 0 keeps all.
       top_p: nucleus mass in (0, 1]; 1 keeps all.
       greedy: decode greedily (temperature 0). RL needs samples, so this must be asked for.
-      slots: the sampler's decode slots (its KV cache holds `slots` rows; a row that ends
-        hands its slot to the next waiting one, which pays when completion lengths vary a
-        lot); None decodes all rows of a call together.
-      stop: stop strings: a completion ends at the first one it contains (besides EOS and
-        `max_new_tokens`). Applied on the host after sampling (`cut_at_stop`), as vLLM
-        does by default: the reward sees the text before the stop string, the loss mask
-        keeps the tokens through the one that completes it, and the tokens after are
-        masked out (the sampler still decodes them, to EOS or `max_new_tokens`).
+      slots: the sampler's decode slots (a row that ends hands its slot to the next
+        waiting one); None decodes all rows of a call together.
+      stop: stop strings: a completion ends at the first one it holds, besides EOS and
+        `max_new_tokens` (cut on the host after sampling: `cut_at_stop`).
     """
 
     group_size: int = 8
@@ -84,21 +80,11 @@ class GenerationConfig:
 
 @dataclasses.dataclass(frozen=True)
 class DecodeSetup:
-    """Where a `TaskGroupGenerator`'s calls decode and which params they take on the way:
-    the run's wiring, next to the `GenerationConfig` settings.
-
-    Attributes:
-      placement: where the sampler runs (`RolloutPlacement`): each call's prompts are put
-        on its mesh, split over its `data` axis. None leaves them to the jit (they follow
-        the params).
-      latest_params: in-flight weight updates: a function returning the newest published
-        `(params, version)` (`ParamStore.latest`). With it, a call starts with the params it
-        was given and swaps to the newest version every `chunk_steps` decode steps
-        (`EpisodeSampler.sample_inflight`); each token's version is recorded in
-        `Rollout.token_versions` and the group's `policy_version` is its oldest token's.
-      chunk_steps: decode steps between two looks at `latest_params` (and, in an episode,
-        at the call's params).
-    """
+    """A `TaskGroupGenerator`'s wiring: where its calls decode (`placement`: the prompts
+    go on its mesh; None leaves them to the jit), and in-flight updates: `latest_params`
+    returns the newest published `(params, version)` (`ParamStore.latest`), looked at every
+    `chunk_steps` decode steps (`EpisodeSampler.sample_inflight`); None samples a call
+    with the params it was given."""
 
     placement: RolloutPlacement | None = None
     latest_params: Callable[[], tuple[Any, int]] | None = None
@@ -106,29 +92,20 @@ class DecodeSetup:
 
 
 class TaskGroupGenerator:
-    """Samples G completions per task prompt with a `Sampler`, scores them, makes `Rollout`s.
+    """Samples G completions per task prompt, scores them, makes `Rollout`s.
 
-    Every call samples all requested groups as one batch (G rows per group), prompts
-    left-padded to the fixed `prompt_length` so the sampler compiles once. The behaviour
-    log-probabilities stored are the temperature-1 policy's (`policy_logps`), the quantity
-    the learner's `per_token_logps` recomputes, so the importance ratio compares like with
-    like; sampling at another temperature is an explicit choice of the caller.
+    A call samples all its groups as one batch (G rows per group), prompts left-padded to
+    `prompt_length` so the sampler compiles once. The behaviour log-probabilities kept
+    are the temperature-1 policy's (`policy_logps`), what the learner recomputes.
 
     Args:
-      graphdef: the model's `nnx.GraphDef` (params arrive per call, as an `nnx.State`).
-      sampler: a `gac_jax.models.Sampler` for the model.
-      task: a `gac_jax.tasks.Task` (prompt, reward).
-      examples: the task split's data source (indexable by prompt id).
-      tokenizer: encodes prompts and decodes completions.
-      config: the generation settings; `config.max_new_tokens` must be the sampler's.
-      decode: the placement, in-flight updates and chunk length (see `DecodeSetup`); they
-        stay settable afterwards as the attributes `placement`, `latest_params` and
-        `chunk_steps`.
-      episodes: a multi-turn task's `EpisodeRunner` (built on `sampler`): each row is an
-        episode with the task's environment (`gac_jax.rollout.episodes`), scored by the
-        environment's reward; None: an `AnswerRunner` (one completion per row, cut at the
-        stop strings, scored by `task.reward`). Either is `self.runner`, the one path
-        every call takes.
+      graphdef: the model's (params arrive per call).
+      sampler: the run's `Sampler`; `config.max_new_tokens` must be its length.
+      task, examples, tokenizer: the task, its split and the tokenizer.
+      config: the generation settings.
+      decode: see `DecodeSetup`; its fields stay settable as attributes.
+      episodes: a multi-turn task's `EpisodeRunner`; None: an `AnswerRunner` (one answer
+        per row, scored by `task.reward`). Either is `self.runner`.
     """
 
     def __init__(
@@ -202,11 +179,14 @@ class TaskGroupGenerator:
             ),
         )
         generate_seconds = (time.monotonic() - start) / len(requests)
+        start = time.monotonic()
+        items = self.runner.items(out)  # Each row decoded (and cut at a stop string).
+        decode_seconds = (time.monotonic() - start) / len(requests)
         rollouts = []
         for i, request in enumerate(requests):
             rows_i = slice(i * g, (i + 1) * g)
             start = time.monotonic()
-            scores = self.runner.scores(out, rows_i, examples[i])
+            scores = self.runner.score(items[rows_i], examples[i])
             rollouts.append(
                 Rollout(
                     prompt_id=request.prompt_id,
@@ -214,7 +194,7 @@ class TaskGroupGenerator:
                     prompt_tokens=prompts[i],
                     rewards=scores.rewards,
                     generate_seconds=generate_seconds,
-                    score_seconds=time.monotonic() - start,
+                    score_seconds=decode_seconds + time.monotonic() - start,
                     reward_failures=scores.failures,
                     reward_timeouts=scores.timeouts,
                     **_group_fields(out, rows_i, version, inflight),
@@ -223,15 +203,13 @@ class TaskGroupGenerator:
         return rollouts
 
     def _params_fn(self, params, version):
-        """In-flight `params_fn`: `(params, version)` first, then the newest version at
-        each chunk boundary (never an older one than the call started with)."""
+        """In-flight `params_fn`: `(params, version)` first, then at each chunk boundary
+        the newest version (never one older than the call's)."""
         first = [(params, int(version))]
 
         def params_fn():
-            if first:
-                return first.pop()
-            newest, newest_version = self.latest_params()
-            return (newest, newest_version) if newest_version >= version else (params, version)
+            newest = first.pop() if first else self.latest_params()
+            return newest if newest[1] >= version else (params, version)
 
         return params_fn
 
@@ -240,16 +218,13 @@ def _group_fields(out: EpisodeRows, rows: slice, version: int, inflight: bool) -
     """A group's rows of `out` as `Rollout` fields: its tokens, masks and log-probs, its
     oldest token's version (in flight) or the call's, and an episode's turns and tools."""
     policy = out.policy_mask[rows]
-    versions = None if out.token_versions is None else out.token_versions[rows]
-    group_version = int(version)
-    if inflight and versions is not None and policy.any():
-        group_version = int(versions[policy].min())
+    versions = out.token_versions[rows] if inflight else None
     fields = dict(
         completion_tokens=out.tokens[rows],
         completion_mask=policy,
         behaviour_logp=np.where(policy, out.policy_logps[rows], 0.0).astype(np.float32),
-        policy_version=group_version,
-        token_versions=versions if inflight else None,
+        policy_version=int(versions[policy].min()) if inflight and policy.any() else int(version),
+        token_versions=versions,
     )
     if out.observation_mask is None:  # One answer: no observation, turn or tool.
         return fields
@@ -268,5 +243,5 @@ def make_sampler(model_config, tokenizer: Tokenizer, config: GenerationConfig) -
     (the tokenizer's if the model names none) end a row, the tokenizer's pad id fills the
     rest."""
     eos = model_config.eos_token_ids or (tokenizer.eos_id,)
-    common = dict(max_new_tokens=config.max_new_tokens, eos_ids=eos, pad_id=tokenizer.pad_id)
-    return Sampler(model_config, slots=config.slots, **common)
+    n, pad = config.max_new_tokens, tokenizer.pad_id
+    return Sampler(model_config, max_new_tokens=n, eos_ids=eos, pad_id=pad, slots=config.slots)

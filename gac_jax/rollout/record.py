@@ -7,6 +7,8 @@ import time
 
 import numpy as np
 
+from gac_jax.rollout.staleness import staleness
+
 
 @dataclasses.dataclass(frozen=True)
 class Rollout:
@@ -68,21 +70,15 @@ class Rollout:
 
     def __post_init__(self):
         g, l = np.shape(self.completion_tokens)
-        optional = tuple(
-            name
-            for name in ("token_versions", "observation_mask")
-            if getattr(self, name) is not None
-        )
-        for name in ("completion_mask", "behaviour_logp") + optional:
-            if np.shape(getattr(self, name)) != (g, l):
+        expected = {"completion_mask": (g, l), "behaviour_logp": (g, l), "rewards": (g,)}
+        for name in ("token_versions", "observation_mask"):
+            if getattr(self, name) is not None:
+                expected[name] = (g, l)
+        for name, shape in expected.items():
+            if np.shape(getattr(self, name)) != shape:
                 raise ValueError(
-                    f"Rollout.{name} has shape {np.shape(getattr(self, name))}, expected the "
-                    f"completion shape {(g, l)}."
+                    f"Rollout.{name} has shape {np.shape(getattr(self, name))}, expected {shape}."
                 )
-        if np.shape(self.rewards) != (g,):
-            raise ValueError(
-                f"Rollout.rewards has shape {np.shape(self.rewards)}, expected {(g,)}."
-            )
         if self.observation_mask is not None and np.any(
             self.observation_mask & self.completion_mask
         ):
@@ -106,4 +102,4 @@ class Rollout:
 
     def staleness(self, learner_version: int) -> int:
         """Policy-version gap between the learner and the oldest token of this group."""
-        return int(learner_version) - self.policy_version
+        return staleness(learner_version, self.policy_version)

@@ -1,6 +1,5 @@
 """Encoding a task's prompt, sampling one completion per prompt, and cutting it at a stop
-string: what single-answer rollouts (`gac_jax.rollout.answers.AnswerRunner`), evaluation
-and the sample logs use."""
+string."""
 
 from __future__ import annotations
 
@@ -61,21 +60,9 @@ def generate(
     pad_id: int,
     settings: SampleSettings,
 ) -> SampleOutput:
-    """Samples one completion per prompt: the one way single-answer rollouts and their
-    evaluation generate (`AnswerRunner`).
-
-    Args:
-      sampler: the run's `Sampler`.
-      graphdef: the policy's.
-      params_fn: `() -> (params, version)`: asked once, or by the sampler in flight
-        (`settings.inflight`, `EpisodeSampler.sample_inflight`).
-      prompts: R token lists, left-padded to `settings.prompt_length` with `pad_id`.
-      key: sampling key.
-      settings: see `SampleSettings`.
-
-    Returns:
-      The `SampleOutput` (an `InflightSampleOutput` in flight) as host arrays.
-    """
+    """One completion per prompt, as host arrays (`AnswerRunner`'s sampling): the
+    prompts left-padded with `pad_id`; `params_fn` asked once, or in flight
+    (`settings.inflight`) by `EpisodeSampler.sample_inflight` at every chunk."""
     tokens, mask = left_pad(prompts, pad_id, settings.prompt_length)
     if settings.place_inputs is not None:
         tokens, mask = settings.place_inputs(tokens, mask)
@@ -92,23 +79,18 @@ def generate(
 def cut_at_stop(
     tokenizer: Tokenizer, tokens: np.ndarray, mask: np.ndarray, stop: Sequence[str]
 ) -> tuple[str, np.ndarray]:
-    """One sampled row's completion text and loss mask under stop strings.
-
-    The completion ends with the first token after which its text holds a stop string (the
-    shortest such prefix, found by bisection: a stop string in a prefix's text is in every
-    longer prefix's); the text is cut before the stop string, as vLLM returns it by
-    default, while the mask keeps the tokens through that last one: the policy sampled
-    them, the tokens after it are no longer part of the completion.
+    """One sampled row's completion text and loss mask under stop strings, as vLLM cuts
+    by default: the completion ends with the first token after which its text holds a stop
+    string (the shortest such prefix, found by bisection); the text is cut before the stop
+    string, the mask keeps the tokens through that last one (the policy sampled them).
 
     Args:
       tokenizer: decodes the row (`decode_completion`: special tokens skipped).
-      tokens: [L] int, the sampled row.
-      mask: [L] bool, True on its generated tokens (a prefix of the row, EOS included).
+      tokens: [L] int, the sampled row; mask: [L] bool, its generated tokens (a prefix).
       stop: stop strings; none keeps the row whole.
 
     Returns:
-      `(text, mask)`: the completion's text and its mask, `mask` itself when no stop
-      string occurs.
+      `(text, mask)`, `mask` itself when no stop string occurs.
     """
     ids = tokens[mask]
     text = decode_completion(tokenizer, ids)

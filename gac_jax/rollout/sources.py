@@ -26,7 +26,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from gac_jax._validation import check_bool, check_int
+from gac_jax._validation import check_bool, check_choice, check_int
 from gac_jax.rollout.buffer import BufferConfig, BufferStats, RolloutBuffer, buffer_capacity
 from gac_jax.rollout.param_store import ParamStore
 from gac_jax.rollout.record import Rollout
@@ -88,10 +88,8 @@ class RolloutConfig:
 
     def validate(self) -> None:
         """Raises ValueError naming a bad field."""
-        if self.mode not in ROLLOUT_MODES:
-            raise ValueError(
-                f"mode={self.mode!r} is unknown; expected one of {list(ROLLOUT_MODES)}."
-            )
+        check_choice("mode", self.mode, ROLLOUT_MODES)
+        check_choice("backend", self.backend, ROLLOUT_BACKENDS)
         for name, low in (
             ("lag", 0),
             ("groups_per_batch", 1),
@@ -102,10 +100,6 @@ class RolloutConfig:
         ):
             check_int(name, getattr(self, name), low)
         check_version_choice(self.version_choice)
-        if self.backend not in ROLLOUT_BACKENDS:
-            raise ValueError(
-                f"backend={self.backend!r} is unknown; expected one of {list(ROLLOUT_BACKENDS)}."
-            )
         check_bool("dynamic_sampling", self.dynamic_sampling)
         for name in ("backend", "inflight_updates"):
             if getattr(self, name) != getattr(RolloutConfig, name) and self.mode != "async":
@@ -143,46 +137,33 @@ class Partition:
         return groups_per_batch // self.num_processes
 
 
-def _max_filtered(config: RolloutConfig, local_groups: int) -> int | None:
-    """Dynamic sampling's bound on discarded groups per batch (`RolloutBuffer`), or None."""
-    return (config.max_draws - 1) * local_groups if config.dynamic_sampling else None
-
-
 def make_source(
     config: RolloutConfig,
     buffer: BufferConfig,
     generate_groups: GenerateGroups,
     store: ParamStore,
     prompts: PromptOrder,
-    *,
-    seed: int = 0,
-    resume_from: Mapping[str, Any] | None = None,
-    partition: Partition = Partition(),
+    **kwargs,
 ):
-    """The rollout source of `config.mode` (the buffer's settings apply to async mode).
-
-    `resume_from` is a previous source's `state()`, to continue a checkpointed run. With
-    several learner processes (`partition`), each source makes `groups_per_batch /
-    num_processes` groups per step, with group ids no other process uses.
-    """
+    """The rollout source of `config.mode` (the buffer's settings apply to async mode);
+    `kwargs` are `seed`, `resume_from` (a previous source's `state()`) and `partition`
+    (several learner processes each make `groups_per_batch / num_processes` groups a step,
+    with group ids no other process uses): see `_Source`."""
     args = (generate_groups, store, prompts, config)
-    kwargs = dict(seed=seed, resume_from=resume_from, partition=partition)
-    if config.mode == "sync":
-        return SyncRollouts(*args, **kwargs)
-    if config.mode == "lagged":
-        return LaggedRollouts(*args, **kwargs)
-    return AsyncRollouts(*args, buffer, **kwargs)
+    if config.mode == "async":
+        return AsyncRollouts(*args, buffer, **kwargs)
+    return (SyncRollouts if config.mode == "sync" else LaggedRollouts)(*args, **kwargs)
 
 
-class _InlineRollouts:
-    """Generates each step's groups in the calling thread from one chosen version.
+class _Source:
+    """What every source is built from, and the `RolloutBuffer` it hands batches through.
 
     Args:
       generate_groups, store, prompts: as for `RolloutWorker`.
-      config: the rollout settings; these sources read its `lag`, `groups_per_batch` and
-        dynamic sampling (`dynamic_sampling`, `max_draws`), not its mode (the class is).
+      config: the rollout settings (the class, not `config.mode`, is the mode).
+      buffer: the buffer's staleness bound, policy, capacity and take timeout.
       seed: sampling seed.
-      resume_from: a previous `state()`.
+      resume_from: a previous `state()`: the buffer's counters continue.
       partition: this learner process among all.
     """
 
@@ -192,38 +173,52 @@ class _InlineRollouts:
         store: ParamStore,
         prompts: PromptOrder,
         config: RolloutConfig,
+        buffer: BufferConfig,
         *,
         seed: int = 0,
         resume_from: Mapping[str, Any] | None = None,
         partition: Partition = Partition(),
     ):
-        lag = config.lag
-        if lag < 0:
-            raise ValueError(f"lag={lag} must be >= 0.")
+        self._generate, self._store, self._prompts = generate_groups, store, prompts
+        self._seed, self._partition = seed, partition
+        n = partition.local_groups(config.groups_per_batch)
+        max_filtered = (config.max_draws - 1) * n if config.dynamic_sampling else None
+        self.buffer = RolloutBuffer(
+            buffer_capacity(buffer.capacity, n), n, buffer.max_staleness, buffer.stale_policy,
+            max_filtered=max_filtered,
+        )  # fmt: skip
+        if resume_from is not None:
+            self.buffer.restore(resume_from["buffer"])
+
+    def stats(self) -> BufferStats:
+        return self.buffer.stats()
+
+    def close(self) -> None:
+        self.buffer.close()
+
+
+class _InlineRollouts(_Source):
+    """Generates each step's groups in the calling thread from version max(0, step - lag)
+    (`config.lag`); the buffer drops older groups."""
+
+    def __init__(self, generate_groups, store, prompts, config: RolloutConfig, **kwargs):
+        self.lag = lag = config.lag
+        check_int("lag", lag, 0)
         if store.history < lag + 1:
             raise ValueError(
                 f"a lag of {lag} needs a ParamStore history of at least {lag + 1}, got "
                 f"{store.history}."
             )
-        groups_per_batch = partition.local_groups(config.groups_per_batch)
-        max_filtered = _max_filtered(config, groups_per_batch)
-        self.lag = lag
-        self._generate = generate_groups
-        self._store = store
-        self._prompts = prompts
-        self._seed = seed
+        buffer = BufferConfig(max_staleness=lag, stale_policy="drop")
+        super().__init__(generate_groups, store, prompts, config, buffer, **kwargs)
         # Step t's groups are ids [t n, (t + 1) n) of the global batch of n = P x local
         # groups; this process makes its own contiguous share of them.
         # With dynamic sampling (`max_filtered`), each step may draw up to `self._draws`
         # rounds of groups, round r of step t taking ids [(t D + r) n, (t D + r + 1) n).
-        self._first_id = partition.process_index * groups_per_batch
-        self._global_groups = partition.num_processes * groups_per_batch
-        self._draws = 1 if max_filtered is None else 1 + -(-max_filtered // groups_per_batch)
-        self.buffer = RolloutBuffer(
-            groups_per_batch, groups_per_batch, max_staleness=lag, max_filtered=max_filtered
-        )
-        if resume_from is not None:
-            self.buffer.restore(resume_from["buffer"])
+        n, max_filtered = self.buffer.groups_per_batch, self.buffer.max_filtered
+        self._first_id = self._partition.process_index * n
+        self._global_groups = self._partition.num_processes * n
+        self._draws = 1 if max_filtered is None else 1 + -(-max_filtered // n)
 
     def behaviour_version(self, step: int) -> int:
         return max(0, step - self.lag)
@@ -245,15 +240,9 @@ class _InlineRollouts:
                 break
         return self.buffer.take(learner_version=step)
 
-    def stats(self) -> BufferStats:
-        return self.buffer.stats()
-
     def state(self) -> dict[str, Any]:
         """The buffer's counters (prompts and keys are functions of the step)."""
         return {"buffer": self.buffer.state()}
-
-    def close(self) -> None:
-        self.buffer.close()
 
 
 class SyncRollouts(_InlineRollouts):
@@ -268,72 +257,30 @@ class LaggedRollouts(_InlineRollouts):
     """Deterministic asynchrony: step t trains on groups sampled by version max(0, t - lag)."""
 
 
-class AsyncRollouts:
-    """Real concurrency: worker threads, a bounded buffer, a staleness bound.
-
-    Args:
-      generate_groups, store, prompts: as for `RolloutWorker`.
-      config: the rollout settings; this source reads its `groups_per_batch`, the
-        workers' `num_workers` (threads), `groups_per_call` and `version_choice`
-        (`RolloutWorker`), and dynamic sampling (`dynamic_sampling`, `max_draws`: a
-        discarded group counts as handed out, so a resumed source does not draw it again).
-      buffer: the buffer's staleness bound, policy, capacity and take timeout.
-      seed: sampling seed.
-      partition: this learner process among all: its group ids are the ids congruent to
-        `process_index` mod `num_processes`.
-      resume_from: a previous `state()`: the buffer's counters continue and the workers
-        generate exactly the groups that run had not handed to the learner (see `state`).
+class AsyncRollouts(_Source):
+    """Real concurrency: worker threads (`RolloutWorker`: `config.num_workers`,
+    `groups_per_call`, `version_choice`), a bounded buffer, a staleness bound. With several
+    learner processes, this one's group ids are those congruent to `process_index` mod
+    `num_processes`; a resumed source (`resume_from`) generates exactly the groups the run
+    had not handed to the learner (see `state`). Arguments: see `_Source`.
     """
 
-    def __init__(
-        self,
-        generate_groups: GenerateGroups,
-        store: ParamStore,
-        prompts: PromptOrder,
-        config: RolloutConfig,
-        buffer: BufferConfig,
-        *,
-        seed: int = 0,
-        resume_from: Mapping[str, Any] | None = None,
-        partition: Partition = Partition(),
-    ):
-        groups_per_batch = partition.local_groups(config.groups_per_batch)
-        self.buffer = RolloutBuffer(
-            buffer_capacity(buffer.capacity, groups_per_batch),
-            groups_per_batch,
-            buffer.max_staleness,
-            buffer.stale_policy,
-            max_filtered=_max_filtered(config, groups_per_batch),
-        )
-        self._stride = partition.num_processes
-        numbering = GroupNumbering(
-            partition.process_index, stride=partition.num_processes, seed=seed
-        )
+    def __init__(self, generate, store, prompts, config, buffer, *, resume_from=None, **kw):
+        super().__init__(generate, store, prompts, config, buffer, resume_from=resume_from, **kw)
+        self._stride = self._partition.num_processes
+        first, skip = self._partition.process_index, ()
         if resume_from is not None:
-            self.buffer.restore(resume_from["buffer"])
-            numbering = GroupNumbering(
-                int(resume_from["next_group_id"]),
-                tuple(int(g) for g in resume_from["skip_group_ids"]),
-                stride=partition.num_processes,
-                seed=seed,
-            )
+            first, skip = int(resume_from["next_group_id"]), resume_from["skip_group_ids"]
         self._take_timeout = buffer.take_timeout
         self.worker = RolloutWorker(
-            generate_groups,
-            store,
-            self.buffer,
-            prompts,
-            num_threads=config.num_workers,
-            groups_per_call=config.groups_per_call,
-            numbering=numbering,
+            generate, store, self.buffer, prompts,
+            num_threads=config.num_workers, groups_per_call=config.groups_per_call,
+            numbering=GroupNumbering(first, skip, stride=self._stride, seed=self._seed),
             version_choice=config.version_choice,
-        ).start()
+        ).start()  # fmt: skip
 
     def next_batch(self, step: int) -> list[Rollout]:
         return self.buffer.take(learner_version=step, timeout=self._take_timeout)
-
-    def stats(self) -> BufferStats:
-        return self.buffer.stats()
 
     def state(self) -> dict[str, Any]:
         """What a resumed source continues from; call it between steps (or after `close`).
@@ -361,5 +308,5 @@ class AsyncRollouts:
 
     def close(self) -> None:
         """Closes the buffer (waking every producer) and joins the worker threads."""
-        self.buffer.close()
+        super().close()
         self.worker.stop()

@@ -58,22 +58,15 @@ def is_stale(learner_version: int, group_version: int, max_staleness: int | None
 
 
 def reservation_limit(latest_version: int, max_staleness: int, groups_per_batch: int) -> int:
-    """How many reservations may be held while `latest_version` is the newest version.
-
-    (latest_version + max_staleness + 1) * groups_per_batch: the group reserved j-th is
-    trained on at step j // groups_per_batch at the earliest, which must not be later than
-    latest_version + max_staleness.
-    """
+    """How many reservations may be held while `latest_version` is the newest version
+    (the block policy's rule, see the module docstring)."""
     return (latest_version + max_staleness + 1) * groups_per_batch
 
 
 def oldest_allowed_version(reservation: int, max_staleness: int, groups_per_batch: int) -> int:
-    """The oldest version the group reserved `reservation`-th (0-based) may be sampled by.
-
-    max(0, reservation // groups_per_batch - max_staleness): the inverse of
-    `reservation_limit`, so a reservation granted while `latest_version` is the newest
-    version always has an oldest allowed version <= `latest_version`.
-    """
+    """The oldest version the group reserved `reservation`-th (0-based) may be sampled by:
+    the inverse of `reservation_limit` (a reservation granted while `latest_version` is
+    the newest has an oldest allowed version <= `latest_version`)."""
     return max(0, int(reservation) // groups_per_batch - max_staleness)
 
 
@@ -85,37 +78,26 @@ def reservation_allowed(
     groups_per_batch: int,
     stale_policy: str,
 ) -> bool:
-    """Whether one more reservation, the `held`-th (0-based), may be granted now.
-
-    Always under the drop policy; under the block policy only below `reservation_limit`.
-    """
+    """Whether one more reservation, the `held`-th (0-based), may be granted now: always
+    under the drop policy, below `reservation_limit` under the block policy."""
     if stale_policy != "block":
         return True
     return held < reservation_limit(latest_version, max_staleness, groups_per_batch)
 
 
 def held_after_drop(held: int, dropped: int, stale_policy: str) -> int:
-    """Reservations still held after `dropped` stale groups are discarded.
-
-    Under the block policy a dropped group gives its reservation back; under the drop
-    policy reservations are not a limit, and the count only records how many were made.
-    """
+    """Reservations still held after `dropped` stale groups are discarded (given back
+    under the block policy; under the drop policy the count is only a record)."""
     return held - dropped if stale_policy == "block" else held
 
 
 @dataclasses.dataclass(frozen=True)
 class TakeOutcome(Generic[T]):
-    """What a `take` does to a queue.
+    """What a `take` does to a queue."""
 
-    Attributes:
-      batch: the groups handed out, oldest first, or None when too few fresh ones wait.
-      kept: the queue afterwards, in order.
-      dropped: the stale groups discarded (they are discarded even when `batch` is None).
-    """
-
-    batch: tuple[T, ...] | None
-    kept: tuple[T, ...]
-    dropped: tuple[T, ...]
+    batch: tuple[T, ...] | None  # Handed out, oldest first; None when too few fresh ones wait.
+    kept: tuple[T, ...]  # The queue afterwards, in order.
+    dropped: tuple[T, ...]  # The stale groups discarded (even when `batch` is None).
 
 
 def take_fresh(
@@ -136,9 +118,8 @@ def take_fresh(
     """
     fresh, stale = [], []
     for group in queue:
-        (stale if is_stale(learner_version, version_of(group), max_staleness) else fresh).append(
-            group
-        )
+        stale_group = is_stale(learner_version, version_of(group), max_staleness)
+        (stale if stale_group else fresh).append(group)
     if len(fresh) < num_groups:
         return TakeOutcome(None, tuple(fresh), tuple(stale))
     return TakeOutcome(tuple(fresh[:num_groups]), tuple(fresh[num_groups:]), tuple(stale))

@@ -11,6 +11,7 @@ from typing import Any, NamedTuple, Protocol
 import jax
 import numpy as np
 
+from gac_jax._validation import check_choice, check_int
 from gac_jax.rollout.buffer import RolloutBuffer, RolloutBufferClosed
 from gac_jax.rollout.param_store import ParamStore
 from gac_jax.rollout.record import Rollout
@@ -24,11 +25,7 @@ VERSION_CHOICES = ("latest", "oldest_allowed")
 def check_version_choice(version_choice: str, stale_policy: str | None = None) -> None:
     """The one check of a `version_choice` (and, given the buffer's `stale_policy`, that
     "oldest_allowed" has the block policy it needs): ValueError in one line."""
-    if version_choice not in VERSION_CHOICES:
-        raise ValueError(
-            f"version_choice={version_choice!r} is unknown; expected one of "
-            f"{list(VERSION_CHOICES)}."
-        )
+    check_choice("version_choice", version_choice, VERSION_CHOICES)
     if stale_policy is not None and version_choice == "oldest_allowed" and stale_policy != "block":
         raise ValueError(
             "version_choice='oldest_allowed' needs the buffer's stale_policy='block', got "
@@ -125,17 +122,12 @@ class GroupNumbering:
 class RolloutWorker:
     """Threads that keep the buffer full with groups sampled from the latest params.
 
-    Each thread: reserve `groups_per_call` slots (the buffer's block policy may make it
-    wait), read the params (`version_choice`), take the next group ids (a shared counter)
-    and their prompts, generate them in one call, put them.
-    An exception in `generate_groups` fails the buffer, so the learner's next `take` raises
-    it as `RolloutWorkerError` at once; `stop()` ends every thread within a poll interval
-    (plus the group being generated). A reservation blocked on an old version is woken by
-    the store's publish (`ParamStore.subscribe` -> `RolloutBuffer.wake`), not by a poll.
-
-    `state()` is what a resumed worker needs to generate every group exactly once: pass
-    its `next_group_id` as the numbering's `first_group_id` (and, for an exact resume, see
-    `AsyncRollouts.state`, which also regenerates the groups that were in flight).
+    Each thread: reserve `groups_per_call` slots (the block policy may make it wait; the
+    store's publish wakes it), read the params (`version_choice`), claim the next group
+    ids and their prompts, generate them in one call, put them. An exception in
+    `generate_groups` fails the buffer, so the learner's next `take` raises it at once;
+    `stop()` ends every thread within a poll interval (plus the call in progress).
+    `state()` is what a resumed worker continues from (see `AsyncRollouts.state`).
 
     Args:
       generate_groups: see `GenerateGroups`.
@@ -144,15 +136,12 @@ class RolloutWorker:
       prompts: the prompt order.
       num_threads: generation threads.
       groups_per_call: groups generated together (one sampler batch) by a thread.
-      numbering: the group ids to hand out and their sampling keys (see
-        `GroupNumbering`); the default counts 0, 1, 2, ... with seed 0.
-      version_choice: "latest" samples with the newest published version (as fresh as
-        possible; which version a group gets depends on thread timing); "oldest_allowed"
-        with the oldest version the buffer's block policy allows for the call's last slot
-        (`staleness.oldest_allowed_version`): with one thread every group's version, and so
-        the whole run, is a function of the seed, which makes async runs reproducible and
-        resumable exactly. It needs the block policy and a store history of
-        max_staleness + 1 versions.
+      numbering: the group ids to hand out and their sampling keys (`GroupNumbering`).
+      version_choice: "latest" samples with the newest published version (which version
+        a group gets depends on thread timing); "oldest_allowed" with the oldest one the
+        block policy allows for the call's last slot (`staleness.oldest_allowed_version`):
+        with one thread the run is then a function of the seed. It needs a store history
+        of max_staleness + 1 versions.
     """
 
     def __init__(
@@ -168,10 +157,8 @@ class RolloutWorker:
         version_choice: str = "latest",
     ):
         check_version_choice(version_choice, buffer.stale_policy)
-        if num_threads < 1:
-            raise ValueError(f"num_threads={num_threads} must be >= 1.")
-        if groups_per_call < 1:
-            raise ValueError(f"groups_per_call={groups_per_call} must be >= 1.")
+        check_int("num_threads", num_threads, 1)
+        check_int("groups_per_call", groups_per_call, 1)
         self._stride = numbering.stride
         self._generate = generate_groups
         self._groups_per_call = groups_per_call

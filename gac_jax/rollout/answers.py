@@ -38,9 +38,14 @@ class AnswerRunner:
         `examples` are not needed."""
         del examples
         out = generate(
-            self.sampler, graphdef, params_fn, prompts, key,
-            pad_id=self.tokenizer.pad_id, settings=settings,
-        )  # fmt: skip
+            self.sampler,
+            graphdef,
+            params_fn,
+            prompts,
+            key,
+            pad_id=self.tokenizer.pad_id,
+            settings=settings,
+        )
         versions = getattr(out, "token_versions", None)
         return EpisodeRows(  # Copies: `items` cuts them in place.
             tokens=np.array(out.tokens, np.int32),

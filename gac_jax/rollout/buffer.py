@@ -171,9 +171,12 @@ class RolloutBuffer:
         def granted() -> bool:
             latest = version() if callable(version) else version
             return latest is not None and reservation_allowed(
-                self._reserved, latest, max_staleness=self.max_staleness,
-                groups_per_batch=self.groups_per_batch, stale_policy=self.stale_policy,
-            )  # fmt: skip
+                self._reserved,
+                latest,
+                max_staleness=self.max_staleness,
+                groups_per_batch=self.groups_per_batch,
+                stale_policy=self.stale_policy,
+            )
 
         with self._lock:
             ok = self._lock.wait_for(lambda: self._closed or granted(), timeout)
@@ -245,9 +248,12 @@ class RolloutBuffer:
                 if self._error is not None:  # A crash surfaces at once, not after draining.
                     self._check_open()
                 outcome = take_fresh(
-                    self._queue, learner_version, num_groups, self.max_staleness,
+                    self._queue,
+                    learner_version,
+                    num_groups,
+                    self.max_staleness,
                     lambda r: r.policy_version,
-                )  # fmt: skip
+                )
                 self._queue = collections.deque(outcome.kept)
                 self._discard(len(outcome.dropped))
                 if outcome.batch is not None:

@@ -143,13 +143,19 @@ def make_source(
     generate_groups: GenerateGroups,
     store: ParamStore,
     prompts: PromptOrder,
-    **kwargs,
+    *,
+    seed: int = 0,
+    resume_from: Mapping[str, Any] | None = None,
+    partition: Partition = Partition(),
 ):
-    """The rollout source of `config.mode` (the buffer's settings apply to async mode);
-    `kwargs` are `seed`, `resume_from` (a previous source's `state()`) and `partition`
-    (several learner processes each make `groups_per_batch / num_processes` groups a step,
-    with group ids no other process uses): see `_Source`."""
+    """The rollout source of `config.mode` (the buffer's settings apply to async mode).
+
+    `resume_from` is a previous source's `state()`, to continue a checkpointed run. With
+    several learner processes (`partition`), each source makes `groups_per_batch /
+    num_processes` groups per step, with group ids no other process uses.
+    """
     args = (generate_groups, store, prompts, config)
+    kwargs = dict(seed=seed, resume_from=resume_from, partition=partition)
     if config.mode == "async":
         return AsyncRollouts(*args, buffer, **kwargs)
     return (SyncRollouts if config.mode == "sync" else LaggedRollouts)(*args, **kwargs)
@@ -184,9 +190,12 @@ class _Source:
         n = partition.local_groups(config.groups_per_batch)
         max_filtered = (config.max_draws - 1) * n if config.dynamic_sampling else None
         self.buffer = RolloutBuffer(
-            buffer_capacity(buffer.capacity, n), n, buffer.max_staleness, buffer.stale_policy,
+            buffer_capacity(buffer.capacity, n),
+            n,
+            buffer.max_staleness,
+            buffer.stale_policy,
             max_filtered=max_filtered,
-        )  # fmt: skip
+        )
         if resume_from is not None:
             self.buffer.restore(resume_from["buffer"])
 
@@ -273,11 +282,15 @@ class AsyncRollouts(_Source):
             first, skip = int(resume_from["next_group_id"]), resume_from["skip_group_ids"]
         self._take_timeout = buffer.take_timeout
         self.worker = RolloutWorker(
-            generate, store, self.buffer, prompts,
-            num_threads=config.num_workers, groups_per_call=config.groups_per_call,
+            generate,
+            store,
+            self.buffer,
+            prompts,
+            num_threads=config.num_workers,
+            groups_per_call=config.groups_per_call,
             numbering=GroupNumbering(first, skip, stride=self._stride, seed=self._seed),
             version_choice=config.version_choice,
-        ).start()  # fmt: skip
+        ).start()
 
     def next_batch(self, step: int) -> list[Rollout]:
         return self.buffer.take(learner_version=step, timeout=self._take_timeout)

@@ -12,7 +12,7 @@ from tests.conftest import process_env
 CHILD = """
 import sys, time, numpy as np
 from gac_jax.train.loop import SignalNotice
-a = np.random.default_rng(0).standard_normal((1200, 1200))
+a = np.random.default_rng(0).standard_normal((1800, 1800))  # About 2 s: under load too.
 with SignalNotice("stopping once the current work returns"):
     print("ready", flush=True)
     started = time.monotonic()

@@ -12,7 +12,7 @@ from tests.conftest import process_env
 CHILD = """
 import sys, time, numpy as np
 from gac_jax.train.loop import SignalNotice
-a = np.random.default_rng(0).standard_normal((1800, 1800))  # About 2 s: under load too.
+a = np.random.default_rng(0).standard_normal((1200, 1200))
 with SignalNotice("stopping once the current work returns"):
     print("ready", flush=True)
     started = time.monotonic()
@@ -31,6 +31,9 @@ def test_a_signal_is_acknowledged_while_the_main_thread_is_in_native_code():
         stderr=subprocess.PIPE,
         text=True,
         env=process_env(1),
+        # SIGINT as a shell gives it: an xdist worker may ignore it, and an ignored signal
+        # stays ignored across exec (Python then installs no handler and writes nothing).
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     assert child.stdout.readline().strip() == "ready"
     time.sleep(0.2)  # Inside the SVD.

@@ -73,6 +73,9 @@ def effective_sample_size(
                 f"`where` has shape {where.shape}, expected the shape of the log weights "
                 f"{log_weights.shape}."
             )
+    # +inf log weights are the limit they are: those samples dominate every finite one, so
+    # they keep equal weights and the rest weigh nothing (k of them give ESS = k). -inf is
+    # a zero weight. NaN makes the ESS undefined and propagates rather than being dropped.
     dominant = where & (log_weights == jnp.inf)
     limit = jnp.where(dominant, 0.0, jnp.where(jnp.isnan(log_weights), jnp.nan, -jnp.inf))
     log_weights = jnp.where(jnp.any(dominant), limit, log_weights)

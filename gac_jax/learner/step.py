@@ -22,8 +22,8 @@ The path of one batch, six calls from the run to the optimizer: `Run.step` ->
 `GRPOLearner.step` (token budget, placement) -> `ShardedLearner.run_step` (the jitted
 `split_step`: donation) -> `_train_step` (this module: the batch's log-probs, advantages,
 epochs and mini-batches) -> `update` (`make_update`: one optimizer step's gradient) ->
-``tx.update``, its result kept or dropped by `apply_if_finite`. Metrics: an optimizer step's
-in `update` (and the guard's norms and chain statistics in `apply_if_finite`), the batch's
+``tx.update``, its result kept or dropped by `select_finite_update`. Metrics: an optimizer step's
+in `update` (and the guard's norms and chain statistics in `select_finite_update`), the batch's
 in `_batch_metrics` and `_prepare`, the host's timings and queues in `Run.step`.
 """
 

@@ -15,7 +15,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from gac_jax.learner.learner import ShardedLearner
-from gac_jax.learner.update import apply_if_finite
+from gac_jax.learner.update import select_finite_update
 from gac_jax.models import ShardingRules, per_token_logps
 from gac_jax.numerics import masked_mean
 
@@ -52,7 +52,7 @@ def make_supervised_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformatio
         loss, grads = jax.value_and_grad(loss_fn)(params)
         # The RL step's guard: a non-finite loss, gradient or update leaves the state as is.
         updates, new_opt_state = tx.update(grads, opt_state, params)
-        params, opt_state, metrics = apply_if_finite(
+        params, opt_state, metrics = select_finite_update(
             params, opt_state, grads, updates, new_opt_state, loss
         )
         return params, opt_state, {"loss": loss, **metrics}

@@ -87,7 +87,7 @@ def _chain_statistics(opt_state) -> dict[str, jax.Array]:
     return metrics
 
 
-def apply_if_finite(params, opt_state, grads, updates, new_opt_state, loss, rewards=None):
+def select_finite_update(params, opt_state, grads, updates, new_opt_state, loss, rewards=None):
     """`updates` applied to `params` and `new_opt_state` taken (the result of
     ``tx.update(grads, opt_state, params)``) unless the loss, gradient norm or update norm
     is non-finite, or a reward is (GRPO would zero that group's advantages and train on
@@ -235,7 +235,7 @@ def make_update(
         updates, new_opt_state = tx.update(
             grads, opt_state, params, log_importance_weights=log_w, sequence_mask=mask
         )
-        params, opt_state, update_metrics = apply_if_finite(
+        params, opt_state, update_metrics = select_finite_update(
             params, opt_state, grads, updates, new_opt_state, total, rows.rewards
         )
         metrics = {

@@ -1,5 +1,5 @@
-"""Every task's reward on hostile text: no exception, a reward in [0, 1], and time linear in
-the text (at most 20 ms per call up to 100 kB, on a loaded machine).
+"""Every task's reward on hostile text: no exception, a reward in [0, 1], no call that hangs,
+and time linear in the text.
 
 10,000 strings in all: 8,000 from a seeded generator (random text, tag and marker soups,
 adversarial runs at 1 kB to 100 kB) and 2,000 drawn by hypothesis (derandomized), plus a
@@ -16,11 +16,18 @@ from hypothesis import strategies as st
 
 from gac_jax.tasks import TASK_NAMES, get_task
 
-# Per call, for texts up to _BOUNDED_CHARS. The worst texts take 3-4 ms alone and up to
-# 10.4 ms (best of three) while another test worker shares the two cores; the quadratic
-# parsers this guards against took 26-60 ms.
-_BOUND_S = 0.020
+# Per call, for texts up to _BOUNDED_CHARS: a hang (catastrophic backtracking), not a speed
+# goal. The worst texts take 3-4 ms alone and 23 ms was seen in CI on a loaded machine.
+_BOUND_S = 0.5
 _BOUNDED_CHARS = 100_000
+# Linearity is judged by scaling, which a loaded machine does not change: the same
+# adversarial run at 4x the length may take at most _MAX_GROWTH times as long (linear: 4,
+# quadratic: 16), unless the long one is still under _FLOOR_S (too short to time reliably).
+# Times are the thread's CPU time. Today's rewards: 2-7 ms at 100 kB, growth 4.0-4.1; the
+# quadratic parsers this guards against took 26-60 ms at 100 kB.
+_SCALE = 4
+_MAX_GROWTH = 8.0
+_FLOOR_S = 0.003
 
 # Plain examples (the registry accepts Python values as well as data-source dicts).
 _EXAMPLES = {
@@ -132,9 +139,11 @@ def _corpus() -> list[str]:
 
 
 def _call_time(reward, completion, example) -> tuple[float, float]:
-    start = time.perf_counter()
+    """The reward and the CPU seconds the call took on this thread (a loaded machine delays
+    a call, it does not add to its CPU time)."""
+    start = time.thread_time()
     value = reward(completion, example)
-    return value, time.perf_counter() - start
+    return value, time.thread_time() - start
 
 
 def _check(completion: str, index: int) -> None:
@@ -146,6 +155,44 @@ def _check(completion: str, index: int) -> None:
             # A noisy shared machine: only the best of three repeats counts.
             seconds = min(_call_time(task.reward, completion, _EXAMPLES[family])[1] for _ in "abc")
             assert seconds <= _BOUND_S, (task.name, len(completion), completion[:80], seconds)
+
+
+def _superlinear(reward, make_text, example, size: int = 25_000) -> tuple[float, float] | None:
+    """(short, long) best-of-three seconds when `reward` grows faster than linearly from
+    `make_text(size)` to `make_text(_SCALE * size)`, else None."""
+    texts = make_text(size), make_text(_SCALE * size)
+    # Interleaved, best of five: a busy spell of the machine slows both lengths alike.
+    pairs = [[_call_time(reward, text, example)[1] for text in texts] for _ in range(5)]
+    short, long = (min(column) for column in zip(*pairs, strict=True))
+    if long > _FLOOR_S and long > _MAX_GROWTH * short:
+        return short, long
+    return None
+
+
+def test_the_scaling_check_flags_a_quadratic_reward():
+    """The check below can fail: a reward that rescans the text from each position is flagged,
+    one that scans it once is not."""
+
+    def quadratic(text, example):
+        return float(sum(text.find("x", i) for i in range(0, len(text), 2)) == 0)
+
+    def linear(text, example):
+        return float(text.count(",") == 0)
+
+    assert _superlinear(quadratic, lambda n: ",123" * (n // 4), {}) is not None
+    assert _superlinear(linear, lambda n: ",123" * (n // 4), {}) is None
+
+
+def test_time_is_linear_in_the_text():
+    """Every adversarial run, scored by one task of each family (rotating), at 25 kB and
+    100 kB."""
+    runs = len(_adversarial(8))
+    for index in range(runs):
+        make_text = lambda n, index=index: _adversarial(n)[index]  # noqa: E731
+        for family, tasks in _FAMILIES.items():
+            task = tasks[index % len(tasks)]
+            flagged = _superlinear(task.reward, make_text, _EXAMPLES[family])
+            assert flagged is None, (task.name, make_text(16)[:16], flagged)
 
 
 def test_rewards_are_correct_on_the_reference_completions():
@@ -195,11 +242,9 @@ def test_one_megabyte(completion):
 @pytest.mark.parametrize("unit", ["\\boxed{1/0}", "#### 0/0 ", "answer is 1/0 "])
 def test_markers_without_valid_numbers_stay_within_the_bound(unit):
     """Markers each followed by an invalid number (a zero denominator): only the last
-    `_MAX_MARKERS` of a kind are tried, so 100 kB of them stays within 10 ms a call."""
+    `_MAX_MARKERS` of a kind are tried, so the time stays linear in the text."""
     gsm8k = _FAMILIES["gsm8k"][0]
-    for size in (10_000, 100_000):
-        text = unit * (size // len(unit))
-        value, _ = _call_time(gsm8k.reward, text, _EXAMPLES["gsm8k"])
-        assert value == 0.0
-        best = min(_call_time(gsm8k.reward, text, _EXAMPLES["gsm8k"])[1] for _ in "abc")
-        assert best < _BOUND_S, (unit, size, best)
+    make_text = lambda size: unit * (size // len(unit))  # noqa: E731
+    assert gsm8k.reward(make_text(100_000), _EXAMPLES["gsm8k"]) == 0.0
+    flagged = _superlinear(gsm8k.reward, make_text, _EXAMPLES["gsm8k"])
+    assert flagged is None, (unit, flagged)

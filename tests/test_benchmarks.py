@@ -21,6 +21,7 @@ def test_the_accelerator_benchmark_runs_its_smoke_form_and_writes_its_table(tmp_
         capture_output=True,
         text=True,
         timeout=600,
+        env=process_env(8),
     )
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(out.with_suffix(".json").read_text())
@@ -50,12 +51,14 @@ def test_the_real_shapes_benchmark_trains_the_one_gpu_preset_in_its_smoke_form(t
 
 
 def _run(script: str, *args: str, timeout: int = 600, env=None) -> str:
+    """Runs benchmarks/`script` (by default with the suite's 8 fake devices and LLVM's
+    optimisations off: a smoke form checks the script, not its code generation)."""
     done = subprocess.run(
         [sys.executable, str(BENCHMARKS / script), *args],
         capture_output=True,
         text=True,
         timeout=timeout,
-        env=env,
+        env=process_env(8) if env is None else env,
     )
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
     return done.stdout

@@ -2,16 +2,17 @@
 
 The notebooks are jupytext percent-format `.py` files, so running one with `python` runs
 every cell in order; a failing cell fails the script. Each runs in a fresh interpreter with
-`GAC_JAX_FAST=1`, the Agg backend and without this process's fake-device XLA_FLAGS (see
-conftest.py): one CPU device, as on a laptop.
+`GAC_JAX_FAST=1`, the Agg backend and without this process's fake devices (`process_env`):
+one CPU device, as on a laptop (LLVM's optimisations off, as in the suite).
 """
 
-import os
 import pathlib
 import subprocess
 import sys
 
 import pytest
+
+from tests.conftest import process_env
 
 NOTEBOOKS_DIR = pathlib.Path(__file__).resolve().parents[1] / "notebooks"
 NOTEBOOKS = [
@@ -30,8 +31,7 @@ def test_every_notebook_is_listed():
 @pytest.mark.slow
 @pytest.mark.parametrize("name", NOTEBOOKS)
 def test_notebook_runs_in_fast_mode(name, tmp_path):
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env.update(GAC_JAX_FAST="1", MPLBACKEND="Agg")
+    env = {**process_env(None), "GAC_JAX_FAST": "1", "MPLBACKEND": "Agg"}
     result = subprocess.run(
         [sys.executable, str(NOTEBOOKS_DIR / name)],
         cwd=tmp_path,  # Whatever a notebook might write lands here, not in the repo.

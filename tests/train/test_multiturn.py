@@ -18,6 +18,7 @@ from gac_jax.train import loop
 from gac_jax.train.config import get_preset
 from gac_jax.train.config_io import apply_overrides
 from gac_jax.train.metrics import read_metrics
+from tests.conftest import process_env
 
 FAST = [
     "init=random",
@@ -160,7 +161,7 @@ def test_the_readmes_multiturn_commands_run(tmp_path):
     gac_jax_cli = str(Path(sys.executable).parent / "gac-jax")
     for command in commands:
         words = shlex.split(command.split("#")[0])
-        env = dict(__import__("os").environ)
+        env = process_env(8)
         while "=" in words[0] and not words[0].startswith("-"):
             name, value = words.pop(0).split("=", 1)
             env[name] = value

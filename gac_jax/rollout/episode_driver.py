@@ -52,7 +52,9 @@ from gac_jax.models.sampler import InflightSampleOutput, Prompts, Sampler
 
 #: `respond(row, tokens)`: the row's tokens so far (policy and observation tokens, in order)
 #: at the end of one of its turns -> a future of the observation's token ids, or None to end
-#: the episode. The future must always complete (the caller times environments out).
+#: the episode. The future must always complete (the caller times environments out), with
+#: at most `max_observation_tokens` ids: the cut is the caller's, who knows what they mean
+#: (the episode runner keeps a chat template's frame); a longer one is refused.
 Respond = Callable[[int, np.ndarray], "concurrent.futures.Future[Sequence[int] | None]"]
 
 
@@ -79,7 +81,9 @@ class EpisodeSettings:
         that sequence). Other EOS ids end the episode; an id that is both (a chat
         template's end of turn, ``<|im_end|>``) ends the turn, and `respond` ends the
         episode by answering None.
-      max_observation_tokens: K, the longest observation; a longer one is cut to K.
+      max_observation_tokens: K, the longest observation `respond` may give (a longer one
+        raises ValueError: cutting it is `respond`'s to do, where the tokens' meaning is
+        known).
       max_turns: an episode whose turn count reaches this ends at that turn's end
         without asking `respond` (None: no limit).
       chunk_steps: decode steps between two looks at `params_fn`.
@@ -288,7 +292,12 @@ class _HostLoop:
                 continue
             del self.pending[slot]
             reply = future.result()
-            tokens = None if reply is None else np.asarray(reply, np.int32)[:k]
+            tokens = None if reply is None else np.asarray(reply, np.int32).reshape(-1)
+            if tokens is not None and len(tokens) > k:
+                raise ValueError(
+                    f"respond gave row {row} an observation of {len(tokens)} tokens; "
+                    f"max_observation_tokens={k} is the most (cut it before returning it)."
+                )
             if tokens is not None and len(tokens) == 0:  # Nothing to append: decode on.
                 st = dataclasses.replace(st, waiting_b=st.waiting_b.at[slot].set(False))
                 continue

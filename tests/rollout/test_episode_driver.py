@@ -225,6 +225,20 @@ def test_bad_arguments_raise_one_line(model, episodes):
         _sample(episodes, model, 0, 0, Environment(), turn_end_ids=[[3, 4], []])
 
 
+def test_an_observation_longer_than_k_is_refused_not_cut(model):
+    """The driver cuts nothing: an observation's cut is its producer's (the episode runner
+    keeps a chat template's frame), so one over K tokens is an error naming both."""
+
+    def flood(row, transcript):
+        future = concurrent.futures.Future()
+        future.set_result(list(range(40, 40 + K + 1)))
+        return future
+
+    sampler = Sampler(model.config, max_new_tokens=BUDGET, eos_ids=EOS, pad_id=PAD, slots=SLOTS)
+    with pytest.raises(ValueError, match=f"observation of {K + 1} tokens; max_observation_tokens={K}"):
+        _sample(EpisodeSampler(sampler), model, 11, 6, flood)
+
+
 def test_an_empty_observation_appends_nothing_and_the_episode_goes_on(model, episodes):
     def silent(row, transcript):
         future = concurrent.futures.Future()

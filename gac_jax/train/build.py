@@ -112,7 +112,8 @@ def build_model(config: TrainConfig, mesh, *, abstract: bool = False, num_layers
 
 def warm_start_directory(config: TrainConfig) -> Path:
     """The checkpoint of `config`'s supervised warm start (`init="warm_start"`): a shipped
-    one (countdown/n3_max20 on `tiny` at 800 and 300 steps), else trained once and cached."""
+    one (countdown/n3_max20 on `tiny` at 800 and 300 steps, calculator/muladd's 300), else
+    trained once and cached."""
     from gac_jax.train.warm_start import WarmStartConfig, ensure_warm_start
 
     lengths = {}

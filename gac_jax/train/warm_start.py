@@ -537,10 +537,10 @@ def ensure_warm_start(
 ) -> Path:
     """The checkpoint directory of `config`'s warm start, training it if needed.
 
-    A shipped checkpoint (any directory of `SHIPPED_WARM_STARTS`: the demo's 800 steps
-    and the laboratory's 300) serves its own config, so every machine starts from the same
-    weights (training it again elsewhere gives other weights: float reductions differ
-    between CPUs); any other config is trained once and cached under
+    A shipped checkpoint (any directory of `SHIPPED_WARM_STARTS`: the demo's 800 steps,
+    the laboratory's 300 and the calculator preset's 300) serves its own config, so every
+    machine starts from the same weights (training it again elsewhere gives other weights:
+    float reductions differ between CPUs, and so does the quality of a short run); any other config is trained once and cached under
     `cache_dir / config_hash(config)`. Processes asking for the same warm start
     at once (a sweep's first runs) train it once: the first holds a lock on it while it
     trains, the others wait and then load it.

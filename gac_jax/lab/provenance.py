@@ -58,11 +58,8 @@ def _is_checkout() -> bool:
 
 
 def _uncommitted_digest() -> str | None:
-    """A digest of the uncommitted changes under `CODE_PATHS`; None when there are none or
-    git fails."""
-    status = _git("status", "--porcelain", "--untracked-files=all", "--", *CODE_PATHS)
-    if not status:
-        return None
+    """A digest of the uncommitted changes under `CODE_PATHS` (`code_version` asks only
+    when there are some); None if git fails."""
     diff = _git("diff", "HEAD", "--binary", "--no-ext-diff", "--", *CODE_PATHS)
     untracked = _git("ls-files", "--others", "--exclude-standard", "-z", "--", *CODE_PATHS)
     if diff is None or untracked is None:
@@ -102,10 +99,7 @@ def code_version() -> dict[str, Any]:
       uncommitted changes (None without a commit), the digest of those changes (None when
       clean), and the installed library versions. Never raises.
     """
-    commit = None
-    tree = None
-    dirty = None
-    diff = None
+    commit = tree = dirty = diff = None
     if _is_checkout():
         head = _git("rev-parse", "HEAD")
         commit = head.decode().strip() if head else None

@@ -49,9 +49,7 @@ def collapse_step(records: Sequence[Mapping[str, Any]], rule: CollapseRule) -> i
     trailing = np.convolve(reward, np.ones(w) / w, mode="valid")  # trailing[i]: steps i..i+w-1
     # trailing[w:] are the windows after the first one, ending at steps 2w - 1, 2w, ...
     below = np.nonzero(trailing[w:] < rule.fraction * start)[0]
-    if len(below) == 0:
-        return None
-    return int(records[below[0] + 2 * w - 1]["step"])
+    return int(records[below[0] + 2 * w - 1]["step"]) if len(below) else None
 
 
 def _percentile(x: np.ndarray, q: float) -> float:

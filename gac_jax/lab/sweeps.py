@@ -116,7 +116,6 @@ def run_spec(
     resumed = (out / "metrics.jsonl").exists()
     started = time.monotonic()
     train_fn(config, out, resume=True)
-    wall = time.monotonic() - started
     summary = {
         "label": spec.label,
         "seed": spec.seed,
@@ -125,7 +124,7 @@ def run_spec(
         "config_steps": config.steps,
         "code": code_version(),
         "init_weights": initial_weights(config),
-        "wall_seconds": wall,
+        "wall_seconds": time.monotonic() - started,
         "resumed": resumed,
         "collapse_rule": rule.describe(),
         **summarize_run(read_metrics(out), rule),
@@ -275,9 +274,7 @@ def add_sweep_arguments(parser, *, default_root: str, default_seeds: Sequence[in
 def stale_setting(args) -> str:
     """The `stale` setting (`provenance.STALE_RUNS`) of parsed `add_sweep_arguments`
     options: "rerun" for ``--rerun-stale``, "reuse" for ``--allow-stale``, else "refuse"."""
-    if args.rerun_stale:
-        return "rerun"
-    return "reuse" if args.allow_stale else "refuse"
+    return "rerun" if args.rerun_stale else "reuse" if args.allow_stale else "refuse"
 
 
 def base_config(args) -> TrainConfig:

@@ -98,8 +98,7 @@ def _sub_steps(a: int, b: int) -> list[str]:
 
 
 def _mul_steps(a: int, b: int) -> list[str]:
-    partials = []
-    steps = []
+    partials, steps = [], []
     for i, y in enumerate(_digits_lsb(b, len(str(b)))):
         if y:
             factor = y * 10**i

@@ -97,22 +97,19 @@ class _LocalBuilder(tfds.core.GeneratorBasedBuilder, skip_registration=True):
         rng = random.Random(config.seed)
         seen: set = set()
         problems = []
-        max_draws = 50 * count + 1000
-        draws = 0
-        while len(problems) < count:
-            if draws >= max_draws:
-                raise ValueError(
-                    f"{self.name}/{config.name}: found only {len(problems)} distinct problems "
-                    f"in {draws} draws, {count} requested; lower num_train/num_test or widen "
-                    "the ranges."
-                )
+        draws = 50 * count + 1000
+        for _ in range(draws):
             problem = self._sample(rng)
-            draws += 1
-            k = self._key(problem)
-            if k not in seen:
-                seen.add(k)
+            if (key := self._key(problem)) not in seen:
+                seen.add(key)
                 problems.append(problem)
-        return problems
+                if len(problems) == count:
+                    return problems
+        raise ValueError(
+            f"{self.name}/{config.name}: found only {len(problems)} distinct problems "
+            f"in {draws} draws, {count} requested; lower num_train/num_test or widen "
+            "the ranges."
+        )
 
     # tfds prints "Downloading and preparing dataset Unknown size ..." before preparing and
     # a "downloaded and prepared" line after: nothing is downloaded for an embedded task, so
@@ -261,29 +258,23 @@ _OP_NAMES = {"+": "add", "-": "sub", "*": "mul"}
 
 
 def _arithmetic_configs() -> list[ArithmeticConfig]:
-    configs = []
-    for op, all_digits in (("+", (2, 3, 4, 5)), ("-", (2, 3, 4, 5)), ("*", (2, 3))):
-        for digits in all_digits:
+    return [
+        ArithmeticConfig(
+            name=f"{_OP_NAMES[op]}{digits}" + ("_scratch" if scratch else ""),
+            description=(
+                f"{digits}-digit a{op}b" + (", answered with a scratchpad" if scratch else "") + "."
+            ),
+            op=op,
+            digits=digits,
+            scratchpad=scratch,
             # Two-digit operands allow only 4,095 distinct problems per operator.
-            train, test = (3_000, 500) if digits == 2 else (20_000, 1_000)
-            for scratch in (False, True):
-                name = f"{_OP_NAMES[op]}{digits}" + ("_scratch" if scratch else "")
-                configs.append(
-                    ArithmeticConfig(
-                        name=name,
-                        description=(
-                            f"{digits}-digit a{op}b"
-                            + (", answered with a scratchpad" if scratch else "")
-                            + "."
-                        ),
-                        op=op,
-                        digits=digits,
-                        scratchpad=scratch,
-                        num_train=train,
-                        num_test=test,
-                    )
-                )
-    return configs
+            num_train=3_000 if digits == 2 else 20_000,
+            num_test=500 if digits == 2 else 1_000,
+        )
+        for op, all_digits in (("+", (2, 3, 4, 5)), ("-", (2, 3, 4, 5)), ("*", (2, 3)))
+        for digits in all_digits
+        for scratch in (False, True)
+    ]
 
 
 class Arithmetic(_LocalBuilder):

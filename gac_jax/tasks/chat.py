@@ -44,9 +44,8 @@ def _environment():
         def parse(self, parser):
             lineno = next(parser.stream).lineno
             body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-            return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(
-                lineno
-            )
+            block = jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body)
+            return block.set_lineno(lineno)
 
         def _body(self, caller):
             return caller()

@@ -126,18 +126,16 @@ class _Parser:
         if level == len(self.LEVELS):
             return self.atom(depth)
         tree = self.expr(depth, level + 1)
-        while self.peek() in self.LEVELS[level]:
-            op = self.tokens[self.pos][0]
+        while (op := self.peek()) in self.LEVELS[level]:
             self.pos += 1
             tree = (op, tree, self.expr(depth, level + 1))
         return tree
 
     def atom(self, depth: int):
         kind = self.peek()
-        if kind == "num":
-            value = self.tokens[self.pos][1]
+        if kind == "num":  # The token is the tree: ("num", n).
             self.pos += 1
-            return ("num", value)
+            return self.tokens[self.pos - 1]
         if kind == "(":
             if depth >= self.max_depth:
                 raise ExpressionError(f"parentheses nested deeper than {self.max_depth}")

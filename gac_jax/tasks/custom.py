@@ -366,14 +366,11 @@ class GuardedReward:
 
     def _note(self, kind: str, problem: str) -> None:
         """Counts a failure or timeout; the first of each kind is one warning line."""
+        counter = "timeouts" if kind == "timeout" else "failures"
         with self._lock:
-            if kind == "timeout":
-                self.timeouts += 1
-                first = self.timeouts == 1
-            else:
-                self.failures += 1
-                first = self.failures == 1
-        if first:
+            count = getattr(self, counter) + 1
+            setattr(self, counter, count)
+        if count == 1:
             logger.warning(
                 "reward %s %s; scored %g and counted in reward/%ss (later ones are only counted)",
                 self.name,

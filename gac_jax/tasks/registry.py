@@ -179,15 +179,13 @@ def _custom_task(prefix: str, check: Callable, source: Callable, spec: str, /) -
 
 
 def _calculator_task(config_name: str, /) -> Task:
-    def reward(completion, example) -> float:  # The text after the prompt, tools included.
-        return calculator.calculator_reward(completion, int(example["answer"]))
-
     return Task(
         name=f"calculator/{config_name}",
         make_builder=lambda data_dir: Calculator(config=config_name, data_dir=data_dir),
         prompt=calculator.format_prompt,
         reference_completion=lambda ex: "".join(t for _, t in calculator.reference_turns(ex)),
-        reward=reward,
+        # Of the text after the prompt, tools included.
+        reward=lambda completion, ex: calculator.calculator_reward(completion, int(ex["answer"])),
         environment=calculator.Calculator,
         reference_turns=calculator.reference_turns,
     )

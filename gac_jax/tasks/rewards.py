@@ -222,18 +222,14 @@ def extract_numeric_answer(text) -> Fraction | None:
     """
     try:
         text = _to_text(text)
-        for match in _last_matches(_HASHES_RE, text):
-            value = _number_at(text, match.end())
-            if value is not None:
-                return value
-        for match in _last_matches(_BOXED_RE, text):
-            value = next(_iter_numbers(match.group(1)), None)
-            if value is not None:
-                return value
-        for match in _last_matches(_ANSWER_IS_RE, text):
-            value = _number_at(text, match.end())
-            if value is not None:
-                return value
+        for pattern in (_HASHES_RE, _BOXED_RE, _ANSWER_IS_RE):  # The rules, in precedence.
+            for match in _last_matches(pattern, text):
+                if pattern is _BOXED_RE:
+                    value = next(_iter_numbers(match.group(1)), None)
+                else:
+                    value = _number_at(text, match.end())
+                if value is not None:
+                    return value
         return _last_number(text)
     except Exception:  # model output must never crash a reward
         return None
@@ -361,8 +357,7 @@ def _gold(example) -> tuple[str, Fraction | None]:
     """(the gold answer as text, its value if it is one number)."""
     gold = example["answer"]
     if isinstance(gold, int | float | Fraction) and not isinstance(gold, bool):
-        value = parse_number(gold)
-        return str(gold), value
+        return str(gold), parse_number(gold)
     text = _to_text(gold)
     return text, _whole_number(text)
 

@@ -94,8 +94,7 @@ def build_model(config: TrainConfig, mesh, *, abstract: bool = False, num_layers
     if config.init == "warm_start":
         from gac_jax.train.warm_start import load_warm_start
 
-        model, tokenizer, _ = load_warm_start(warm_start_directory(config), mesh=mesh)
-        return model, tokenizer
+        return load_warm_start(warm_start_directory(config), mesh=mesh)[:2]  # No metadata.
     if config.init == "random":
         cfg = model_config(config)
         model = models.create_sharded(lambda: models.create_model(cfg, seed=config.seed), mesh)
@@ -179,7 +178,6 @@ def build_task(config: TrainConfig):
 def data_sources(task, data_dir) -> tuple[Any, Any]:
     """The task's train and test splits. With several processes, process 0 prepares them
     first (tfds builds a dataset once per directory) and the others then read them."""
-
     primary = processes.is_primary()
     if not primary:
         processes.barrier("gac_jax.train: data prepared")
@@ -232,9 +230,7 @@ def build_episodes(config: TrainConfig, task, sampler, tokenizer) -> EpisodeRunn
     environment = task.environment()
     name = config.env or f"{task.name} environment"
     template = run_chat_template(config)
-    chat = None
-    if template is not None:
-        chat = ChatTurns(template, **_template_variables(config, task))
+    chat = None if template is None else ChatTurns(template, **_template_variables(config, task))
     return EpisodeRunner(
         sampler, tokenizer, environment, config.episode, name, config.reward_guard, chat
     )
@@ -257,9 +253,8 @@ class ActorGenerator:
         placement = RolloutPlacement.local(c.placement)
         model, tokenizer = build_model(c, placement.mesh, abstract=True)
         sampler = make_sampler(model.config, tokenizer, c.generation)
-        graphdef = nnx.graphdef(model)
         generator = build_generator(
-            c, graphdef, sampler, task, examples, tokenizer, placement, None
+            c, nnx.graphdef(model), sampler, task, examples, tokenizer, placement, None
         )
         return generator, placement.to_rollout
 

@@ -369,8 +369,7 @@ class CheckpointManager(Closing):
             restored = self._manager.restore(
                 step, args=ocp.args.Composite(**{STATE_ITEM: ocp.args.StandardRestore(target)})
             )
-            state = restored[STATE_ITEM]
-        return Checkpoint(step=step, state=state, metadata=metadata)
+        return Checkpoint(step=step, state=restored[STATE_ITEM], metadata=metadata)
 
     def restore_newest(
         self,
@@ -485,8 +484,7 @@ def restore_model(
             restored = checkpoints.restore(step, target=target)
             params = restored.state
         else:
-            saved = checkpoints.state_metadata(step)
-            full = abstract_tree(saved)
+            full = abstract_tree(checkpoints.state_metadata(step))
             full[params_key] = target
             restored = checkpoints.restore(step, target=full)
             params = restored.state[params_key]

@@ -17,6 +17,7 @@ the message and exits with status 2, as argparse does for bad arguments.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import json
 import os
@@ -40,11 +41,18 @@ def _fail(parser: argparse.ArgumentParser, message: str, code: int = BAD_INPUT_E
     raise SystemExit(code)
 
 
-def _resolve(parser: argparse.ArgumentParser, config: str, overrides: Sequence[str]):
+@contextlib.contextmanager
+def _failing(parser: argparse.ArgumentParser, errors=ValueError):
+    """`_fail` with the message of any of `errors` raised inside."""
     try:
+        yield
+    except errors as error:
+        _fail(parser, str(error))
+
+
+def _resolve(parser: argparse.ArgumentParser, config: str, overrides: Sequence[str]):
+    with _failing(parser):
         return apply_overrides(load_config(config), overrides)
-    except ValueError as e:
-        _fail(parser, str(e))
 
 
 def _resume_config(parser, out_dir: Path, overrides: Sequence[str], resumable):
@@ -94,10 +102,8 @@ def _cmd_train(args, parser) -> int:
     out_dir = Path(args.out) if args.out is not None else Path("runs") / Path(name).stem
     from gac_jax.train import processes
 
-    try:
+    with _failing(parser):
         processes.initialize(args.coordinator, args.num_processes, args.process_id)
-    except ValueError as error:
-        _fail(parser, str(error))
     # Imported when a run starts, not with the CLI: `presets` and `show-config` stay fast,
     # and tests can put a fake loop (and run module, for `eval`) in sys.modules.
     loop = importlib.import_module("gac_jax.train.loop")
@@ -163,12 +169,10 @@ def _checkpoint_config(args, parser, checkpoint: Path):
 def _cmd_export_hf(args, parser) -> int:
     checkpoint = Path(args.run)
     config = _checkpoint_config(args, parser, checkpoint)
-    try:
+    with _failing(parser, (ValueError, FileNotFoundError)):
         from gac_jax.train.export import export_checkpoint
 
         out = export_checkpoint(config, checkpoint, args.out, step=args.step, dtype=args.dtype)
-    except (ValueError, FileNotFoundError) as error:
-        _fail(parser, str(error))
     print(out)
     return 0
 
@@ -178,11 +182,9 @@ def _cmd_eval(args, parser) -> int:
     config = _checkpoint_config(args, parser, checkpoint)
     if _missing_task_data(config, "eval"):
         return 2
-    try:
+    with _failing(parser, (ValueError, FileNotFoundError)):
         run = importlib.import_module("gac_jax.train.run")  # As `loop` in `_cmd_train`.
         metrics = run.evaluate_checkpoint(config, checkpoint, step=args.step)
-    except (ValueError, FileNotFoundError) as error:
-        _fail(parser, str(error))
     print(json.dumps({k: _json_value(v) for k, v in dict(metrics).items()}, indent=2))
     return 0
 
@@ -195,8 +197,7 @@ def _cmd_presets(args, parser) -> int:
 
 
 def _cmd_show_config(args, parser) -> int:
-    config = _resolve(parser, args.config, args.set)
-    print(to_yaml(config), end="")
+    print(to_yaml(_resolve(parser, args.config, args.set)), end="")
     return 0
 
 
@@ -215,10 +216,8 @@ def _cmd_plan(args, parser) -> int:
     config = _resolve(parser, args.config, args.set)
     from gac_jax.train.plan import plan
 
-    try:
+    with _failing(parser):
         report = plan(config, args.device_memory_gib, extrapolate=args.extrapolate)
-    except ValueError as error:
-        _fail(parser, str(error))
     print(json.dumps(report, indent=2))
     print(report["verdict"], file=sys.stderr)
     return 0 if report["fits"] else 1
@@ -228,7 +227,7 @@ def _cmd_plot(args, parser) -> int:
     from gac_jax.train import plots
 
     keys = args.key or list(plots.DEFAULT_KEYS)
-    try:
+    with _failing(parser, (ValueError, FileNotFoundError)):
         if len(args.runs) == 1:
             run = Path(args.runs[0])
             directory = run if run.is_dir() else run.parent
@@ -243,8 +242,6 @@ def _cmd_plot(args, parser) -> int:
             path = plots.plot_runs(
                 {run: run for run in args.runs}, args.out or "compare.png", keys[0]
             )
-    except (ValueError, FileNotFoundError) as e:
-        _fail(parser, str(e))
     print(path)
     return 0
 

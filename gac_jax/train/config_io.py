@@ -14,6 +14,7 @@ the `TrainConfig` defaults.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import functools
@@ -51,9 +52,8 @@ def _field_types(cls: type) -> dict[str, Any]:
 
 def _section_type(tp: Any) -> type | None:
     """The dataclass of a section annotated ``X`` or ``X | None``; None for a leaf."""
-    if typing.get_origin(tp) in (types.UnionType, typing.Union):
-        inner = [a for a in typing.get_args(tp) if a is not type(None)]
-        tp = inner[0] if len(inner) == 1 else None
+    inner = [a for a in _leaf_types(tp) if a is not type(None)]
+    tp = inner[0] if len(inner) == 1 else None
     return tp if isinstance(tp, type) and dataclasses.is_dataclass(tp) else None
 
 
@@ -123,10 +123,8 @@ def _merge(base: Any, update: Mapping[str, Any]) -> Any:
     """`update` laid over `base` key by key (a section given as None replaces it)."""
     merged = dict(base) if isinstance(base, Mapping) else {}
     for key, value in update.items():
-        if isinstance(value, Mapping) and value and isinstance(merged.get(key), Mapping):
-            merged[key] = _merge(merged[key], value)
-        elif isinstance(value, Mapping) and value:
-            merged[key] = _merge({}, value)
+        if isinstance(value, Mapping) and value:
+            merged[key] = _merge(merged.get(key), value)
         else:
             merged[key] = value
     return merged
@@ -162,10 +160,8 @@ def parse_value(raw: str) -> Any:
     if isinstance(value, bool) and text.lower() not in _BOOLEANS:
         return text  # YAML 1.1 reads on/off/y/n as booleans; only these words are.
     if isinstance(value, str):
-        try:
+        with contextlib.suppress(ValueError):
             return float(value)  # YAML 1.1 leaves "1e-3" (no dot) a string.
-        except ValueError:
-            return value
     return value
 
 
@@ -197,10 +193,8 @@ def save_config(config: TrainConfig, path: str | os.PathLike) -> Path:
     """Writes the config as JSON (``.json``) or YAML (any other suffix); returns the path."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    if path.suffix == ".json":
-        path.write_text(json.dumps(config_to_dict(config), indent=2))
-    else:
-        path.write_text(to_yaml(config))
+    as_json = path.suffix == ".json"
+    path.write_text(json.dumps(config_to_dict(config), indent=2) if as_json else to_yaml(config))
     return path
 
 
@@ -232,9 +226,7 @@ def load_config(name_or_path: str | os.PathLike) -> TrainConfig:
 def config_hash(config: Any, exclude: Sequence[str] = ()) -> str:
     """A short stable hash of a config's fields but the top-level `exclude` ones: the one
     hash of runs, sweeps and warm starts (names what a checkpoint or cache depends on)."""
-    fields = config_to_dict(config)
-    for name in exclude:
-        fields.pop(name, None)
+    fields = {k: v for k, v in config_to_dict(config).items() if k not in exclude}
     text = json.dumps(fields, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 

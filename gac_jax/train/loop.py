@@ -222,12 +222,6 @@ def _prepare_directory(out_dir: Path, *, resume: bool, overwrite: bool) -> None:
     _remove_run_files(out_dir, directory_too=False, strict=True)
 
 
-def _stop_requested(stop: StopSignals) -> bool:
-    """Whether any process was signalled: all of them then checkpoint and stop together
-    (a step's collectives need every process)."""
-    return any(processes.allgather_json(stop.signum is not None))
-
-
 def checkpoint_hooks(
     hooks: Hooks, checkpoints: CheckpointManager, every: int, stop: StopSignals, out_dir: Path
 ) -> None:
@@ -240,7 +234,9 @@ def checkpoint_hooks(
         saved["step"] = info.step
 
     def stop_check(info: StepInfo) -> None:
-        if not _stop_requested(stop):
+        # Any process signalled: all of them checkpoint and stop together (a step's
+        # collectives need every process).
+        if not any(processes.allgather_json(stop.signum is not None)):
             return
         if saved["step"] != info.step:
             save(info)

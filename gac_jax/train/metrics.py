@@ -50,9 +50,7 @@ def to_json_scalar(value: Any, key: str = "value") -> bool | int | float | str |
 
 
 def _from_json_value(value: Any) -> Any:
-    if isinstance(value, str) and value in _NONFINITE:
-        return _NONFINITE[value]
-    return value
+    return _NONFINITE.get(value, value) if isinstance(value, str) else value
 
 
 def _metrics_path(path: str | os.PathLike) -> Path:
@@ -93,11 +91,8 @@ def _json_line(record: Mapping[str, Any]) -> str:
 def keep_before(path: Path, start_step: int) -> None:
     """Drops the records of steps >= `start_step` from a JSON-lines file (atomically): a
     resumed run writes them again."""
-    kept = [r for r in read_metrics(path) if r["step"] < start_step]
     tmp = path.with_suffix(".jsonl.tmp")
-    with tmp.open("w") as f:
-        for record in kept:
-            f.write(_json_line(record))
+    tmp.write_text("".join(_json_line(r) for r in read_metrics(path) if r["step"] < start_step))
     os.replace(tmp, path)
 
 
@@ -303,9 +298,7 @@ DEFAULT_PROGRESS_FIELDS: tuple[tuple[str, tuple[str, ...]], ...] = (
 
 
 def _format_value(value: Any) -> str:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        return str(value)
-    if isinstance(value, int):
+    if not isinstance(value, float):  # An int, a bool, a string or None as it is.
         return str(value)
     if value != 0 and (abs(value) >= 1e4 or abs(value) < 1e-3):
         return f"{value:.2e}"

@@ -17,9 +17,11 @@ DEFAULT_KEYS = ("reward", "ess_ratio", "gac_cosine")
 
 
 def _figure(num_panels: int):
+    """A figure of `num_panels` panels one above the other (sharing the x axis), and them."""
     from matplotlib.figure import Figure
 
-    return Figure(figsize=(7.0, 2.4 * num_panels + 0.6), layout="constrained")
+    fig = Figure(figsize=(7.0, 2.4 * num_panels + 0.6), layout="constrained")
+    return fig, fig.subplots(num_panels, 1, sharex=True, squeeze=False)[:, 0]
 
 
 def _save(fig, png_path: str | os.PathLike, ax=None, ylabel=None, title=None, grid="both") -> Path:
@@ -138,8 +140,7 @@ def run_figure(
             f"None of the keys {list(keys)} is in {str(metrics_jsonl_path)!r}; "
             f"it has {sorted({k for r in records for k in r if k != 'step'})}."
         )
-    fig = _figure(len(series))
-    axes = fig.subplots(len(series), 1, sharex=True, squeeze=False)[:, 0]
+    fig, axes = _figure(len(series))
     for ax, (key, steps_values) in zip(axes, series.items(), strict=True):
         levels = (lines or {}).get(key, ())
         _draw_panel(ax, key, steps_values, _eval_points(records, key), smoothing, levels)
@@ -182,15 +183,11 @@ def plot_runs(
 ) -> Path:
     """Overlays `key` against step for several runs (label -> metrics path); returns the PNG.
     Runs without `key` are left out of the plot (ValueError if none has it)."""
-    curves = {}
-    for label, path in runs.items():
-        steps, values = metric_series(read_metrics(path), key)
-        if steps:
-            curves[label] = (steps, values)
+    curves = {label: metric_series(read_metrics(path), key) for label, path in runs.items()}
+    curves = {label: curve for label, curve in curves.items() if curve[0]}
     if not curves:
         raise ValueError(f"No run of {sorted(runs)} has the metric {key!r}.")
-    fig = _figure(1)
-    ax = fig.subplots()
+    fig, (ax,) = _figure(1)
     for label, (steps, values) in curves.items():
         ax.plot(steps, values, linewidth=1.2, label=label)
     ax.set_xlabel("step")
@@ -214,8 +211,7 @@ def plot_distributions(
     empty = [label for label, values in groups.items() if len(values) == 0]
     if empty:
         raise ValueError(f"groups {empty} have no values.")
-    fig = _figure(1)
-    ax = fig.subplots()
+    fig, (ax,) = _figure(1)
     ax.boxplot(
         [list(v) for v in groups.values()],
         tick_labels=list(groups),
@@ -233,8 +229,7 @@ def _smooth(values, window: int):
     values = np.asarray(values, dtype=np.float64)
     if window <= 1 or len(values) < window:
         return values
-    kernel = np.ones(window) / window
-    return np.convolve(values, kernel, mode="valid")
+    return np.convolve(values, np.ones(window) / window, mode="valid")
 
 
 def plot_seed_curves(
@@ -252,8 +247,7 @@ def plot_seed_curves(
 
     if not curves or any(len(series) == 0 for series in curves.values()):
         raise ValueError(f"plot_seed_curves needs at least one series per label; got {curves}.")
-    fig = _figure(1)
-    ax = fig.subplots()
+    fig, (ax,) = _figure(1)
     for label, series in curves.items():
         n = min(len(s) for s in series)
         stacked = np.stack([_smooth(s[:n], smooth) for s in series])
@@ -285,8 +279,7 @@ def plot_grouped_bars(
         raise ValueError("plot_grouped_bars needs at least one group.")
     categories = list(dict.fromkeys(c for group in values.values() for c in group))
     width = 0.8 / len(values)
-    fig = _figure(1)
-    ax = fig.subplots()
+    fig, (ax,) = _figure(1)
     x = np.arange(len(categories))
     for i, (group, by_category) in enumerate(values.items()):
         means = [by_category.get(c, (np.nan, 0.0))[0] for c in categories]

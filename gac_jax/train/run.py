@@ -80,8 +80,7 @@ class Run:
         c = self.config
         generator = self.generator
         if c.rollout.mode == "async" and c.rollout.backend == "ray":
-            pool = build.build_ray_pool(c, self.store, actor_factory)
-            self.rollout_pool = generator = pool
+            self.rollout_pool = generator = build.build_ray_pool(c, self.store, actor_factory)
         self.source = make_source(
             c.rollout,
             c.buffer,
@@ -284,9 +283,7 @@ def evaluate_checkpoint(
     """Held-out evaluation of a checkpoint (see `Run.load` for the arguments), with the
     draws the run's own evaluation of that step used (`evaluation_key`)."""
     run, step = load_checkpoint(config, checkpoint_dir, step=step)
-    scores = run.evaluate(evaluation_key(config.seed, step))
-    scores["step"] = step
-    return scores
+    return {**run.evaluate(evaluation_key(config.seed, step)), "step": step}
 
 
 def _check_resumable(config: TrainConfig, metadata: dict, out_dir: Path) -> None:
@@ -296,8 +293,8 @@ def _check_resumable(config: TrainConfig, metadata: dict, out_dir: Path) -> None
     changed = []
     if saved.is_file():
         old = json.loads(saved.read_text())
-        changed = [k for k, _, _ in config_io.config_diff(old, config)]
-        changed = [k for k in changed if k.split(".")[0] not in config_io.RESUMABLE_FIELDS]
+        diff = config_io.config_diff(old, config)
+        changed = [k for k, _, _ in diff if k.split(".")[0] not in config_io.RESUMABLE_FIELDS]
     fields = f" ({', '.join(changed)} changed)" if changed else ""
     raise ValueError(
         f"the checkpoint in {str(out_dir)!r} was written by a different config{fields}; "

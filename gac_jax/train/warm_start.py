@@ -235,12 +235,11 @@ def encode_sft_batch(
 
 
 def _task_texts(task: Task, examples, count: int = 0):
-    """The first `count` examples (0: all), their prompts and reference completions (the
-    worked transcripts' turns for a multi-turn task)."""
-    count = len(examples) if count == 0 else min(count, len(examples))
-    rows = [examples[i] for i in range(count)]
+    """The prompts and reference completions (the worked transcripts' turns for a
+    multi-turn task) of the first `count` examples (0: all)."""
+    rows = [examples[i] for i in range(min(count or len(examples), len(examples)))]
     reference = task.reference_turns or task.reference_completion
-    return rows, [task.prompt(ex) for ex in rows], [reference(ex) for ex in rows]
+    return [task.prompt(ex) for ex in rows], [reference(ex) for ex in rows]
 
 
 @functools.lru_cache(maxsize=8)
@@ -303,7 +302,7 @@ def train_sft(
     model_config = _model_config(config, tokenizer)
 
     train = task.data_source("train", data_dir=data_dir)
-    _, prompts, completions = _task_texts(task, train, config.train_examples)
+    prompts, completions = _task_texts(task, train, config.train_examples)
     data = encode_sft_batch(tokenizer, prompts, completions, config.max_length)
     num_train = len(prompts)
     rng = np.random.default_rng(config.seed)
@@ -362,8 +361,7 @@ def evaluate_warm_start(
     """
     task = get_task(config.task)
     examples = task.data_source("test", data_dir=data_dir)
-    num_problems = len(examples) if config.eval_problems == 0 else config.eval_problems
-    num_problems = min(num_problems, len(examples))
+    num_problems = min(config.eval_problems or len(examples), len(examples))
     # The sampler a run builds (`make_sampler`), so the figures compare with a run's.
     generation = GenerationConfig(
         prompt_length=config.prompt_length, max_new_tokens=config.max_new_tokens
@@ -389,12 +387,8 @@ def _versions() -> dict[str, str]:
     import flax
     import orbax.checkpoint as ocp
 
-    return {
-        "jax": jax.__version__,
-        "flax": flax.__version__,
-        "optax": optax.__version__,
-        "orbax-checkpoint": ocp.__version__,
-    }
+    modules = {"jax": jax, "flax": flax, "optax": optax, "orbax-checkpoint": ocp}
+    return {name: module.__version__ for name, module in modules.items()}
 
 
 def warm_start(
@@ -442,7 +436,6 @@ def warm_start(
     with CheckpointManager(out_dir, max_to_keep=1) as checkpoints:
         checkpoints.save(config.steps, model_params(model), metadata)
         step_dir = checkpoints.directory / str(config.steps)
-    metrics = dict(metrics)
     metrics["checkpoint_dir"] = str(step_dir.parent)
     metrics["checkpoint_bytes"] = sum(p.stat().st_size for p in step_dir.rglob("*") if p.is_file())
     return metrics
@@ -540,10 +533,10 @@ def ensure_warm_start(
     A shipped checkpoint (any directory of `SHIPPED_WARM_STARTS`: the demo's 800 steps,
     the laboratory's 300 and the calculator preset's 300) serves its own config, so every
     machine starts from the same weights (training it again elsewhere gives other weights:
-    float reductions differ between CPUs, and so does the quality of a short run); any other config is trained once and cached under
-    `cache_dir / config_hash(config)`. Processes asking for the same warm start
-    at once (a sweep's first runs) train it once: the first holds a lock on it while it
-    trains, the others wait and then load it.
+    float reductions differ between CPUs, and so does the quality of a short run); any
+    other config is trained once and cached under `cache_dir / config_hash(config)`.
+    Processes asking for the same warm start at once (a sweep's first runs) train it
+    once: the first holds a lock on it while it trains, the others wait and then load it.
 
     Args:
       config: the warm start; `WarmStartConfig()` (the shipped one) by default.

@@ -235,7 +235,9 @@ def test_an_observation_longer_than_k_is_refused_not_cut(model):
         return future
 
     sampler = Sampler(model.config, max_new_tokens=BUDGET, eos_ids=EOS, pad_id=PAD, slots=SLOTS)
-    with pytest.raises(ValueError, match=f"observation of {K + 1} tokens; max_observation_tokens={K}"):
+    with pytest.raises(
+        ValueError, match=f"observation of {K + 1} tokens; max_observation_tokens={K}"
+    ):
         _sample(EpisodeSampler(sampler), model, 11, 6, flood)
 
 

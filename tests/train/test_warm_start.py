@@ -22,8 +22,8 @@ from gac_jax.models import (
     token_logps_from_logits,
 )
 from gac_jax.train import config_io
-from gac_jax.train.checkpoint import model_params, read_metadata
 from gac_jax.train.build import warm_start_directory
+from gac_jax.train.checkpoint import model_params, read_metadata
 from gac_jax.train.config import get_preset
 from gac_jax.train.config_io import config_to_dict
 from gac_jax.train.metrics import read_metrics

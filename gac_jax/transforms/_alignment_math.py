@@ -129,26 +129,20 @@ def per_leaf_control(control: Control, num_leaves: int, scope: str) -> Control:
     return Control(*(jnp.broadcast_to(x, (num_leaves,)) for x in control))
 
 
-def emitted_and_next_references(
-    grads, refs, control: Control | None, finite, reference: str, ema_decay
-):
-    """The emitted update and the next reference, leaf by leaf (`control` is per leaf;
-    None for a monitor, which emits the gradient itself: no pass over memory).
+def emitted_and_next_references(grads, refs, control: Control, finite, reference: str, ema_decay):
+    """The emitted update and the next reference, leaf by leaf (`control` is per leaf).
 
     A non-finite gradient keeps the previous reference; so does a skipped leaf under the
     "update" reference, since a zero update has no direction.
     """
     emitted, new_refs = [], []
     for i, (g, r) in enumerate(zip(grads, refs, strict=True)):
-        if control is None:
-            out = g
-        else:
-            kept = control.keep[i] * g.astype(jnp.float32)
-            out = (kept - control.alpha[i] * r.astype(jnp.float32)).astype(g.dtype)
+        out = control.keep[i] * g.astype(jnp.float32) - control.alpha[i] * r.astype(jnp.float32)
+        out = out.astype(g.dtype)
         if reference == "gradient":
             new_r = g
         elif reference == "update":
-            new_r = out if control is None else jnp.where(control.skip[i], r, out)
+            new_r = jnp.where(control.skip[i], r, out)
         else:
             new_r = ema_decay * r.astype(jnp.float32) + (1.0 - ema_decay) * g.astype(jnp.float32)
         new_r = jnp.where(finite, new_r, r).astype(r.dtype)

@@ -304,9 +304,8 @@ def gradient_alignment_control(
             next_ref_sq = jnp.where(finite, per_leaf.grad_sq, state.gac_reference_sq)
         else:
             next_ref_sq = state.gac_reference_sq
-        leaf_control = None if monitor_only else per_leaf_control(control, len(grads), scope)
         emitted, new_refs = emitted_and_next_references(
-            grads, refs, leaf_control, finite, reference, ema_decay
+            grads, refs, per_leaf_control(control, len(grads), scope), finite, reference, ema_decay
         )
         regime = _regime(finite, control)
         mean, var, stats_count = _update_cosine_stats(state, global_cosine, usable, adaptive_decay)

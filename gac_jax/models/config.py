@@ -254,10 +254,8 @@ def get_config(name: str, **overrides: Any) -> ModelConfig:
     """
     if name not in PRESETS:
         raise ValueError(f"Unknown model preset {name!r}; known presets: {preset_names()}.")
-    unknown = set(overrides) - {f.name for f in dataclasses.fields(ModelConfig)}
+    known = [f.name for f in dataclasses.fields(ModelConfig)]
+    unknown = sorted(set(overrides) - set(known))
     if unknown:
-        raise ValueError(
-            f"Unknown ModelConfig fields {sorted(unknown)}; known fields: "
-            f"{[f.name for f in dataclasses.fields(ModelConfig)]}."
-        )
+        raise ValueError(f"Unknown ModelConfig fields {unknown}; known fields: {known}.")
     return PRESETS[name].replace(**overrides)

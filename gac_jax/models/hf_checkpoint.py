@@ -54,11 +54,6 @@ def _safetensors():
     return safetensors.numpy, safe_open
 
 
-# ---------------------------------------------------------------------------------------
-# Parameter name mapping
-# ---------------------------------------------------------------------------------------
-
-
 class TensorMapping(NamedTuple):
     """How one parameter is stored in a Hugging Face checkpoint."""
 
@@ -111,11 +106,6 @@ def parameter_mapping(config: ModelConfig) -> list[TensorMapping]:
                 _same((*attn, "k_norm", "scale"), hf + "self_attn.k_norm.weight"),
             ]
     return mapping
-
-
-# ---------------------------------------------------------------------------------------
-# Reading
-# ---------------------------------------------------------------------------------------
 
 
 def _weight_files(path: Path) -> dict[str, Path]:
@@ -305,25 +295,24 @@ def load_hf_checkpoint(
             if hf_name not in files:
                 raise ValueError(f"Checkpoint {str(path)!r} has no tensor {hf_name!r}.")
             target = _get(expected, our_path)
-            array = _converted(reader.read(hf_name), hf_name, target.shape, to_ours)
-            array = array.astype(target.dtype, copy=False)
+            array = _converted(reader.read(hf_name), hf_name, target, to_ours)
             sharding = None if shardings is None else _get(shardings, our_path)
             _set(values, our_path, _place(array, sharding))
     nnx.replace_by_pure_dict(abstract_state, values)
     return nnx.merge(graphdef, abstract_state)
 
 
-def _converted(hf_array, hf_name, target_shape, to_ours) -> np.ndarray:
+def _converted(hf_array, hf_name, target, to_ours) -> np.ndarray:
     try:
         array = np.asarray(to_ours(hf_array))
     except ValueError:  # The sizes do not even reshape.
         array = None
-    if array is None or array.shape != tuple(target_shape):
+    if array is None or array.shape != tuple(target.shape):
         raise ValueError(
             f"Tensor {hf_name!r} has shape {tuple(hf_array.shape)}, which does not fit the "
-            f"expected parameter shape {tuple(target_shape)} for this config."
+            f"expected parameter shape {tuple(target.shape)} for this config."
         )
-    return array
+    return array.astype(target.dtype, copy=False)
 
 
 def _get(tree: dict, path: tuple):
@@ -336,11 +325,6 @@ def _set(tree: dict, path: tuple, value) -> None:
     for key in path[:-1]:
         tree = tree.setdefault(key, {})
     tree[path[-1]] = value
-
-
-# ---------------------------------------------------------------------------------------
-# Writing
-# ---------------------------------------------------------------------------------------
 
 
 def _hf_tensors(model: Decoder, dtype) -> Iterator[tuple[str, np.ndarray]]:
@@ -379,18 +363,15 @@ def save_hf_checkpoint(
 
     shards: list[dict[str, np.ndarray]] = [{}]
     shard_bytes = 0
-    total = 0
     for name, array in _hf_tensors(model, np_dtype):
         if shards[-1] and shard_bytes + array.nbytes > max_shard_bytes:
             shards.append({})
             shard_bytes = 0
         shards[-1][name] = array
         shard_bytes += array.nbytes
-        total += array.nbytes
 
-    for stale in list(path.glob("model*.safetensors")) + [path / INDEX_FILE]:
-        if stale.exists():
-            stale.unlink()
+    for stale in [*path.glob("model*.safetensors"), path / INDEX_FILE]:
+        stale.unlink(missing_ok=True)
     metadata = {"format": "pt"}  # transformers refuses files without it.
     if len(shards) == 1:
         st_numpy.save_file(shards[0], str(path / SINGLE_FILE), metadata=metadata)
@@ -400,9 +381,8 @@ def save_hf_checkpoint(
             file = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
             st_numpy.save_file(shard, str(path / file), metadata=metadata)
             weight_map.update({name: file for name in shard})
+        total = sum(array.nbytes for shard in shards for array in shard.values())
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (path / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True))
-
-    stored_dtype = dtype or model.config.param_dtype
-    hf_config = config_to_hf(model.config, dtype=stored_dtype)
+    hf_config = config_to_hf(model.config, dtype=dtype)
     (path / CONFIG_FILE).write_text(json.dumps(hf_config, indent=2, sort_keys=True))

@@ -62,9 +62,7 @@ def config_from_hf(hf_config: dict[str, Any], **overrides: Any) -> ModelConfig:
     if hf_config.get("use_sliding_window", False):
         raise ValueError("config.json has use_sliding_window=true; not supported.")
 
-    rope = dict(hf_config.get("rope_parameters") or {})
-    legacy_scaling = hf_config.get("rope_scaling") or {}
-    rope = {**legacy_scaling, **rope}
+    rope = {**(hf_config.get("rope_scaling") or {}), **(hf_config.get("rope_parameters") or {})}
     theta = rope.get("rope_theta", hf_config.get("rope_theta", 10_000.0))
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type == "default":
@@ -98,8 +96,7 @@ def config_from_hf(hf_config: dict[str, Any], **overrides: Any) -> ModelConfig:
         eos_token_ids=_as_int_tuple(hf_config.get("eos_token_id")),
         pad_token_id=hf_config.get("pad_token_id"),
     )
-    fields.update(overrides)
-    return ModelConfig(**fields)
+    return ModelConfig(**fields | overrides)
 
 
 def config_to_hf(config: ModelConfig, *, dtype: str | None = None) -> dict[str, Any]:

@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import string
@@ -162,7 +163,12 @@ class HFTokenizer:
     @classmethod
     def from_file(cls, tokenizer_json: str | os.PathLike, **special_tokens) -> HFTokenizer:
         """Loads a `tokenizer.json`; `special_tokens` as in `__init__`."""
-        tokenizers = _tokenizers_package()
+        try:
+            import tokenizers  # Optional dependency, loaded on use.
+        except ImportError as error:  # pragma: no cover - depends on the environment
+            raise ImportError(
+                "HFTokenizer needs the `tokenizers` package (pip install tokenizers)."
+            ) from error
         path = Path(tokenizer_json)
         if not path.is_file():
             raise FileNotFoundError(f"No tokenizer file at {str(path)!r}.")
@@ -227,16 +233,6 @@ class HFTokenizer:
         )
 
 
-def _tokenizers_package():
-    try:
-        import tokenizers  # Optional dependency, loaded on use.
-    except ImportError as error:  # pragma: no cover - depends on the environment
-        raise ImportError(
-            "HFTokenizer needs the `tokenizers` package (pip install tokenizers)."
-        ) from error
-    return tokenizers
-
-
 # What an id outside the tokenizer's vocabulary decodes to in model output. A model's
 # embedding table is often larger than its tokenizer (the tiny presets: 128 rows, 87
 # characters), and an untrained model samples those rows.
@@ -247,15 +243,8 @@ def decode_completion(tokenizer: Tokenizer, ids: Iterable[int]) -> str:
     """Decodes sampled ids for scoring: never raises, ids outside the vocabulary become
     U+FFFD (which no verifier accepts), special tokens are skipped."""
     vocab = tokenizer.vocab_size
-    pieces, run = [], []
-    for token in ids:
-        if 0 <= int(token) < vocab:
-            run.append(int(token))
-            continue
-        if run:
-            pieces.append(tokenizer.decode(run))
-            run = []
-        pieces.append(UNKNOWN_TOKEN_TEXT)
-    if run:
-        pieces.append(tokenizer.decode(run))
+    pieces = []
+    for known, run in itertools.groupby(map(int, ids), lambda token: 0 <= token < vocab):
+        run = list(run)
+        pieces.append(tokenizer.decode(run) if known else UNKNOWN_TOKEN_TEXT * len(run))
     return "".join(pieces)

@@ -147,8 +147,6 @@ class RolloutBuffer:
         self._produced = self._consumed = self._dropped = self._reserved = 0
         self._histogram: collections.Counter[int] = collections.Counter()
 
-    # ----------------------------------------------------------------------------- producers
-
     def reserve(
         self, version: int | Callable[[], int | None], timeout: float | None = None
     ) -> bool:
@@ -228,8 +226,6 @@ class RolloutBuffer:
         rewards = np.asarray(rollout.rewards)
         return bool(np.all(rewards == rewards[0]))
 
-    # ----------------------------------------------------------------------------- consumer
-
     def take(
         self, learner_version: int, num_groups: int | None = None, timeout: float | None = None
     ) -> list[Rollout]:
@@ -278,8 +274,6 @@ class RolloutBuffer:
             self._reserved = held_after_drop(self._reserved, dropped, self.stale_policy)
             self._lock.notify_all()
 
-    # ----------------------------------------------------------------------------- lifecycle
-
     def close(self) -> None:
         """Stops the buffer: every waiter wakes and raises `RolloutBufferClosed`."""
         with self._lock:
@@ -291,8 +285,7 @@ class RolloutBuffer:
         with self._lock:
             if self._error is None:
                 self._error = error
-            self._closed = True
-            self._lock.notify_all()
+            self.close()
 
     def _check_open(self) -> None:
         if self._error is not None:
@@ -316,8 +309,6 @@ class RolloutBuffer:
         """Group ids of the groups waiting now, oldest first."""
         with self._lock:
             return [rollout.group_id for rollout in self._queue]
-
-    # ----------------------------------------------------------------------------- checkpoints
 
     def state(self) -> dict[str, Any]:
         """The counters a resumed buffer continues from (plain ints, JSON-serialisable).

@@ -9,6 +9,7 @@ observation is the template's text after the turn.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import logging
 import threading
@@ -61,9 +62,8 @@ class EpisodeConfig:
 
     def validate(self) -> None:
         """Raises ValueError naming a bad field."""
-        check_int("max_turns", self.max_turns, 1)
-        check_int("max_observation_tokens", self.max_observation_tokens, 1)
-        check_int("max_observation_chars", self.max_observation_chars, 1)
+        for name in ("max_turns", "max_observation_tokens", "max_observation_chars"):
+            check_int(name, getattr(self, name), 1)
         if isinstance(self.tool_timeout, bool) or not (
             isinstance(self.tool_timeout, int | float) and self.tool_timeout > 0
         ):
@@ -76,10 +76,9 @@ def turn_end_ids(tokenizer: Tokenizer, turn_end: Sequence[str]) -> list[list[int
     Raises ValueError in one line for a string the tokenizer cannot encode."""
     ids = []
     for text in turn_end:
-        try:
+        encoded = []
+        with contextlib.suppress(ValueError):
             encoded = tokenizer.encode(text, add_bos=False)
-        except ValueError:
-            encoded = []
         if not encoded:
             raise ValueError(f"turn_end string {text!r} cannot be encoded by this tokenizer.")
         ids.append([int(i) for i in encoded])
@@ -185,10 +184,8 @@ class EpisodeRunner:
         """One episode per prompt (`examples[i]` is prompt i's example). `params_fn` is
         asked every `settings.chunk_steps` decode steps (in flight or not: episodes always
         run in chunks, back to the host at each turn's end)."""
-        rows = len(prompts)
         states = [self.environment.start(example) for example in examples]
-        telemetry = _Telemetry(rows)
-        respond = self._responder(states, telemetry)
+        telemetry = _Telemetry(len(prompts))
         tokens, mask = left_pad(prompts, self.tokenizer.pad_id, settings.prompt_length)
         if settings.place_inputs is not None:
             tokens, mask = settings.place_inputs(tokens, mask)
@@ -198,7 +195,7 @@ class EpisodeRunner:
             tokens,
             mask,
             key,
-            respond=respond,
+            respond=self._responder(states, telemetry),
             settings=EpisodeSettings(
                 self.turn_end_ids,
                 self.config.max_observation_tokens,
@@ -211,20 +208,12 @@ class EpisodeRunner:
 
     def _rows(self, out, states, telemetry: _Telemetry) -> EpisodeRows:
         """The sampler's output as host arrays, with each row's transcript text."""
-        host = jax.device_get(
-            (
-                out.tokens,
-                out.completion_mask,
-                out.observation_mask,
-                out.policy_logps,
-                out.token_versions,
-            )
-        )
+        names = ("tokens", "completion_mask", "observation_mask", "policy_logps", "token_versions")
+        host = jax.device_get([getattr(out, name) for name in names])
         all_tokens, policy, observed, logps, versions = (np.asarray(x) for x in host)
-        context = policy | observed
         transcripts = [
             decode_completion(self.tokenizer, row[keep])
-            for row, keep in zip(all_tokens, context, strict=True)
+            for row, keep in zip(all_tokens, policy | observed, strict=True)
         ]
         return EpisodeRows(
             tokens=all_tokens.astype(np.int32),
@@ -333,8 +322,6 @@ class EpisodeRunner:
         except ValueError:
             kept = []
             for char in text:
-                try:
+                with contextlib.suppress(ValueError):
                     kept += list(self.tokenizer.encode(char, add_bos=False))
-                except ValueError:
-                    continue
             return kept

@@ -138,7 +138,6 @@ class TaskGroupGenerator:
         temperature = 0.0 if config.greedy else config.temperature
         self.sampling = dict(temperature=temperature, top_k=config.top_k, top_p=config.top_p)
         self.stop = tuple(config.stop)
-        # Every row is an episode: with the task's environment, or a single answer.
         self.runner = episodes or AnswerRunner(sampler, tokenizer, task.reward, self.stop)
 
     @property

@@ -33,6 +33,7 @@ from gac_jax._validation import check_choice
 
 AUTH_MODE_VARIABLE = "RAY_AUTH_MODE"
 ON_ACTOR_FAILURE = ("replace", "stop")
+_RAY_COMMAND = (sys.executable, "-m", "ray.scripts.scripts")  # The `ray` CLI of this Python.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,7 +74,7 @@ def _ensure_auth_token(env: dict[str, str]) -> None:
     command keeps an existing token, so clusters already running keep theirs). A Ray
     without token authentication has no such command: its failure is ignored."""
     subprocess.run(
-        [sys.executable, "-m", "ray.scripts.scripts", "get-auth-token", "--generate"],
+        [*_RAY_COMMAND, "get-auth-token", "--generate"],
         env=env,
         stdin=subprocess.DEVNULL,
         capture_output=True,  # The token is printed: keep it off the terminal.
@@ -106,9 +107,7 @@ class LocalRayCluster:
     def start(self) -> LocalRayCluster:
         port = _free_port()
         command = [
-            sys.executable,
-            "-m",
-            "ray.scripts.scripts",
+            *_RAY_COMMAND,
             "start",
             "--head",
             "--block",
@@ -158,14 +157,12 @@ class LocalRayCluster:
     def stop(self) -> None:
         process, self._process = self._process, None
         if process is not None and process.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(process.pid, signal.SIGTERM)
-            try:
-                process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
+            for sig, timeout in ((signal.SIGTERM, 10), (signal.SIGKILL, None)):
                 with contextlib.suppress(ProcessLookupError):
-                    os.killpg(process.pid, signal.SIGKILL)
-                process.wait()
+                    os.killpg(process.pid, sig)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    process.wait(timeout=timeout)
+                    break
         if self._log is not None:
             self._log.close()
             with contextlib.suppress(OSError):

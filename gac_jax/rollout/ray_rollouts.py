@@ -21,10 +21,6 @@ both sides (`put_seconds`, `transfer_seconds`), calls by `call_intervals`.
 Ray's engine does the process management, the transport and the failure detection; there is
 no hand-written RPC and no polling of files for weights.
 
-Over 450 lines because the pool, its actor and its version board are one mechanism (calls
-bound to actors, weights by version, deaths and replacements, in-flight posts) whose parts
-only make sense together.
-
 Example::
 
     def factory():  # Runs inside each actor process; must be picklable (module-level).
@@ -41,6 +37,7 @@ Example::
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import dataclasses
 import logging
@@ -56,7 +53,7 @@ import numpy as np
 import ray
 
 from gac_jax._closing import Closing
-from gac_jax._validation import check_int
+from gac_jax._validation import check_choice, check_int
 from gac_jax.rollout.buffer import RolloutBufferClosed
 from gac_jax.rollout.param_store import ParamStore
 from gac_jax.rollout.ray_cluster import ON_ACTOR_FAILURE
@@ -90,8 +87,6 @@ class _VersionBoard:
     that rollout actors can wait on it for a newer version without polling."""
 
     def __init__(self):
-        import asyncio
-
         self._newest: tuple[int, list[ray.ObjectRef]] | None = None
         self._posted = asyncio.Condition()
 
@@ -177,8 +172,6 @@ class _RolloutActor:
         key_data: np.ndarray,
         key_impl: str,
     ) -> list[Rollout]:
-        # The ref comes wrapped in a list so that Ray does not fetch it for every call; it is
-        # fetched and placed only when the version changes.
         start = time.time()
         self._take(version, params_ref)
         self._versions_seen.append(version)
@@ -187,17 +180,9 @@ class _RolloutActor:
         self._calls.append((start, time.time()))
         return rollouts
 
-    def versions_seen(self) -> list[int]:
-        """The version of every call, in the order the calls came."""
-        return list(self._versions_seen)
-
-    def transfer_seconds(self) -> list[tuple[int, float]]:
-        """(version, seconds to fetch and place its params) for each version taken."""
-        return list(self._transfers)
-
-    def call_intervals(self) -> list[tuple[float, float]]:
-        """(start, end) of each call on the wall clock (`time.time()`), weights included."""
-        return list(self._calls)
+    def records(self, name: str) -> list:
+        """A copy of `versions_seen`, `transfers` or `calls` (see the pool's getters)."""
+        return list(getattr(self, f"_{name}"))
 
     def pid(self) -> int:
         return os.getpid()
@@ -257,11 +242,7 @@ class RayRolloutPool(Closing):
         if not callable(factory):
             raise TypeError(f"factory must be a zero-argument callable, got {factory!r}.")
         check_int("num_actors", num_actors, 1)
-        if on_actor_failure not in ON_ACTOR_FAILURE:
-            raise ValueError(
-                f"on_actor_failure={on_actor_failure!r} is unknown; expected one of "
-                f"{list(ON_ACTOR_FAILURE)}."
-            )
+        check_choice("on_actor_failure", on_actor_failure, ON_ACTOR_FAILURE)
         if max_replacements < 0:
             raise ValueError(f"max_replacements={max_replacements} must be >= 0.")
         if keep_versions < 1:
@@ -287,29 +268,18 @@ class RayRolloutPool(Closing):
         self._put_seconds: dict[int, float] = {}
         self._published = threading.Event()
         self._unsubscribe: Callable[[], None] | None = None
+        self._store = follow
         self._board = None
         if follow is not None:
             self._board = ray.remote(_VersionBoard).options(num_cpus=0).remote()
-        self._actors: list[ray.actor.ActorHandle] = []
-        self._pid_refs: list[ray.ObjectRef] = []
-        for _ in range(num_actors):
-            actor = self._actor_class.remote(factory, self._board)
-            self._actors.append(actor)
-            self._pid_refs.append(actor.pid.remote())
-        if follow is not None:
-            self._follow(follow)
-
-    def _follow(self, store: ParamStore) -> None:
-        """In-flight updates: every version `store` publishes is put and posted."""
-        self._store = store
-        self._unsubscribe = store.subscribe(lambda version: self._published.set())
-        threading.Thread(
-            target=self._post_versions, name="RayRolloutPool.post", daemon=True
-        ).start()
-        if store.latest_version is not None:
-            self._published.set()
-
-    # ------------------------------------------------------------------------------ calling
+        self._actors = [self._actor_class.remote(factory, self._board) for _ in range(num_actors)]
+        self._pid_refs = [actor.pid.remote() for actor in self._actors]
+        if follow is not None:  # In-flight updates: each version published is put and posted.
+            self._unsubscribe = follow.subscribe(lambda version: self._published.set())
+            name = "RayRolloutPool.post"
+            threading.Thread(target=self._post_versions, name=name, daemon=True).start()
+            if follow.latest_version is not None:
+                self._published.set()
 
     def __call__(
         self, params: Any, version: int, requests: Sequence[GroupRequest], key: jax.Array
@@ -320,15 +290,15 @@ class RayRolloutPool(Closing):
         params_ref = self._params_ref(params, int(version))
         key_data = np.asarray(jax.random.key_data(key))
         key_impl = str(jax.random.key_impl(key))
+        # The ref goes wrapped in a list so that Ray does not fetch it for every call: the
+        # actor fetches and places it only when the version changes.
+        args = ([params_ref], int(version), list(requests), key_data, key_impl)
         index = self._index()
         while True:
             with self._lock:
                 actor = self._actors[index]
-            call = actor.generate.remote(
-                [params_ref], int(version), list(requests), key_data, key_impl
-            )
             try:
-                rollouts = ray.get(call)
+                rollouts = ray.get(actor.generate.remote(*args))
             except ray.exceptions.RayActorError as error:
                 self._handle_death(index, actor, error)  # Raises, or replaces the actor.
                 continue
@@ -393,7 +363,10 @@ class RayRolloutPool(Closing):
                 raise RolloutPoolClosed("the RayRolloutPool was closed.") from error
             if self._actors[index] is not actor:
                 return  # A thread sharing this actor has replaced it already.
-            name = f"rollout actor {index}{self._pid_text(index)}"
+            try:
+                name = f"rollout actor {index} (pid {ray.get(self._pid_refs[index], timeout=0)})"
+            except Exception:  # noqa: BLE001 - the actor died before it answered: no pid to name
+                name = f"rollout actor {index}"
             # Ray's message: what happened on its first line, the remote exception (of a
             # failed start) on its last; the whole of it stays in the chained traceback.
             lines = str(error).strip().splitlines() or [type(error).__name__]
@@ -420,14 +393,6 @@ class RayRolloutPool(Closing):
             self._pid_refs[index] = replacement.pid.remote()
             self.replacements += 1
 
-    def _pid_text(self, index: int) -> str:
-        try:
-            return f" (pid {ray.get(self._pid_refs[index], timeout=0)})"
-        except Exception:  # noqa: BLE001 - the actor died before it answered: no pid to name
-            return ""
-
-    # ------------------------------------------------------------------------------ control
-
     @property
     def actors(self) -> list[ray.actor.ActorHandle]:
         """The current actor handles, by index (a replaced actor's handle is the new one)."""
@@ -441,7 +406,7 @@ class RayRolloutPool(Closing):
     def versions_seen(self) -> list[list[int]]:
         """For each actor, the version of each of its calls in order (a replacement starts
         afresh)."""
-        return ray.get([actor.versions_seen.remote() for actor in self.actors])
+        return ray.get([actor.records.remote("versions_seen") for actor in self.actors])
 
     def put_seconds(self) -> dict[int, float]:
         """Seconds this process took to copy each version's params to the host and put them
@@ -451,11 +416,11 @@ class RayRolloutPool(Closing):
 
     def transfer_seconds(self) -> list[list[tuple[int, float]]]:
         """For each actor, (version, seconds to fetch and place its params) per version."""
-        return ray.get([actor.transfer_seconds.remote() for actor in self.actors])
+        return ray.get([actor.records.remote("transfers") for actor in self.actors])
 
     def call_intervals(self) -> list[list[tuple[float, float]]]:
         """For each actor, the (start, end) wall-clock times (`time.time()`) of its calls."""
-        return ray.get([actor.call_intervals.remote() for actor in self.actors])
+        return ray.get([actor.records.remote("calls") for actor in self.actors])
 
     def close(self) -> None:
         """Kills the actors and drops the params in the object store. A thread waiting on

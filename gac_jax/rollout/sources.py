@@ -90,15 +90,10 @@ class RolloutConfig:
         """Raises ValueError naming a bad field."""
         check_choice("mode", self.mode, ROLLOUT_MODES)
         check_choice("backend", self.backend, ROLLOUT_BACKENDS)
-        for name, low in (
-            ("lag", 0),
-            ("groups_per_batch", 1),
-            ("num_workers", 1),
-            ("groups_per_call", 1),
-            ("inflight_chunk_steps", 1),
-            ("max_draws", 1),
-        ):
-            check_int(name, getattr(self, name), low)
+        check_int("lag", self.lag, 0)
+        for name in ("groups_per_batch", "num_workers", "groups_per_call", "inflight_chunk_steps"):
+            check_int(name, getattr(self, name), 1)
+        check_int("max_draws", self.max_draws, 1)
         check_version_choice(self.version_choice)
         check_bool("dynamic_sampling", self.dynamic_sampling)
         for name in ("backend", "inflight_updates"):
@@ -309,12 +304,11 @@ class AsyncRollouts(_Source):
         # or both, never in neither (groups leave the buffer only in this thread's `take`).
         worker = self.worker.state()
         pending = set(worker["pending_group_ids"]) | set(self.buffer.waiting_group_ids())
-        buffer = self.buffer.state()
         claimed = worker["next_group_id"]
         first = min(pending, default=claimed)
         handed_out = [g for g in range(first, claimed, self._stride) if g not in pending]
         return {
-            "buffer": buffer,
+            "buffer": self.buffer.state(),
             "next_group_id": first,
             "skip_group_ids": handed_out + worker["skip_group_ids"],
         }

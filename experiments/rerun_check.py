@@ -21,7 +21,7 @@ from pathlib import Path
 from gac_jax.train.metrics import read_metrics
 
 #: Metric names that hold a timing: never compared.
-TIMING = re.compile(r"seconds|_per_s$|per_second|tok/s|wall", re.I)
+TIMING = re.compile(r"seconds|_per_s$|per_second|tok/s|wall|latency", re.I)
 
 
 @dataclass

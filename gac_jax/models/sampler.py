@@ -63,7 +63,7 @@ only make sense together.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -367,13 +367,14 @@ class Sampler:
         self.pad_id = int(pad_id)
         self.slots = slots
         self.cache_dtype = cache_dtype
-        self.num_traces = 0  # How often `__call__`'s program was traced (recompilations).
-        self._jitted = jax.jit(self._sample)
-        self._start = jax.jit(self._start_program, static_argnames="episodes")
-        self._chunk = jax.jit(self._chunk_program, donate_argnames="s")
-        self._compact = jax.jit(_compacted, static_argnames="width")
-        self._observe = jax.jit(self._observe_program, donate_argnames="s")
-        self._end = jax.jit(self._end_program, donate_argnames="s")
+        specification = (config, max_new_tokens, self.eos_ids, self.pad_id, slots, cache_dtype)
+        self._programs = _shared_programs(specification, self._new_programs)
+
+    @property
+    def num_traces(self) -> int:
+        """How often `__call__`'s program was traced (recompilations), by this sampler or
+        another of the same specification (they share their programs)."""
+        return self._programs.traces
 
     def __call__(
         self,
@@ -400,7 +401,7 @@ class Sampler:
           A `SampleOutput`, one row per prompt, in prompt order.
         """
         p = self.prepare(prompt_tokens, prompt_mask, key, **sampling)
-        return self._jitted(graphdef, state, p.tokens, p.mask, p.key, p.per_row)
+        return self._programs.sample(graphdef, state, p.tokens, p.mask, p.key, p.per_row)
 
     def lower(self, graphdef, state, prompt_tokens, prompt_mask, key, **sampling):
         """`__call__`'s program lowered for these arguments, for ahead-of-time planning.
@@ -415,7 +416,9 @@ class Sampler:
           fits without creating a weight.
         """
         per_row = self._per_row_arrays(prompt_tokens.shape[0], **sampling)
-        return self._jitted.lower(graphdef, state, prompt_tokens, prompt_mask, key, per_row)
+        return self._programs.sample.lower(
+            graphdef, state, prompt_tokens, prompt_mask, key, per_row
+        )
 
     def generate(self, model: nnx.Module, prompt_tokens, prompt_mask, key, **sampling):
         """`self(*nnx.split(model), prompt_tokens, prompt_mask, key, **sampling)`."""
@@ -425,15 +428,7 @@ class Sampler:
     def compiled_programs(self) -> dict[str, int]:
         """How many programs each jitted entry point holds (`__call__`'s "sample", the slot
         API's "start", "chunk", "compact", "observe", "end"): recompilation checks."""
-        jitted = {
-            "sample": self._jitted,
-            "start": self._start,
-            "chunk": self._chunk,
-            "compact": self._compact,
-            "observe": self._observe,
-            "end": self._end,
-        }
-        return {name: fn._cache_size() for name, fn in jitted.items()}
+        return {name: fn._cache_size() for name, fn in self._programs.jitted().items()}
 
     def prepare(
         self, prompt_tokens, prompt_mask, key, *, temperature=1.0, top_k=0, top_p=1.0,
@@ -468,7 +463,9 @@ class Sampler:
         recorded from here on (-1 until sampled); with `episodes`, the slots can also wait
         for an environment and rows hold observation tokens. Returns the slots and their
         progress (int32 [3]: decode steps just run, busy slots, first row no slot took)."""
-        return self._start(graphdef, state, prompts.tokens, prompts.mask, episodes=episodes)
+        return self._programs.start(
+            graphdef, state, prompts.tokens, prompts.mask, episodes=episodes
+        )
 
     def run_chunk(
         self, graphdef, state, slots: SlotState, prompts: Prompts, *, version: int,
@@ -479,7 +476,7 @@ class Sampler:
         compact, or, given `turn_end_ids` (int32 [T, L], right-aligned turn-end sequences,
         -1 before shorter ones), as soon as one more slot waits for its environment.
         `slots` is donated. Returns the new slots and their progress (as `start`)."""
-        return self._chunk(
+        return self._programs.chunk(
             graphdef, state, slots, prompts, jnp.asarray(version, jnp.int32),
             jnp.asarray(budget, jnp.int32), jnp.asarray(refresh), turn_end_ids,
         )  # fmt: skip
@@ -488,12 +485,16 @@ class Sampler:
         """Feeds the first `length` tokens of `block` (int32 [K]) into waiting slot `slot`'s
         cache at its next positions, writes them into its row as observation tokens and
         lets the slot decode again. `slots` is donated."""
-        return self._observe(graphdef, state, slots, jnp.int32(slot), block, jnp.int32(length))
+        return self._programs.observe(
+            graphdef, state, slots, jnp.int32(slot), block, jnp.int32(length)
+        )
 
     def end_slot(self, graphdef, state, slots: SlotState, slot: int, prompts: Prompts):
         """Ends waiting slot `slot`'s row at its turn's end; the slot takes the next row
         no slot has taken (prefilled with `state`), or idles. `slots` is donated."""
-        return self._end(graphdef, state, slots, jnp.int32(slot), prompts.tokens, prompts.mask)
+        return self._programs.end(
+            graphdef, state, slots, jnp.int32(slot), prompts.tokens, prompts.mask
+        )
 
     def narrower_width(self, slots: SlotState) -> int:
         """The width tail compaction moves `slots` to once no row waits for a slot and
@@ -504,7 +505,17 @@ class Sampler:
         """`slots` gathered into `width` (`narrower_width`) slots, the busy ones first in
         slot order; the caller checks that at most `width` are busy and no row waits.
         `slots` is not donated."""
-        return self._compact(slots, width=width)
+        return self._programs.compact(slots, width=width)
+
+    def _new_programs(self) -> _Programs:
+        return _Programs(
+            sample=jax.jit(self._sample),
+            start=jax.jit(self._start_program, static_argnames="episodes"),
+            chunk=jax.jit(self._chunk_program, donate_argnames="s"),
+            compact=jax.jit(_compacted, static_argnames="width"),
+            observe=jax.jit(self._observe_program, donate_argnames="s"),
+            end=jax.jit(self._end_program, donate_argnames="s"),
+        )
 
     def _per_row_arrays(self, rows, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=None):
         """The [R] arrays `(temperature, top_k, top_p, max_new_tokens)` of a call."""
@@ -565,7 +576,7 @@ class Sampler:
     def _sample(self, graphdef, state, prompt_tokens, prompt_mask, key, per_row):
         """`__call__`'s program: the first B rows prefilled, then one decode loop per width
         of the tail compaction schedule."""
-        self.num_traces += 1  # Runs only while tracing.
+        self._programs.traces += 1  # Runs only while tracing.
         inputs = _Inputs(prompt_tokens, prompt_mask, _row_keys(key, len(prompt_tokens)), per_row)
         s = self._first_slots(nnx.merge(graphdef, state), prompt_tokens, prompt_mask)
         no_budget = jnp.asarray(np.iinfo(np.int32).max, jnp.int32)
@@ -806,6 +817,46 @@ class Sampler:
             step_b=s.step_b.at[slot].set(0),
             positions_b=s.positions_b.at[slot].set(jnp.sum(mask_1p, dtype=jnp.int32)),
         )
+
+
+@dataclasses.dataclass
+class _Programs:
+    """The jitted programs of one sampler specification (see `_shared_programs`), built by
+    the first sampler of it and shared by every later one: a run builds training and
+    evaluation samplers, a sweep or a test process builds many, most of them alike, and
+    each would otherwise trace, lower and load the same programs again (a quick
+    laboratory run's samplers spent more time there than decoding)."""
+
+    sample: Callable
+    start: Callable
+    chunk: Callable
+    compact: Callable
+    observe: Callable
+    end: Callable
+    traces: int = 0  # How often `sample` was traced.
+
+    def jitted(self) -> dict[str, Callable]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)[:-1]}
+
+
+# The programs of the last `_SHARED_SPECIFICATIONS` sampler specifications, least recently
+# built first (a process that builds samplers of many shapes keeps only these alive).
+_SHARED: dict[tuple, _Programs] = {}
+_SHARED_SPECIFICATIONS = 16
+
+
+def _shared_programs(specification: tuple, new: Callable[[], _Programs]) -> _Programs:
+    """The programs of an earlier sampler of the same `specification` (its model
+    configuration, lengths, special ids, slots and cache dtype: all that the programs read
+    of the sampler), else `new()`."""
+    try:
+        programs = _SHARED.pop(specification, None) or new()
+    except TypeError:  # An unhashable cache dtype: nothing to share.
+        return new()
+    _SHARED[specification] = programs
+    while len(_SHARED) > _SHARED_SPECIFICATIONS:
+        del _SHARED[next(iter(_SHARED))]
+    return programs
 
 
 def _written_rows(s: SlotState, rows: int) -> jax.Array:

@@ -157,6 +157,25 @@ def test_sampling_parameters_do_not_recompile(model, sampler, batch):
     assert sampler.compiled_programs()["sample"] == cached_before + (sampler.num_traces - before)
 
 
+def test_samplers_of_one_specification_share_their_programs(model, batch):
+    """A second sampler of the same model configuration, lengths, ids and slots traces
+    nothing and gives the same tokens; one of another length has programs of its own."""
+    graphdef, state = nnx.split(model)
+    # EOS ids no other test uses: no sampler of this process has these specifications yet.
+    first = Sampler(model.config, max_new_tokens=5, eos_ids=(EOS, 4), pad_id=PAD, slots=2)
+    out = first(graphdef, state, *batch, jax.random.key(3), temperature=0.8)
+    traces, programs = first.num_traces, first.compiled_programs()
+    second = Sampler(model.config, max_new_tokens=5, eos_ids=[EOS, 4], pad_id=PAD, slots=2)
+    assert traces >= 1 and (second.num_traces, second.compiled_programs()) == (traces, programs)
+    again = second(graphdef, state, *batch, jax.random.key(3), temperature=0.8)
+    assert (second.num_traces, second.compiled_programs()) == (traces, programs)
+    np.testing.assert_array_equal(again.tokens, out.tokens)
+    other = Sampler(model.config, max_new_tokens=6, eos_ids=(EOS, 4), pad_id=PAD, slots=2)
+    assert (other.num_traces, other.compiled_programs()["sample"]) == (0, 0)
+    other(graphdef, state, *batch, jax.random.key(3), temperature=0.8)
+    assert other.num_traces == 1 and first.num_traces == traces
+
+
 def test_logps_match_teacher_forcing_at_temperature_one(model, sampler, batch):
     out = sampler.generate(model, *batch, jax.random.key(1), temperature=1.0)
     mask = np.asarray(out.completion_mask)

@@ -177,6 +177,22 @@ def metric_series(records: Sequence[Mapping[str, Any]], key: str) -> tuple[list[
     return steps, values
 
 
+def _summary_writer_class() -> type:
+    """tensorboardX's `SummaryWriter`, imported without torch where torch is not imported
+    yet: tensorboardX imports torch, when installed, only to accept torch tensors (the
+    writer gets floats), and that import cost every run's start-up 1.1 s here. torch is
+    hidden for this import only; a later ``import torch`` works as usual."""
+    hidden = "torch" not in sys.modules
+    if hidden:
+        sys.modules["torch"] = None  # `import torch` raises ImportError meanwhile.
+    try:
+        from tensorboardX import SummaryWriter
+    finally:
+        if hidden and sys.modules.get("torch", 0) is None:
+            del sys.modules["torch"]
+    return SummaryWriter
+
+
 class MetricWriter(Closing):
     """Writes each step's flat dict of scalars to ``metrics.jsonl`` and TensorBoard.
 
@@ -214,10 +230,9 @@ class MetricWriter(Closing):
         self._file = self.path.open("a" if start_step is not None else "w")
         self._tb = None
         if tensorboard:
-            from tensorboardX import SummaryWriter
-
             purge = (start_step or 0) * updates_per_step or None
-            self._tb = SummaryWriter(logdir=str(self.out_dir / TENSORBOARD_DIR), purge_step=purge)
+            writer = _summary_writer_class()
+            self._tb = writer(logdir=str(self.out_dir / TENSORBOARD_DIR), purge_step=purge)
 
     def write(self, step: int, metrics: Mapping[str, Any]) -> None:
         """Records `metrics` (name -> scalar) at `step`; flushed before returning."""

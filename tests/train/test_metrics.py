@@ -4,6 +4,8 @@ import io
 import json
 import math
 import struct
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -129,6 +131,27 @@ def test_tensorboard_scalars(tmp_path):
         writer.write(2, {"reward": 0.125})
     assert ("reward", 2, 0.125) in _read_scalars(tmp_path / "tensorboard")
     assert [r["reward"] for r in read_metrics(tmp_path)] == [0.5, 0.125]
+
+
+def test_tensorboard_events_are_written_without_importing_torch(tmp_path):
+    """In a fresh interpreter (torch is installed with the test extra): the writer's
+    events are there, torch was not imported for them, and it can be imported after."""
+    pytest.importorskip("torch")
+    script = (
+        "import sys\n"
+        "from gac_jax.train.metrics import MetricWriter\n"
+        f"with MetricWriter({str(tmp_path)!r}) as w:\n"
+        "    w.write(1, {'reward': 0.5})\n"
+        "print('torch' in sys.modules)\n"
+        "import torch\n"
+        "print(torch.ones(2).sum().item())\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=False
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["False", "2.0"]
+    assert ("reward", 1, 0.5) in _read_scalars(tmp_path / "tensorboard")
 
 
 def test_to_json_scalar():

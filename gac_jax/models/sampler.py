@@ -427,7 +427,8 @@ class Sampler:
 
     def compiled_programs(self) -> dict[str, int]:
         """How many programs each jitted entry point holds (`__call__`'s "sample", the slot
-        API's "start", "chunk", "compact", "observe", "end"): recompilation checks."""
+        API's "start", "chunk", "compact", "observe", "end"; shared with the samplers of
+        the same specification): recompilation checks."""
         return {name: fn._cache_size() for name, fn in self._programs.jitted().items()}
 
     def prepare(

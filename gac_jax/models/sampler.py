@@ -837,7 +837,8 @@ class _Programs:
     traces: int = 0  # How often `sample` was traced.
 
     def jitted(self) -> dict[str, Callable]:
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)[:-1]}
+        names = ("sample", "start", "chunk", "compact", "observe", "end")
+        return {name: getattr(self, name) for name in names}
 
 
 # The programs of the last `_SHARED_SPECIFICATIONS` sampler specifications, least recently
@@ -850,10 +851,7 @@ def _shared_programs(specification: tuple, new: Callable[[], _Programs]) -> _Pro
     """The programs of an earlier sampler of the same `specification` (its model
     configuration, lengths, special ids, slots and cache dtype: all that the programs read
     of the sampler), else `new()`."""
-    try:
-        programs = _SHARED.pop(specification, None) or new()
-    except TypeError:  # An unhashable cache dtype: nothing to share.
-        return new()
+    programs = _SHARED.pop(specification, None) or new()
     _SHARED[specification] = programs
     while len(_SHARED) > _SHARED_SPECIFICATIONS:
         del _SHARED[next(iter(_SHARED))]

@@ -7,20 +7,14 @@ import logging
 from collections.abc import Callable, Iterator
 
 
-class _DropRecords(logging.Filter):
-    def __init__(self, matches: Callable[[logging.LogRecord], bool]):
-        super().__init__()
-        self.matches = matches
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not self.matches(record)
-
-
 @contextlib.contextmanager
 def absl_records_dropped(matches: Callable[[logging.LogRecord], bool]) -> Iterator[None]:
     """Drops the records of the ``absl`` logger (tfds and orbax log through it) for which
     `matches(record)` is true, only inside the block; every other record passes."""
-    record_filter = _DropRecords(matches)
+
+    def record_filter(record: logging.LogRecord) -> bool:  # A callable is a logging filter.
+        return not matches(record)
+
     absl_logger = logging.getLogger("absl")
     absl_logger.addFilter(record_filter)
     try:

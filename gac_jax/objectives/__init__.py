@@ -66,18 +66,17 @@ from gac_jax.objectives.registry import (
 )
 from gac_jax.objectives.trajectory_balance import trajectory_balance_loss
 
-__all__ = ["ADVANTAGE_ESTIMATORS", "ADVANTAGE_SPECS", "AdvantageSpec", "POLICY_LOSS_SPECS",
-           "PolicyLossSpec", "aggregation_size", "bapo_batch_statistics", "get_advantage_spec",
-           "get_policy_loss_spec", "m2po_batch_statistics", "AGGREGATIONS", "BAPOBounds",
+__all__ = ["ADVANTAGE_ESTIMATORS", "ADVANTAGE_SPECS", "AGGREGATIONS", "AdvantageSpec", "BAPOBounds",
            "GRAD_NORM_PROXIES", "IMPORTANCE_CORRECTIONS", "ImportanceWeights", "KL_ESTIMATORS",
-           "M2POHarmfulClip", "M2POMask", "POLICY_LOSSES", "aggregate", "bapo_clip_bounds",
+           "M2POHarmfulClip", "M2POMask", "POLICY_LOSSES", "POLICY_LOSS_SPECS", "PolicyLossSpec",
+           "aggregate", "aggregation_size", "bapo_batch_statistics", "bapo_clip_bounds",
            "bapo_loss", "cispo_loss", "clip_fractions", "decoupled_ppo_loss", "dr_grpo_advantages",
-           "get_advantage_estimator", "get_importance_correction", "get_policy_loss",
-           "grad_sq_norm_proxy", "grpo_advantages", "gspo_loss", "icepop_weights",
-           "importance_ratio", "kl_behaviour_current", "kl_estimate", "kl_penalty",
-           "m2po_harmful_clip", "m2po_loss", "m2po_mask", "mask_fraction",
-           "masked_importance_weights", "off_policy_diagnostics", "naive_pg_loss", "ppo_clip_loss",
-           "ppo_recompute_loss", "ratio_statistics", "reinforce_loss", "rloo_advantages",
-           "second_moment", "sequence_ess", "sequence_log_ratio", "token_log_ratio", "topr_loss",
-           "trajectory_balance_loss", "truncated_importance_weights",
-           "vcpo_advantages"]  # fmt: skip
+           "get_advantage_estimator", "get_advantage_spec", "get_importance_correction",
+           "get_policy_loss", "get_policy_loss_spec", "grad_sq_norm_proxy", "grpo_advantages",
+           "gspo_loss", "icepop_weights", "importance_ratio", "kl_behaviour_current", "kl_estimate",
+           "kl_penalty", "m2po_batch_statistics", "m2po_harmful_clip", "m2po_loss", "m2po_mask",
+           "mask_fraction", "masked_importance_weights", "naive_pg_loss", "off_policy_diagnostics",
+           "ppo_clip_loss", "ppo_recompute_loss", "ratio_statistics", "reinforce_loss",
+           "rloo_advantages", "second_moment", "sequence_ess", "sequence_log_ratio",
+           "token_log_ratio", "topr_loss", "trajectory_balance_loss",
+           "truncated_importance_weights", "vcpo_advantages"]  # fmt: skip

@@ -111,10 +111,9 @@ def ppo_clip_flags(ratio_bt, adv_bt, lower, upper, dual_clip):
     """
     high_bt = (adv_bt > 0) & (ratio_bt > upper)
     low_bt = (adv_bt < 0) & (ratio_bt < lower)
-    if dual_clip is None:
-        dual_bt = jnp.zeros_like(high_bt)
-    else:
-        dual_bt = (adv_bt < 0) & (ratio_bt > dual_clip)
+    dual_bt = (
+        jnp.zeros_like(high_bt) if dual_clip is None else (adv_bt < 0) & (ratio_bt > dual_clip)
+    )
     return low_bt, high_bt, dual_bt
 
 

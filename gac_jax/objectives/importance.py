@@ -25,6 +25,7 @@ from gac_jax.objectives._common import (
     check_positive,
     check_tokens,
     clamped_exp,
+    fraction,
     is_python_number,
     masked_log_ratio,
     masked_mean,
@@ -166,11 +167,7 @@ def truncated_importance_weights(
     log_cap = jnp.log(jnp.asarray(cap, jnp.float32))
     weights = jnp.where(mask_bt, jnp.exp(jnp.minimum(ell_bt, log_cap)), 0.0)
     truncated = mask_bt & (ell_bt > log_cap)
-    return ImportanceWeights(
-        weights=weights,
-        mask=mask_bt,
-        fraction=masked_mean(truncated.astype(jnp.float32), mask_bt),
-    )
+    return ImportanceWeights(weights=weights, mask=mask_bt, fraction=fraction(truncated, mask_bt))
 
 
 def _band_weights(ell_bt, mask_bt, low, high) -> ImportanceWeights:
@@ -179,11 +176,8 @@ def _band_weights(ell_bt, mask_bt, low, high) -> ImportanceWeights:
     if low is not None:
         keep = keep & (ell_bt >= jnp.log(jnp.asarray(low, jnp.float32)))
     weights = jnp.where(keep, jnp.exp(jnp.where(keep, ell_bt, 0.0)), 0.0)
-    dropped = mask_bt & ~keep
     return ImportanceWeights(
-        weights=weights,
-        mask=keep,
-        fraction=masked_mean(dropped.astype(jnp.float32), mask_bt),
+        weights=weights, mask=keep, fraction=fraction(mask_bt & ~keep, mask_bt)
     )
 
 
@@ -220,10 +214,9 @@ def masked_importance_weights(
       of the valid tokens.
     """
     check_positive("cap", cap)
-    if lower is not None:
-        check_nonnegative("lower", lower)
-        if is_python_number(lower) and is_python_number(cap) and lower > cap:
-            raise ValueError(f"`lower` ({lower}) must not exceed `cap` ({cap}).")
+    check_nonnegative("lower", lower)  # None (no lower bound) passes, as arrays do.
+    if is_python_number(lower) and is_python_number(cap) and lower > cap:
+        raise ValueError(f"`lower` ({lower}) must not exceed `cap` ({cap}).")
     logp, behaviour_logp, mask_bt = check_tokens(logp, behaviour_logp, mask)
     ell_bt = jax.lax.stop_gradient(_level_log_ratio(logp, behaviour_logp, mask_bt, level))
     return _band_weights(ell_bt, mask_bt, lower, cap)
@@ -368,9 +361,8 @@ def m2po_harmful_clip(
       `M2POHarmfulClip` (no gradient).
     """
     check_nonnegative("tau_m2", tau_m2)
-    for name, value in (("min_eps_low", min_eps_low), ("min_eps_high", min_eps_high)):
-        if value is not None:
-            check_nonnegative(name, value)
+    check_nonnegative("min_eps_low", min_eps_low)  # None (no minimum) passes, as arrays do.
+    check_nonnegative("min_eps_high", min_eps_high)
     logp, behaviour_logp, mask_bt = check_tokens(logp, behaviour_logp, mask)
     adv_bt = jax.lax.stop_gradient(broadcast_per_token(advantages, mask_bt.shape, "advantages"))
     ell_bt = jax.lax.stop_gradient(masked_log_ratio(logp, behaviour_logp, mask_bt))

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 
 from gac_jax.objectives._common import check_choice, check_nonnegative, clamped_exp
 from gac_jax.objectives._loss_terms import _prepare, _ratio_aux, _sg
-from gac_jax.objectives.aggregation import aggregate, check_aggregation
+from gac_jax.objectives.aggregation import aggregate
 from gac_jax.objectives.importance import M2POHarmfulClip, M2POMask, m2po_harmful_clip, m2po_mask
 from gac_jax.objectives.losses import ppo_clip_loss
 
@@ -66,7 +66,6 @@ def m2po_loss(
     """
     check_choice("variant", variant, M2PO_VARIANTS)
     check_nonnegative("tau_m2", tau_m2)
-    check_aggregation(aggregation)
     if statistics is None:
         statistics = m2po_batch_statistics(
             logp,
@@ -105,32 +104,16 @@ def _statistics_aux(statistics: M2POMask | M2POHarmfulClip) -> dict[str, jax.Arr
 
 
 def m2po_batch_statistics(
-    logp,
-    behaviour_logp,
-    advantages,
-    mask,
-    *,
-    tau_m2: float = 0.04,
-    variant: str = "mask",
-    min_eps_low: float | None = None,
-    min_eps_high: float | None = None,
-    aggregation: str = "token-mean",
+    logp, behaviour_logp, advantages, mask, *, variant="mask", aggregation="token-mean", **clip
 ) -> dict[str, M2POMask | M2POHarmfulClip]:
     """The whole batch's M2PO statistic (arXiv 2510.01161, Sec. 4), as the ``statistics``
-    argument of `m2po_loss` (same keyword arguments): its second-moment mask, or for
-    ``harmful_budget`` its clip ranges."""
+    argument of `m2po_loss` (takes `m2po_loss`'s keyword arguments; those not of the statistic
+    are ignored): its second-moment mask (`m2po_mask`), or for ``harmful_budget`` its clip
+    ranges (`m2po_harmful_clip`)."""
     del aggregation
     check_choice("variant", variant, M2PO_VARIANTS)
     if variant == "harmful_budget":
-        statistics = m2po_harmful_clip(
-            logp,
-            behaviour_logp,
-            advantages,
-            mask,
-            tau_m2=tau_m2,
-            min_eps_low=min_eps_low,
-            min_eps_high=min_eps_high,
-        )
-    else:
-        statistics = m2po_mask(logp, behaviour_logp, mask, tau_m2=tau_m2)
-    return {"statistics": statistics}
+        return {"statistics": m2po_harmful_clip(logp, behaviour_logp, advantages, mask, **clip)}
+    # The clip ranges' minima are the harmful budget's only; any other argument is an error.
+    mask_args = {k: v for k, v in clip.items() if k not in ("min_eps_low", "min_eps_high")}
+    return {"statistics": m2po_mask(logp, behaviour_logp, mask, **mask_args)}

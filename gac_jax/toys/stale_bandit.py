@@ -63,18 +63,14 @@ def _problem(config: BanditConfig):
 
 
 def _init_params(config: BanditConfig, key):
+    def dense(key, fan_in, fan_out):
+        scale = 1.0 / np.sqrt(fan_in)
+        return {"w": scale * jax.random.normal(key, (fan_in, fan_out)), "b": jnp.zeros(fan_out)}
+
     k1, k2 = jax.random.split(key)
-    scale1 = 1.0 / np.sqrt(config.feature_dim)
-    scale2 = 1.0 / np.sqrt(config.hidden)
     return {
-        "hidden": {
-            "w": scale1 * jax.random.normal(k1, (config.feature_dim, config.hidden)),
-            "b": jnp.zeros(config.hidden),
-        },
-        "out": {
-            "w": scale2 * jax.random.normal(k2, (config.hidden, config.num_arms)),
-            "b": jnp.zeros(config.num_arms),
-        },
+        "hidden": dense(k1, config.feature_dim, config.hidden),
+        "out": dense(k2, config.hidden, config.num_arms),
     }
 
 

@@ -114,14 +114,10 @@ def _zeros_like(param, dtype):
 
 
 def _thresholds(state, tau_low, tau_high, threshold_mode, adaptive_k, adaptive_warmup):
-    """Thresholds for this step; the adaptive band slides down, never up.
-
-    Adaptive mode keeps the band's width `tau_high - tau_low` and moves its lower edge to
-    `mean + adaptive_k * std` of the cosines seen so far (not including this step's, so a
-    spike cannot raise its own threshold), clipped to [0, tau_low]. Runs whose natural
-    alignment is low get a tighter control; persistently aligned runs (the asynchronous
-    failure the method exists for) can never loosen it beyond the configured band.
-    """
+    """Thresholds for this step (`gradient_alignment_control`'s `thresholds`): the adaptive
+    band follows the cosines seen before this step (a spike cannot raise its own threshold),
+    so runs whose natural alignment is low get a tighter control; persistently aligned runs
+    (the asynchronous failure the method exists for) can never loosen it."""
     tau_low = jnp.asarray(tau_low, jnp.float32)
     tau_high = jnp.asarray(tau_high, jnp.float32)
     if threshold_mode == "fixed":
@@ -149,13 +145,9 @@ def _update_cosine_stats(state, cosine, usable, decay):
 
 def _regime(finite, control: Control) -> jax.Array:
     """int32 []: the most severe regime of any unit (non-finite > skip > project > pass)."""
-    any_skip = jnp.any(control.skip)
-    any_project = jnp.any(control.project)
-    return jnp.where(
-        ~finite,
-        REGIME_NONFINITE,
-        jnp.where(any_skip, REGIME_SKIP, jnp.where(any_project, REGIME_PROJECT, REGIME_PASS)),
-    ).astype(jnp.int32)
+    severe_first = [~finite, jnp.any(control.skip), jnp.any(control.project)]
+    regimes = [REGIME_NONFINITE, REGIME_SKIP, REGIME_PROJECT]
+    return jnp.select(severe_first, regimes, REGIME_PASS).astype(jnp.int32)
 
 
 def _regime_counts(state: GradientAlignmentControlState, regime) -> dict[str, jax.Array]:

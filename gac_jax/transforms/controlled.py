@@ -192,11 +192,8 @@ class GACConfig:
     of a comparison use it, so every run reports the same cosines).
 
     Attributes:
-      acts_on: "gradient" (the raw gradient before the optimizer, the paper's signal) or
-        "update" (the optimizer's update, against the previous applied update; set
-        ``reference="update"`` for the update the params got). The other level is
-        monitored.
-      reference_after_skip: `alignment_controlled`'s: "observed" or "held".
+      acts_on, reference_after_skip: `alignment_controlled`'s ("gradient", the raw gradient
+        before the optimizer, is the paper's signal).
     """
 
     tau_low: float = 0.2

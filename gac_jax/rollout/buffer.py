@@ -18,7 +18,6 @@ from gac_jax.rollout.staleness import (
     check_staleness_settings,
     held_after_drop,
     reservation_allowed,
-    staleness,
     take_fresh,
 )
 
@@ -253,8 +252,7 @@ class RolloutBuffer:
                 self._queue = collections.deque(outcome.kept)
                 self._discard(len(outcome.dropped))
                 if outcome.batch is not None:
-                    for rollout in outcome.batch:
-                        self._histogram[staleness(learner_version, rollout.policy_version)] += 1
+                    self._histogram.update(r.staleness(learner_version) for r in outcome.batch)
                     self._consumed += num_groups
                     self._filtered_since_take = 0
                     self._lock.notify_all()
@@ -320,18 +318,13 @@ class RolloutBuffer:
         now. The next group reserved is then consumed at step `consumed // groups_per_batch`
         at the earliest, as before.
         """
-        with self._lock:
-            produced = self._consumed + self._dropped
-            return {
-                "produced": produced,
-                "consumed": self._consumed,
-                "dropped": self._dropped,
-                "filtered": self._filtered,
-                "reserved": min(  # Never more than held: a producer may put unreserved.
-                    self._reserved, held_after_drop(produced, self._dropped, self.stale_policy)
-                ),
-                "staleness_histogram": {int(k): int(v) for k, v in sorted(self._histogram.items())},
-            }
+        with self._lock:  # `stats()` less the depth, with produced and reserved as above.
+            state = dataclasses.asdict(self.stats())
+            del state["depth"]
+            produced = state["produced"] = self._consumed + self._dropped
+            held = held_after_drop(produced, self._dropped, self.stale_policy)
+            state["reserved"] = min(self._reserved, held)  # A producer may put unreserved.
+            return state
 
     def restore(self, state: Mapping[str, Any]) -> RolloutBuffer:
         """Continues the counters of `state()` on this fresh buffer; returns the buffer.

@@ -216,10 +216,7 @@ class EpisodeSampler:
 
 
 class _HostLoop:
-    """The host side of every call in flight and every episode: decode chunks and refresh
-    the params every `chunk_steps` steps; in episodes, hand ended turns to `respond` and
-    feed the observations that came back (or end the episodes); without an environment,
-    compact the tail as `Sampler.__call__` does."""
+    """The host side of every call in flight and every episode (the module docstring)."""
 
     def __init__(self, sampler: Sampler, graphdef, params_fn, prompts: Prompts, respond):
         self.sampler, self.graphdef, self.params_fn = sampler, graphdef, params_fn

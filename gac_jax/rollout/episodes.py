@@ -166,9 +166,8 @@ class EpisodeRunner:
             environment, name, config.tool_timeout, config.max_observation_chars
         )
 
-        def reward(item, example):
-            state, transcript = item
-            return environment.reward(state, transcript, example)
+        def reward(item, example):  # `item`: an episode's (state, transcript), from `items`.
+            return environment.reward(*item, example)
 
         self.reward = GuardedReward(reward, f"{name}.reward", reward_guard or RewardGuardConfig())
 

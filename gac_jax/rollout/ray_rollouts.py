@@ -3,8 +3,7 @@
 `RayRolloutPool` is a `GenerateGroups`, so it plugs into the existing `RolloutWorker`
 (and `AsyncRollouts`): the worker threads keep doing the reservations, the version choice,
 the group numbering and the puts into the learner's host-side `RolloutBuffer`; each thread
-hands its call to one actor process and waits for the rollouts. With `num_threads ==
-num_actors` every actor has one thread feeding it.
+hands its call to one actor process and waits for the rollouts.
 
 Weights travel by version through Ray's object store: the first call that asks for a
 version copies the params to host memory and `ray.put`s them once; every actor that samples

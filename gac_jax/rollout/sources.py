@@ -291,14 +291,13 @@ class AsyncRollouts(_Source):
         return self.buffer.take(learner_version=step, timeout=self._take_timeout)
 
     def state(self) -> dict[str, Any]:
-        """What a resumed source continues from; call it between steps (or after `close`).
+        """What a resumed source continues from (the module docstring says what is carried);
+        call it between steps (or after `close`).
 
-        Carried: the buffer's counters (`RolloutBuffer.state`) and the group numbering. Not
-        carried: the groups waiting in the buffer and those in flight (claimed by a worker,
-        not yet put); they are generated again after the resume, with the same ids and
-        prompts. `next_group_id` is the oldest such group (or the worker's next id), and
-        `skip_group_ids` lists the ids after it that were already handed out (consumed or
-        dropped), so no group is trained on twice and none is skipped.
+        `next_group_id` is the oldest group waiting or in flight (claimed by a worker, not
+        yet put), or the worker's next id, and `skip_group_ids` lists the ids after it that
+        were already handed out (consumed or dropped), so no group is trained on twice and
+        none is skipped.
         """
         # The worker first: a group put meanwhile is then in its pending ids, the buffer's,
         # or both, never in neither (groups leave the buffer only in this thread's `take`).

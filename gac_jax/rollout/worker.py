@@ -219,11 +219,8 @@ class RolloutWorker:
 
     def _reserve(self) -> list[int] | None:
         """Reserves one slot per group of the next call; their places in the consumption
-        order, or None if asked to stop first.
-
-        The version is read inside the buffer's wait, which the store's publish wakes, so a
-        slot that opens with a new version is taken at once.
-        """
+        order, or None if asked to stop first. The version is read inside the buffer's wait,
+        which the store's publish wakes (`RolloutBuffer.reserve_slot`)."""
         slots: list[int] = []
         while len(slots) < self._groups_per_call:
             if self._stop.is_set():

@@ -95,16 +95,13 @@ class _LocalBuilder(tfds.core.GeneratorBasedBuilder, skip_registration=True):
         config = self.builder_config
         count = config.num_train + config.num_test
         rng = random.Random(config.seed)
-        seen: set = set()
-        problems = []
+        problems: dict = {}  # By key, the first problem drawn with it.
         draws = 50 * count + 1000
         for _ in range(draws):
             problem = self._sample(rng)
-            if (key := self._key(problem)) not in seen:
-                seen.add(key)
-                problems.append(problem)
-                if len(problems) == count:
-                    return problems
+            problems.setdefault(self._key(problem), problem)
+            if len(problems) == count:
+                return list(problems.values())
         raise ValueError(
             f"{self.name}/{config.name}: found only {len(problems)} distinct problems "
             f"in {draws} draws, {count} requested; lower num_train/num_test or widen "

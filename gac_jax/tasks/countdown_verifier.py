@@ -269,9 +269,7 @@ def countdown_reward(
     the default ``format_score=0.0`` the reward is plain correctness.
 
     Args:
-      completion: model output.
-      numbers: the given numbers.
-      target: the value to make.
+      completion, numbers, target: as for `check_countdown`.
       format_score: reward of a well-formed wrong answer, in [0, 1].
 
     Returns:

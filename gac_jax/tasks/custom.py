@@ -48,7 +48,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from gac_jax.tasks.rewards import MATCHERS, lenient_match
+from gac_jax.tasks.rewards import MATCHERS
 
 __all__ = ["GuardedReward", "RewardGuardConfig", "RewardScores", "hf_splits", "jsonl_splits",
            "load_jsonl", "resolve_reward", "score_group"]  # fmt: skip
@@ -396,8 +396,3 @@ def score_group(reward, completions: Sequence[str], example: Mapping[str, Any]) 
     if isinstance(reward, GuardedReward):
         return reward.score_group(completions, example)
     return RewardScores(np.asarray([reward(c, example) for c in completions], np.float32), 0, 0)
-
-
-def default_reward() -> Callable[[str, Mapping[str, Any]], float]:
-    """The reward of a JSONL task unless the run names one."""
-    return lenient_match

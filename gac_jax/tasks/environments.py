@@ -124,10 +124,8 @@ def resolve_environment(spec: str) -> Environment:
 def check_turn_end(turn_end, name: str) -> tuple[str, ...]:
     """`turn_end` as a tuple of non-empty strings (empty: only a chat template's end of
     turn ends a turn); ValueError naming `name` otherwise."""
-    if (
-        isinstance(turn_end, str)
-        or not isinstance(turn_end, tuple | list)
-        or not all(isinstance(s, str) and s for s in turn_end)
+    if not isinstance(turn_end, tuple | list) or not all(
+        isinstance(s, str) and s for s in turn_end
     ):
         raise ValueError(f"{name}: turn_end={turn_end!r} must be a list of non-empty strings.")
     return tuple(turn_end)

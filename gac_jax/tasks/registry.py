@@ -31,7 +31,7 @@ from typing import Any
 
 import tensorflow_datasets as tfds
 
-from gac_jax.tasks import arithmetic, calculator, countdown, custom, gsm8k
+from gac_jax.tasks import arithmetic, calculator, countdown, custom, gsm8k, rewards
 from gac_jax.tasks.builders import Arithmetic, Calculator, Countdown, Gsm8k, prepare_source
 
 __all__ = ["TASK_FAMILIES", "TASK_NAMES", "Task", "get_task"]
@@ -41,9 +41,7 @@ def _text(value) -> str:
     if isinstance(value, bytes):
         return value.decode("utf-8")
     item = getattr(value, "item", None)
-    if callable(item) and not isinstance(value, str):
-        return _text(item())
-    return str(value)
+    return _text(item()) if callable(item) and not isinstance(value, str) else str(value)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,7 +170,7 @@ def _custom_task(prefix: str, check: Callable, source: Callable, spec: str, /) -
         make_builder=None,
         prompt=custom.jsonl_prompt,
         reference_completion=lambda ex: _text(ex["answer"]),
-        reward=custom.default_reward(),
+        reward=rewards.lenient_match,  # Unless the run names one.
         source=source(spec),
         messages=custom.jsonl_messages,
     )

@@ -105,11 +105,8 @@ def _to_text(value) -> str:
         return value.decode("utf-8", errors="replace")
     if isinstance(value, str):
         return value
-    # numpy scalars / 0-d arrays of bytes or str, and plain numbers.
-    item = getattr(value, "item", None)
-    if callable(item):
-        return _to_text(item())
-    return str(value)
+    item = getattr(value, "item", None)  # numpy scalars / 0-d arrays of bytes or str.
+    return _to_text(item()) if callable(item) else str(value)  # (Or a plain number.)
 
 
 def _is_sign(text: str, start: int) -> bool:

@@ -63,28 +63,26 @@ def parse_tool_calls(turn: str) -> list[ToolCall | MalformedCall]:
     """The calls of `turn`, in order: each ``<tool_call>...</tool_call>`` block holding a
     JSON object ``{"name": str, "arguments": object}`` (``arguments`` may also be a JSON
     string of an object, as some templates write it). Never raises."""
-    calls: list[ToolCall | MalformedCall] = []
-    for match in _CALL.finditer(turn):
-        text = match.group(1).strip()
+    return [_parse_call(match.group(1).strip()) for match in _CALL.finditer(turn)]
+
+
+def _parse_call(text: str) -> ToolCall | MalformedCall:
+    """One ``<tool_call>`` block's stripped content read as a call (`parse_tool_calls`)."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return MalformedCall(text, "not JSON")
+    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+        return MalformedCall(text, "no name")
+    arguments = value.get("arguments", {})
+    if isinstance(arguments, str):
         try:
-            value = json.loads(text)
+            arguments = json.loads(arguments)
         except ValueError:
-            calls.append(MalformedCall(text, "not JSON"))
-            continue
-        if not isinstance(value, dict) or not isinstance(value.get("name"), str):
-            calls.append(MalformedCall(text, "no name"))
-            continue
-        arguments = value.get("arguments", {})
-        if isinstance(arguments, str):
-            try:
-                arguments = json.loads(arguments)
-            except ValueError:
-                arguments = None
-        if not isinstance(arguments, dict):
-            calls.append(MalformedCall(text, "arguments are not an object"))
-            continue
-        calls.append(ToolCall(value["name"], arguments))
-    return calls
+            arguments = None
+    if not isinstance(arguments, dict):
+        return MalformedCall(text, "arguments are not an object")
+    return ToolCall(value["name"], arguments)
 
 
 def function_schema(name: str, description: str, parameters: Mapping[str, str]) -> dict:

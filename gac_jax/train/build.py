@@ -74,9 +74,7 @@ def model_config(config: TrainConfig) -> models.ModelConfig:
 
 def build_tokenizer(config: TrainConfig):
     path = _checkpoint_dir(config)
-    if path is None:
-        return models.CharTokenizer()
-    return models.HFTokenizer.from_directory(path)
+    return models.CharTokenizer() if path is None else models.HFTokenizer.from_directory(path)
 
 
 def build_model(config: TrainConfig, mesh, *, abstract: bool = False, num_layers=None):
@@ -90,22 +88,21 @@ def build_model(config: TrainConfig, mesh, *, abstract: bool = False, num_layers
         if num_layers is not None:
             cfg = cfg.replace(num_layers=num_layers)
         model = nnx.eval_shape(lambda: add_lora(config, models.create_model(cfg, seed=0)))
-        return model, build_tokenizer(config)
-    if config.init == "warm_start":
+    elif config.init == "warm_start":
         from gac_jax.train.warm_start import load_warm_start
 
         return load_warm_start(warm_start_directory(config), mesh=mesh)[:2]  # No metadata.
-    if config.init == "random":
+    elif config.init == "random":
         cfg = model_config(config)
         model = models.create_sharded(lambda: models.create_model(cfg, seed=config.seed), mesh)
-        return model, build_tokenizer(config)
-    path = Path(config.init)  # `build_run` has said if a preset's is not downloaded yet.
-    if not (path / "config.json").is_file():
-        raise ValueError(
-            f"init={config.init!r} is neither 'warm_start', 'random' nor a Hugging Face "
-            "checkpoint directory (with config.json)."
-        )
-    model = models.load_hf_checkpoint(path, mesh=mesh, **config.compute.overrides())
+    else:
+        path = Path(config.init)  # `build_run` has said if a preset's is not downloaded yet.
+        if not (path / "config.json").is_file():
+            raise ValueError(
+                f"init={config.init!r} is neither 'warm_start', 'random' nor a Hugging Face "
+                "checkpoint directory (with config.json)."
+            )
+        model = models.load_hf_checkpoint(path, mesh=mesh, **config.compute.overrides())
     return model, build_tokenizer(config)
 
 

@@ -206,10 +206,8 @@ class CheckpointManager(Closing):
         self._prune()
 
     def _prune(self) -> None:
-        """Deletes the oldest finalised steps beyond `max_to_keep`: each is renamed out of
-        the step listing first (atomic), then removed, so a deletion killed midway leaves
-        only a ``.deleting-*`` folder that no restore lists. Process 0 deletes, as orbax
-        does."""
+        """Deletes the oldest finalised steps beyond `max_to_keep`, each renamed out of the
+        step listing first (`DELETING_PREFIX`); process 0 deletes, as orbax does."""
         if self.max_to_keep is None or jax.process_index() != 0:
             return
         for step in self.steps()[: -self.max_to_keep]:
@@ -346,9 +344,8 @@ class CheckpointManager(Closing):
             shapes and dtypes; the arrays are restored onto its shardings. Without a
             target, the saved structure is used (dict keys as strings, see
             `state_metadata`).
-          shardings: a pytree of shardings (structure of `target`, or of the saved tree
-            if there is no target) or one sharding for all leaves; overrides the
-            target's. Leaves with neither go to the first local device.
+          shardings: as `abstract_tree`'s, over `target` (or the saved tree if there is
+            none); overrides the target's.
 
         Returns:
           The `Checkpoint`.
@@ -482,11 +479,9 @@ def restore_model(
     with CheckpointManager(directory, read_only=True) as checkpoints:
         if params_key is None:
             restored = checkpoints.restore(step, target=target)
-            params = restored.state
         else:
             full = abstract_tree(checkpoints.state_metadata(step))
-            full[params_key] = target
-            restored = checkpoints.restore(step, target=full)
-            params = restored.state[params_key]
+            restored = checkpoints.restore(step, target={**full, params_key: target})
+    params = restored.state if params_key is None else restored.state[params_key]
     load_model_params(model, params)
     return dataclasses.replace(restored, state=params)

@@ -202,7 +202,7 @@ def _cmd_show_config(args, parser) -> int:
 
 
 def _cmd_plan(args, parser) -> int:
-    from gac_jax.train.plan import with_cheap_cpu_compiles
+    from gac_jax.train.plan import plan, with_cheap_cpu_compiles
 
     os.environ["XLA_FLAGS"] = with_cheap_cpu_compiles(os.environ.get("XLA_FLAGS", ""))
     if args.fake_devices:
@@ -214,8 +214,6 @@ def _cmd_plan(args, parser) -> int:
         except RuntimeError as error:  # The backend is already up.
             _fail(parser, f"--fake-devices {args.fake_devices}: {error}")
     config = _resolve(parser, args.config, args.set)
-    from gac_jax.train.plan import plan
-
     with _failing(parser):
         report = plan(config, args.device_memory_gib, extrapolate=args.extrapolate)
     print(json.dumps(report, indent=2))

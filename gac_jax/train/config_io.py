@@ -78,11 +78,19 @@ def _unknown_key(cls: type, prefix: str, name: str) -> ValueError:
     )
 
 
-def _check_keys(cls: type, values: Mapping[str, Any], prefix: str = "") -> None:
-    """Raises ValueError for the first key that is not a field of `cls` (recursively)."""
+def _is_sequence(tp: Any) -> bool:
+    return any(typing.get_origin(t) in (tuple, list) for t in _leaf_types(tp))
+
+
+def _checked(cls: type, values: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """`values` checked against the fields of `cls` (recursively): ValueError for the first
+    key that is not a field; a bare string given for a sequence field made a one-element
+    list (``generation.stop=</answer>`` means one stop string: draccus would split it into
+    characters)."""
     if not isinstance(values, Mapping):
         raise ValueError(f"'{prefix[:-1]}' is a section; got {values!r}, expected a mapping.")
     types_ = _field_types(cls)
+    out = {}
     for name, value in values.items():
         if name not in types_:
             raise _unknown_key(cls, prefix, name)
@@ -91,23 +99,7 @@ def _check_keys(cls: type, values: Mapping[str, Any], prefix: str = "") -> None:
             raise ValueError(f"'{prefix}{name}': expected {types_[name]}, got {value!r}.")
         section = _section_type(types_[name])
         if section is not None and value is not None:
-            _check_keys(section, value, f"{prefix}{name}.")
-
-
-def _is_sequence(tp: Any) -> bool:
-    return any(typing.get_origin(t) in (tuple, list) for t in _leaf_types(tp))
-
-
-def _wrap_strings(cls: type, values: Mapping[str, Any]) -> dict[str, Any]:
-    """`values` with a bare string given for a sequence field made a one-element list:
-    ``generation.stop=</answer>`` means one stop string (draccus would split it into
-    characters). Keys are checked first (`_check_keys`)."""
-    types_ = _field_types(cls)
-    out = {}
-    for name, value in values.items():
-        section = _section_type(types_[name])
-        if section is not None and isinstance(value, Mapping):
-            value = _wrap_strings(section, value)
+            value = _checked(section, value, f"{prefix}{name}.")
         elif isinstance(value, str) and _is_sequence(types_[name]):
             value = [value]
         out[name] = value
@@ -137,9 +129,7 @@ def config_from_dict(values: Mapping[str, Any], base: TrainConfig | None = None)
     values = dict(values)
     if "base" in values:
         base = get_preset(values.pop("base"), validate=False)  # Validated whole below.
-    _check_keys(TrainConfig, values)
-    values = _wrap_strings(TrainConfig, values)
-    merged = _merge(config_to_dict(base or TrainConfig()), values)
+    merged = _merge(config_to_dict(base or TrainConfig()), _checked(TrainConfig, values))
     try:
         config = draccus.decode(TrainConfig, merged)
     except draccus.utils.DecodingError as error:

@@ -172,32 +172,20 @@ class StepInfo:
     last: bool
 
 
-@dataclasses.dataclass(frozen=True)
-class Hook:
-    """`fn(info)` after every `every`-th step (0: never by cadence), and after the last
-    step too when `at_end`."""
-
-    fn: Callable[[StepInfo], None]
-    every: int = 1
-    at_end: bool = False
-
-    def due(self, info: StepInfo) -> bool:
-        return bool(self.every and (info.step + 1) % self.every == 0) or (self.at_end and info.last)
-
-
 class Hooks:
-    """The loop's periodic jobs, run in the order they were added."""
+    """The loop's periodic jobs, run in the order they were added: each `fn(info)` after
+    every `every`-th step (0: never by cadence), and after the last step too when `at_end`."""
 
     def __init__(self):
-        self.hooks: list[Hook] = []
+        self.hooks: list[tuple[Callable[[StepInfo], None], int, bool]] = []
 
     def add(self, fn: Callable[[StepInfo], None], *, every: int = 1, at_end: bool = False):
-        self.hooks.append(Hook(fn, every, at_end))
+        self.hooks.append((fn, every, at_end))
 
     def __call__(self, info: StepInfo) -> None:
-        for hook in self.hooks:
-            if hook.due(info):
-                hook.fn(info)
+        for fn, every, at_end in self.hooks:
+            if (every and (info.step + 1) % every == 0) or (at_end and info.last):
+                fn(info)
 
 
 class RunExistsError(ValueError):

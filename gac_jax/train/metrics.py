@@ -42,20 +42,11 @@ def to_json_scalar(value: Any, key: str = "value") -> bool | int | float | str |
         value = float(value)
     except (TypeError, ValueError):
         raise TypeError(f"Metric '{key}' must be a scalar, got {value!r}.") from None
-    if math.isnan(value):
-        return "nan"
-    if math.isinf(value):
-        return "inf" if value > 0 else "-inf"
-    return value
+    return value if math.isfinite(value) else str(value)  # "nan", "inf" or "-inf".
 
 
 def _from_json_value(value: Any) -> Any:
     return _NONFINITE.get(value, value) if isinstance(value, str) else value
-
-
-def _metrics_path(path: str | os.PathLike) -> Path:
-    path = Path(path)
-    return path / METRICS_FILE if path.is_dir() else path
 
 
 def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
@@ -64,7 +55,8 @@ def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
     Each record is ``{"step": int, **metrics}``, with non-finite floats restored. A last line
     cut short by a crash is skipped; a bad line elsewhere is an error.
     """
-    path = _metrics_path(path)
+    path = Path(path)
+    path = path / METRICS_FILE if path.is_dir() else path
     lines = path.read_text().splitlines(keepends=True)
     records = []
     for i, line in enumerate(lines):

@@ -62,12 +62,8 @@ def with_cheap_cpu_compiles(xla_flags: str) -> str:
 def _memory(compiled) -> dict[str, Any]:
     """Per-device memory of `compiled`, and XLA's FLOP count (loop bodies counted once)."""
     m = compiled.memory_analysis()
-    sizes = {
-        "argument_gib": m.argument_size_in_bytes / GIB,
-        "output_gib": m.output_size_in_bytes / GIB,
-        "alias_gib": m.alias_size_in_bytes / GIB,
-        "temp_gib": m.temp_size_in_bytes / GIB,
-    }
+    parts = ("argument", "output", "alias", "temp")
+    sizes = {f"{part}_gib": getattr(m, f"{part}_size_in_bytes") / GIB for part in parts}
     peak = sizes["argument_gib"] + sizes["output_gib"] - sizes["alias_gib"] + sizes["temp_gib"]
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
@@ -174,16 +170,6 @@ def extrapolate_layers(probes: list[dict[str, Any]], layers: int) -> dict[str, A
     return {**out, "extrapolated_from_layers": list(PROBE_LAYERS)}
 
 
-def plan_learner_extrapolated(config: TrainConfig, layers: int) -> dict[str, Any]:
-    """`plan_learner`'s report for a model of `layers` layers, from compiles at
-    `PROBE_LAYERS` (see the module's docstring)."""
-    probes = [
-        plan_learner(config, build_run(config, abstract=True, num_layers=n).learner)
-        for n in PROBE_LAYERS
-    ]
-    return extrapolate_layers(probes, layers)
-
-
 def plan(
     config: TrainConfig, device_memory_gib: float = 80.0, extrapolate: bool = False
 ) -> dict[str, Any]:
@@ -196,7 +182,11 @@ def plan(
     mesh = learner.mesh
     layers = model_config(config).num_layers
     if extrapolate and layers > PROBE_LAYERS[-1]:
-        learner_report = plan_learner_extrapolated(config, layers)
+        probes = [
+            plan_learner(config, build_run(config, abstract=True, num_layers=n).learner)
+            for n in PROBE_LAYERS
+        ]
+        learner_report = extrapolate_layers(probes, layers)
     else:
         learner_report = plan_learner(config, learner)
     report = {

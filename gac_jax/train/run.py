@@ -1,21 +1,17 @@
 """A run: everything a `TrainConfig` builds, and what it does between the loop's hooks.
 
-`build_run(config)` is the one builder: the training loop, `plan` (`abstract=True`: no
-weight is made, only shapes, dtypes and shardings), `eval` and `export-hf` all build
-through it, so what `plan` reports is the run that will happen (LoRA, split devices).
+`build_run(config)` is the one builder: the training loop, `plan` (`abstract=True`),
+`eval` and `export-hf` all build through it, so what `plan` reports is the run that will
+happen (LoRA, split devices).
 
 A `Run` publishes its params as a version, takes the step's batch from its rollout source,
-updates, evaluates, and saves or restores its state (`run_state.RunState`: the learner's
-params and optimizer state, the ParamStore's history, merged in a LoRA run and on the
-learner's shardings whatever devices the sampler uses, each learner process's rollout
-source state, the next step; never saved from non-finite state).
+updates, evaluates, and saves or restores its state (`run_state.RunState`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import logging
 import os
 import sys
 import time
@@ -45,8 +41,6 @@ from gac_jax.train.batch_reports import BatchReport, batch_reports
 from gac_jax.train.checkpoint import CheckpointManager, DamagedCheckpointError
 from gac_jax.train.config import TrainConfig, require_init
 from gac_jax.train.run_state import RunState, restore_run_state, save_run_state
-
-logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass

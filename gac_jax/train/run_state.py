@@ -1,13 +1,13 @@
 """A run's state as its checkpoints hold it: one record, one save, one restore path.
 
-`RunState` is what resuming at `next_step` needs: the learner's params and optimizer state
-(a LoRA run's adapters only: its frozen base is rebuilt from `init`), the ParamStore's
-history (the policies the sampler ran, by version, on the learner's shardings), and each
-learner process's rollout source state (group numbering, buffer accounting); the
-checkpoint's metadata also names the config (`config_hash`: a resume of another config is
-refused) and the seed. It is never saved from non-finite arrays. `Run.save`, `Run.restore`
-(resume) and `Run.load` (evaluation and export) all go through `save_run_state` and
-`restore_run_state`; the orbax I/O itself is `checkpoint.CheckpointManager`'s.
+`RunState` is what resuming at `next_step` needs: the learner's params and optimizer state (a
+LoRA run's adapters only: its frozen base is rebuilt from `init`), the ParamStore's history (the
+policies the sampler ran, by version, merged in a LoRA run, on the learner's shardings whatever
+devices the sampler uses), and each learner process's rollout source state (group numbering,
+buffer accounting); the checkpoint's metadata also names the config (`config_hash`: a resume of
+another config is refused) and the seed. It is never saved from non-finite arrays. `Run.save`,
+`Run.restore` (resume) and `Run.load` (evaluation and export) all go through `save_run_state`
+and `restore_run_state`; the orbax I/O itself is `checkpoint.CheckpointManager`'s.
 """
 
 from __future__ import annotations

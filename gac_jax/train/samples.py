@@ -118,12 +118,9 @@ class SampleLogger(Closing):
             keep_before(self.path, start_step)
         self._file = self.path.open("a" if start_step is not None else "w", encoding="utf-8")
 
-    def due(self, step: int) -> bool:
-        return bool(self.every) and (int(step) + 1) % self.every == 0
-
     def write(self, step: int, rollouts: Sequence[Any]) -> list[dict[str, Any]]:
         """Logs the completions of `step`'s rollouts if `step` is due; returns the records."""
-        if not self.due(step):
+        if not self.every or (int(step) + 1) % self.every:
             return []
         records = sample_records(step, rollouts, self.tokenizer, limit=self.limit, stop=self.stop)
         for record in records:

@@ -351,9 +351,8 @@ def train_sft(
 def evaluate_warm_start(
     model, tokenizer, config: WarmStartConfig, *, data_dir: str | os.PathLike | None = None
 ) -> dict[str, float]:
-    """pass@1, pass@n and greedy accuracy of `model` on the test split, measured by
-    `gac_jax.rollout.evaluation.evaluate_policy` (the RL loop's own evaluation), so the
-    warm start's figures and an RL run's are comparable.
+    """pass@1, pass@n and greedy accuracy of `model` on the test split, measured by the RL
+    loop's own evaluation (`evaluate_policy`: see the module docstring).
 
     Returns:
       ``{"greedy_accuracy", "sampled_reward", "pass@1", f"pass@{n}", "eval_problems",
@@ -507,7 +506,7 @@ def weights_digest(directory: str | os.PathLike | None = None, step: int | None 
     path order): two runs started from weights with the same digest started from the same
     policy, on whatever machine. `directory` and `step` as `load_warm_start`."""
     model, _, _ = load_warm_start(directory, step=step)
-    flat = jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+    flat = jax.tree_util.tree_flatten_with_path(model_params(model))
     digest = hashlib.sha256()
     for path, leaf in sorted(flat[0], key=lambda item: jax.tree_util.keystr(item[0])):
         array = np.asarray(leaf)

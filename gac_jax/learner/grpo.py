@@ -18,7 +18,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from gac_jax.learner.batch import TrainBatch
-from gac_jax.learner.learner import BATCH_AXES, ShardedLearner, is_abstract, with_shardings
+from gac_jax.learner.learner import BATCH_AXES, ShardedLearner, with_shardings
 from gac_jax.learner.objective import LossConfig, Objective
 from gac_jax.learner.step import LearnerConfig, make_train_step
 from gac_jax.learner.token_budget import budget_micro_batches, trim_padding, used_columns
@@ -101,9 +101,7 @@ class GRPOLearner(ShardedLearner):
         shardings = self.param_shardings
         if self.config.reference_offload:
             shardings = jax.tree.map(lambda s: s.with_memory_kind("pinned_host"), shardings)
-        if is_abstract(state):
-            return with_shardings(state, shardings)
-        return jax.device_put(state, shardings)
+        return with_shardings(state, shardings)
 
     def step_for(self, micro_batches: int):
         """The jitted step that splits a batch into `micro_batches` (compiled once)."""
@@ -189,9 +187,8 @@ class GRPOLearner(ShardedLearner):
         `NonFiniteStepError`.
         """
         micro_batches = self.config.micro_batches
-        placed = (
-            isinstance(batch.tokens, jax.Array) and batch.tokens.sharding == self.batch_sharding
-        )
+        tokens = batch.tokens
+        placed = isinstance(tokens, jax.Array) and tokens.sharding == self.batch_sharding
         if self.config.max_tokens_per_micro_batch and not placed:
             batch, micro_batches = self._fit_budget(batch)
         if not placed:
@@ -199,26 +196,21 @@ class GRPOLearner(ShardedLearner):
         step = self.step_for(micro_batches)
         metrics = self.run_step(batch, np.int32(learner_version), self.reference, step=step)
         metrics["micro_batches"] = float(micro_batches)
-        updates = self._per_update(metrics, learner_version)
-        for update in updates:
+        for update in self._per_update(metrics, learner_version):
             self._count_nonfinite(update["nonfinite_step"], learner_version)
         return metrics
 
     def _per_update(self, metrics: dict[str, Any], learner_version: int) -> list[dict]:
         """Splits stacked per-update metrics into one record per optimizer step."""
-        count = self.config.updates_per_batch
+        count, k = self.config.updates_per_batch, self.config.mini_batches
         if count == 1:
             return [metrics]
-        stacked = {k: v for k, v in metrics.items() if isinstance(v, list)}
-        updates = []
-        for u in range(count):
-            record = {k: v[u] for k, v in stacked.items()}
-            record.update(
-                optimizer_step=learner_version * count + u,
-                epoch=u // self.config.mini_batches,
-                mini_batch=u % self.config.mini_batches,
-            )
-            updates.append(record)
+        stacked = {name: v for name, v in metrics.items() if isinstance(v, list)}
+        updates = [
+            {name: v[u] for name, v in stacked.items()}
+            | {"optimizer_step": learner_version * count + u, "epoch": u // k, "mini_batch": u % k}
+            for u in range(count)
+        ]
         metrics.update(updates[-1])
         metrics["updates"] = updates
         return updates

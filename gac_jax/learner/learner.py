@@ -39,24 +39,16 @@ def optimizer_shardings(tx, abstract_params, param_shardings, mesh: Mesh):
     )
 
 
-def _replaced_leaves(opt_state) -> set[int]:
-    """Flat indices of the optimizer-state leaves that are replaced wholesale each step
-    (GAC's reference), by their path."""
-    paths, _ = jax.tree_util.tree_flatten_with_path(opt_state)
-    return {
-        i
-        for i, (path, _) in enumerate(paths)
-        if any(getattr(key, "name", None) == "gac_reference" for key in path)
-    }
-
-
 def is_abstract(tree) -> bool:
     """Whether `tree` holds abstract leaves (`jax.ShapeDtypeStruct`: from `nnx.eval_shape`)."""
     return any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(tree))
 
 
 def with_shardings(tree, shardings):
-    """Abstract leaves carrying their shardings, as `jax.jit(...).lower` reads them."""
+    """`tree` on `shardings`: arrays put there; abstract leaves (`is_abstract`) made to
+    carry them, as `jax.jit(...).lower` reads them."""
+    if not is_abstract(tree):
+        return jax.device_put(tree, shardings)
     return jax.tree.map(
         lambda x, sharding: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
         tree,
@@ -100,14 +92,14 @@ class ShardedLearner:
             (self.graphdef, params), frozen = nnx.split(model), None
         else:
             self.graphdef, params, frozen = nnx.split(model, trainable, ...)
-        self.frozen = self._place_frozen(frozen)
+        self.frozen_shardings = None if frozen is None else state_shardings(frozen, mesh, rules)
+        self.frozen = None if frozen is None else with_shardings(frozen, self.frozen_shardings)
         self.param_shardings = state_shardings(params, mesh, rules)
         self.opt_shardings = optimizer_shardings(tx, params, self.param_shardings, mesh)
+        self.params = with_shardings(params, self.param_shardings)
         if is_abstract(params):  # From `nnx.eval_shape`: a learner to `lower`, not to run.
-            self.params = with_shardings(params, self.param_shardings)
             self.opt_state = with_shardings(jax.eval_shape(tx.init, params), self.opt_shardings)
         else:
-            self.params = jax.device_put(params, self.param_shardings)
             self.opt_state = jax.jit(tx.init, out_shardings=self.opt_shardings)(self.params)
         self.batch_sharding = NamedSharding(mesh, P(BATCH_AXES))
         self.replicated = NamedSharding(mesh, P())
@@ -117,20 +109,10 @@ class ShardedLearner:
         # this step's gradient). Donating those makes XLA copy the old value out of the
         # way first, a full extra pass; not donating them lets the gradient's own buffer
         # become the new reference, at no extra peak memory.
-        leaves, self._opt_treedef = jax.tree.flatten(self.opt_state)
-        kept = _replaced_leaves(self.opt_state)
-        self._kept = tuple(i for i in range(len(leaves)) if i in kept)
-        self._donated = tuple(i for i in range(len(leaves)) if i not in kept)
-
-    def _place_frozen(self, frozen):
-        """The frozen params on their shardings (abstract ones kept abstract), or None."""
-        self.frozen_shardings = None
-        if frozen is None:
-            return None
-        self.frozen_shardings = state_shardings(frozen, self.mesh, self.rules)
-        if is_abstract(frozen):
-            return with_shardings(frozen, self.frozen_shardings)
-        return jax.device_put(frozen, self.frozen_shardings)
+        paths, self._opt_treedef = jax.tree_util.tree_flatten_with_path(self.opt_state)
+        kept = [any(getattr(k, "name", None) == "gac_reference" for k in path) for path, _ in paths]
+        self._kept = tuple(i for i, keep in enumerate(kept) if keep)
+        self._donated = tuple(i for i, keep in enumerate(kept) if not keep)
 
     def compile_step(self, step, num_extra: int = 0):
         """`step` jitted with this learner's shardings and donation (see the class doc):

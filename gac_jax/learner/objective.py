@@ -103,14 +103,11 @@ def _dry_run(what: str, fn, *args, **kwargs) -> None:
 KL_PENALTY_PLACES = ("loss", "reward")
 
 
-def _check_coefficient(name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
-        raise ValueError(f"{name}={value!r} must be a number >= 0.")
-
-
 def _check_penalties(config: LossConfig) -> None:
-    _check_coefficient("kl_coef", config.kl_coef)
-    _check_coefficient("entropy_coef", config.entropy_coef)
+    for name in ("kl_coef", "entropy_coef"):
+        value = getattr(config, name)
+        if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
+            raise ValueError(f"{name}={value!r} must be a number >= 0.")
     if config.kl_estimator not in objectives.KL_ESTIMATORS:
         raise ValueError(
             f"kl_estimator={config.kl_estimator!r} must be one of {list(objectives.KL_ESTIMATORS)}."

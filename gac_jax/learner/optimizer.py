@@ -116,7 +116,7 @@ def make_schedule(config: OptimizerConfig, steps: int | None = None) -> optax.Sc
       steps: the run's length, used when `config.decay_steps` is None.
     """
     config.validate()
-    peak = config.learning_rate
+    peak, warmup = config.learning_rate, config.warmup_steps
     if config.schedule == "constant":
         return optax.schedules.constant_schedule(peak)
     decay_steps = steps if config.decay_steps is None else config.decay_steps
@@ -125,13 +125,12 @@ def make_schedule(config: OptimizerConfig, steps: int | None = None) -> optax.Sc
             f"decay_steps=None means the run's steps, which this optimizer is built without; "
             f"set decay_steps for schedule={config.schedule!r}."
         )
-    if not _is_int(decay_steps) or decay_steps <= config.warmup_steps:
+    if not _is_int(decay_steps) or decay_steps <= warmup:
         raise ValueError(
-            f"warmup_steps={config.warmup_steps} must be < decay_steps={decay_steps} "
+            f"warmup_steps={warmup} must be < decay_steps={decay_steps} "
             "(the schedule's whole length; None: the run's steps)."
         )
     end = config.end_lr_ratio * peak
-    warmup = config.warmup_steps
     if config.schedule == "warmup_cosine":
         return optax.schedules.warmup_cosine_decay_schedule(
             init_value=0.0,

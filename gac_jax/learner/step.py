@@ -207,10 +207,17 @@ def _batch_metrics(batch: TrainBatch, learner_version, adv_n) -> dict[str, jax.A
     }
 
 
-def _policy_change(forward_fn, params, batch: TrainBatch, before, parts: int):
+def _batch_logp(graphdef, config: LearnerConfig, params, batch: TrainBatch, frozen):
+    """[N, T] log-probs of the batch under `params`, a micro-batch of rows at a time."""
+    parts = config.micro_batches * config.mini_batches
+    forward_fn = functools.partial(
+        forward, graphdef, logits_chunk_size=config.logits_chunk_size, frozen=frozen
+    )
+    return whole_batch_logp(forward_fn, params, jax.tree.map(lambda x: split_rows(x, parts), batch))
+
+
+def _policy_change(after, batch: TrainBatch, before):
     """How far the updates moved the policy on the batch's tokens (`make_train_step`)."""
-    chunks = jax.tree.map(lambda x: split_rows(x, parts), batch)
-    after = whole_batch_logp(forward_fn, params, chunks)
     delta = jnp.where(batch.loss_mask, after - before, 0.0)
     return {
         "policy_change/kl": masked_mean(
@@ -235,17 +242,13 @@ def _prepare(
 ):
     """What the batch needs before any update: (batch, per-row inputs, current logp or None,
     advantages [N], batch metrics)."""
-    parts, c = config.micro_batches * config.mini_batches, config.logits_chunk_size
-    forward_fn = functools.partial(forward, graphdef, logits_chunk_size=c, frozen=frozen)
-    chunks = jax.tree.map(lambda x: split_rows(x, parts), batch)
-    current = None
-    if _needs_current(objective, config):
-        current = whole_batch_logp(forward_fn, params, chunks)
+    logp = functools.partial(_batch_logp, graphdef, config, batch=batch, frozen=frozen)
+    current = logp(params) if _needs_current(objective, config) else None
     inputs, metrics = {}, {}
     if objective.needs_reference:
         if config.reference_offload:  # From host memory, for this one pass.
             reference = jax.device_put(reference, jax.memory.Space.Device)
-        inputs["reference_logp"] = whole_batch_logp(forward_fn, reference, chunks)
+        inputs["reference_logp"] = logp(reference)
         rewards, penalty = objective.penalised_rewards(
             batch.rewards, batch.behaviour_logp, inputs["reference_logp"], batch.loss_mask
         )
@@ -255,8 +258,8 @@ def _prepare(
     norms = functools.partial(  # One micro-batch of sequences at a time.
         per_example_grad_sq_norms,
         graphdef,
-        sequences_per_chunk=batch.tokens.shape[0] // parts,
-        logits_chunk_size=c,
+        sequences_per_chunk=batch.tokens.shape[0] // (config.micro_batches * config.mini_batches),
+        logits_chunk_size=config.logits_chunk_size,
         frozen=frozen,
     )
     adv_n, adv_aux = _advantages(objective, params, batch, current, norms)
@@ -267,10 +270,10 @@ def _prepare(
     return batch, inputs, current, adv_n, metrics
 
 
-def _passes(update, config: LearnerConfig, row_sharding, state, batch, inputs, version, frozen):
+def _passes(update, settings: _StepSettings, state, batch, inputs, version, frozen):
     """`epochs` shuffled passes of `mini_batches` updates from `state` (params, optimizer
     state); returns the new state and the metrics stacked [U]."""
-    n = batch.tokens.shape[0]
+    config, row_sharding, n = settings.config, settings.row_sharding, batch.tokens.shape[0]
     key = jax.random.fold_in(jax.random.key(config.shuffle_seed), version)
 
     def shuffled(x, order):
@@ -330,19 +333,11 @@ def _train_step(
         )
     else:
         params, opt_state, update_metrics = _passes(
-            update,
-            config,
-            settings.row_sharding,
-            (params, opt_state),
-            batch,
-            inputs,
-            learner_version,
-            frozen,
+            update, settings, (params, opt_state), batch, inputs, learner_version, frozen
         )
     if config.policy_change:
-        forward_fn = functools.partial(forward, graphdef, logits_chunk_size=c, frozen=frozen)
-        parts = m * config.mini_batches
-        metrics.update(_policy_change(forward_fn, params, batch, current, parts))
+        after = _batch_logp(graphdef, config, params, batch, frozen)
+        metrics.update(_policy_change(after, batch, current))
     metrics = {**_batch_metrics(batch, learner_version, adv_n), **metrics, **update_metrics}
     return params, opt_state, metrics
 

@@ -123,9 +123,9 @@ def noise_scale_metrics(small_sq, small_size, big_sq, big_size) -> dict[str, jax
 
     .. math::
 
-        |G|^2 pprox rac{B_{big}|G_{big}|^2 - B_{small}|G_{small}|^2}{B_{big} - B_{small}},
+        |G|^2 \approx \frac{B_{big}|G_{big}|^2 - B_{small}|G_{small}|^2}{B_{big} - B_{small}},
         \qquad
-        \operatorname{tr}\Sigma pprox rac{|G_{small}|^2 - |G_{big}|^2}
+        \operatorname{tr}\Sigma \approx \frac{|G_{small}|^2 - |G_{big}|^2}
                                             {1/B_{small} - 1/B_{big}},
         \qquad
         B_{simple} = \operatorname{tr}\Sigma / |G|^2
@@ -221,9 +221,7 @@ def make_update(
             statistics = objective.batch_statistics(
                 current_logp, rows.behaviour_logp, inputs["advantages"], rows.loss_mask
             )
-        stat_chunks = (
-            None if statistics is None else jax.tree.map(lambda x: split_rows(x, m), statistics)
-        )
+        stat_chunks = jax.tree.map(lambda x: split_rows(x, m), statistics)  # None stays None.
         chunk_inputs = jax.tree.map(lambda x: split_rows(x, m), inputs)
         grads, total, logp, entropy, (g_sqs, sizes) = accumulated_grads(
             params, chunks, chunk_inputs, stat_chunks, frozen

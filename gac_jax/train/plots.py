@@ -24,12 +24,12 @@ def _figure(num_panels: int):
     return fig, fig.subplots(num_panels, 1, sharex=True, squeeze=False)[:, 0]
 
 
-def _save(fig, png_path: str | os.PathLike, ax=None, ylabel=None, title=None, grid="both") -> Path:
+def _save(fig, png_path: str | os.PathLike, ax=None, ylabel=None, title=None) -> Path:
     """Saves `fig`; with `ax`, a one-panel plot's, labelled `ylabel` and `title` (if given),
-    under a light grid on `grid`'s axes."""
+    under a light grid."""
     if ax is not None:
         ax.set_ylabel(ylabel)
-        ax.grid(True, axis=grid, alpha=0.3)
+        ax.grid(True, alpha=0.3)
         if title is not None:
             ax.set_title(title)
     png_path = Path(png_path)
@@ -194,102 +194,3 @@ def plot_runs(
     _plain_axes(ax)
     ax.legend()
     return _save(fig, png_path, ax, key, title if title is not None else key)
-
-
-def plot_distributions(
-    groups: Mapping[str, Sequence[float]],
-    png_path: str | os.PathLike,
-    *,
-    ylabel: str,
-    title: str | None = None,
-) -> Path:
-    """Box plots (quartile box, 5th-95th percentile whiskers, no fliers) of each group's
-    values, in the mapping's order; returns the PNG's path. ValueError if `groups` is empty
-    or a group has no values."""
-    if not groups:
-        raise ValueError("plot_distributions needs at least one group.")
-    empty = [label for label, values in groups.items() if len(values) == 0]
-    if empty:
-        raise ValueError(f"groups {empty} have no values.")
-    fig, (ax,) = _figure(1)
-    ax.boxplot(
-        [list(v) for v in groups.values()],
-        tick_labels=list(groups),
-        whis=(5, 95),
-        showfliers=False,
-        medianprops={"color": "black"},
-    )
-    ax.axhline(0.0, color="gray", linewidth=0.8)
-    return _save(fig, png_path, ax, ylabel, title, grid="y")
-
-
-def _smooth(values, window: int):
-    import numpy as np
-
-    values = np.asarray(values, dtype=np.float64)
-    if window <= 1 or len(values) < window:
-        return values
-    return np.convolve(values, np.ones(window) / window, mode="valid")
-
-
-def plot_seed_curves(
-    curves: Mapping[str, Sequence[Sequence[float]]],
-    png_path: str | os.PathLike,
-    *,
-    ylabel: str,
-    smooth: int = 1,
-    title: str | None = None,
-) -> Path:
-    """For each label, the mean over seeds of a per-step series (trailing `smooth`-step
-    mean), with the seeds' range shaded; series are cut to the shortest of their label.
-    ValueError if `curves` is empty or a label has no series."""
-    import numpy as np
-
-    if not curves or any(len(series) == 0 for series in curves.values()):
-        raise ValueError(f"plot_seed_curves needs at least one series per label; got {curves}.")
-    fig, (ax,) = _figure(1)
-    for label, series in curves.items():
-        n = min(len(s) for s in series)
-        stacked = np.stack([_smooth(s[:n], smooth) for s in series])
-        steps = np.arange(stacked.shape[1]) + (smooth - 1 if n >= smooth else 0)
-        (line,) = ax.plot(steps, stacked.mean(axis=0), linewidth=1.3, label=label)
-        if len(series) > 1:
-            ax.fill_between(
-                steps, stacked.min(axis=0), stacked.max(axis=0), color=line.get_color(), alpha=0.15
-            )
-    ax.set_xlabel("step")
-    ax.legend()
-    return _save(fig, png_path, ax, ylabel, title)
-
-
-def plot_grouped_bars(
-    values: Mapping[str, Mapping[str, tuple[float, float]]],
-    png_path: str | os.PathLike,
-    *,
-    ylabel: str,
-    reference: tuple[str, float] | None = None,
-    title: str | None = None,
-) -> Path:
-    """Bars of ``values[group][category] = (mean, std)``: one cluster per category, one bar
-    per group, with std error bars; `reference` = (label, value) draws a horizontal line.
-    ValueError if `values` is empty."""
-    import numpy as np
-
-    if not values:
-        raise ValueError("plot_grouped_bars needs at least one group.")
-    categories = list(dict.fromkeys(c for group in values.values() for c in group))
-    width = 0.8 / len(values)
-    fig, (ax,) = _figure(1)
-    x = np.arange(len(categories))
-    for i, (group, by_category) in enumerate(values.items()):
-        means = [by_category.get(c, (np.nan, 0.0))[0] for c in categories]
-        stds = [by_category.get(c, (np.nan, 0.0))[1] for c in categories]
-        ax.bar(
-            x + (i - (len(values) - 1) / 2) * width, means, width, yerr=stds, label=group, capsize=2
-        )
-    if reference is not None:
-        ax.axhline(reference[1], color="black", linestyle="--", linewidth=1.0, label=reference[0])
-    ax.set_xticks(x, categories)
-    # Beside the axes, so it never hides a bar (constrained layout makes room for it).
-    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small")
-    return _save(fig, png_path, ax, ylabel, title, grid="y")

@@ -6,11 +6,8 @@ import pytest
 from gac_jax.train.metrics import MetricWriter
 from gac_jax.train.plots import (
     ema_smooth,
-    plot_distributions,
-    plot_grouped_bars,
     plot_run,
     plot_runs,
-    plot_seed_curves,
     run_figure,
 )
 
@@ -63,37 +60,6 @@ def test_plot_runs_overlays(tmp_path):
     assert width >= 300 and height >= 200
     with pytest.raises(ValueError, match="'gac_cosine'"):
         plot_runs(runs, tmp_path / "none.png", "gac_cosine")
-
-
-def test_sweep_plots_write_pngs_and_reject_empty_input(tmp_path):
-    import numpy as np
-
-    rng = np.random.default_rng(0)
-    box = plot_distributions(
-        {"k0": rng.normal(size=50), "k8": rng.normal(0.3, size=50)},
-        tmp_path / "box.png",
-        ylabel="c_t",
-    )
-    curves = plot_seed_curves(
-        {"sync": [rng.random(40), rng.random(38)], "k=8": [rng.random(40)]},
-        tmp_path / "curves.png",
-        ylabel="reward",
-        smooth=5,
-    )
-    bars = plot_grouped_bars(
-        {"k=8": {"naive": (0.2, 0.01), "gac": (0.25, 0.02)}, "k=16": {"naive": (0.1, 0.03)}},
-        tmp_path / "bars.png",
-        ylabel="pass@1",
-        reference=("sync", 0.22),
-    )
-    for path in (box, curves, bars):
-        assert _png_size(path)[0] > 100
-    with pytest.raises(ValueError, match=r"\['empty'\] have no values"):
-        plot_distributions({"empty": []}, tmp_path / "x.png", ylabel="y")
-    with pytest.raises(ValueError, match="at least one series"):
-        plot_seed_curves({"a": []}, tmp_path / "x.png", ylabel="y")
-    with pytest.raises(ValueError, match="at least one group"):
-        plot_grouped_bars({}, tmp_path / "x.png", ylabel="y")
 
 
 def _ema_reference(values, weight):

@@ -88,8 +88,7 @@ def _scan_forward(head: _Head, h_nbcd, w, y_nbc, tau):
 
     def body(_, xs):
         h_bcd, y_bc = xs
-        logp, entropy, lse = _statistics(head, h_bcd, w, y_bc, tau)
-        return None, (logp, entropy, lse)
+        return None, _statistics(head, h_bcd, w, y_bc, tau)
 
     _, out = jax.lax.scan(body, None, (h_nbcd, y_nbc))
     return out

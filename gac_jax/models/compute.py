@@ -12,7 +12,7 @@ import dataclasses
 import jax
 from flax import nnx
 
-from gac_jax.models.config import DTYPES, REMAT_POLICIES
+from gac_jax.models.config import CHOICES
 from gac_jax.models.decoder import Decoder, create_model
 
 
@@ -36,19 +36,14 @@ class ComputeConfig:
 
     def validate(self) -> None:
         """Raises ValueError naming a bad field."""
-        for name, allowed in (
-            ("dtype", DTYPES),
-            ("param_dtype", DTYPES),
-            ("remat", REMAT_POLICIES),
-        ):
+        for name, allowed in CHOICES.items():
             value = getattr(self, name)
             if value is not None and value not in allowed:
                 raise ValueError(f"{name}={value!r} is not one of {list(allowed)} (or null).")
 
     def overrides(self) -> dict[str, str]:
         """The `ModelConfig` fields this config sets (for `get_config`, `load_hf_checkpoint`)."""
-        fields = (f.name for f in dataclasses.fields(self))
-        return {name: getattr(self, name) for name in fields if getattr(self, name) is not None}
+        return {name: v for name, v in dataclasses.asdict(self).items() if v is not None}
 
 
 def with_compute(model: Decoder, compute: ComputeConfig) -> Decoder:

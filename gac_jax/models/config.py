@@ -17,6 +17,8 @@ from gac_jax._validation import check_int
 FAMILIES = ("qwen3", "llama")
 REMAT_POLICIES = ("none", "full", "dots")
 DTYPES = ("float32", "bfloat16", "float16")
+# The choices of `ModelConfig`'s string fields that `ComputeConfig` also sets.
+CHOICES = {"dtype": DTYPES, "param_dtype": DTYPES, "remat": REMAT_POLICIES}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,17 +116,14 @@ class ModelConfig:
             )
         if self.head_dim % 2:
             raise ValueError(f"head_dim={self.head_dim} must be even for rotary embeddings.")
-        if not self.rope_theta > 0:
-            raise ValueError(f"rope_theta={self.rope_theta!r} must be positive.")
-        if not self.rms_norm_eps > 0:
-            raise ValueError(f"rms_norm_eps={self.rms_norm_eps!r} must be positive.")
+        for name in ("rope_theta", "rms_norm_eps"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name}={getattr(self, name)!r} must be positive.")
         if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
             raise ValueError(f"rope_scaling={self.rope_scaling!r} must be a RopeScaling or None.")
-        for name in ("dtype", "param_dtype"):
-            if getattr(self, name) not in DTYPES:
-                raise ValueError(f"{name}={getattr(self, name)!r} is not one of {DTYPES}.")
-        if self.remat not in REMAT_POLICIES:
-            raise ValueError(f"remat={self.remat!r} is not one of {REMAT_POLICIES}.")
+        for name, allowed in CHOICES.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name}={getattr(self, name)!r} is not one of {allowed}.")
         if not isinstance(self.eos_token_ids, tuple):
             raise ValueError(f"eos_token_ids={self.eos_token_ids!r} must be a tuple of ints.")
         for name, value in (

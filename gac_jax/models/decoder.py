@@ -76,18 +76,14 @@ def init_cache(config: ModelConfig, batch_size: int, max_length: int, dtype=None
     }
 
 
-def _remat_policy(name: str):
-    if name == "dots":
-        return jax.checkpoint_policies.dots_with_no_batch_dims_saveable
-    return None  # "full": save nothing, recompute the whole layer.
-
-
 def _rematerialized(policy_name: str):
     """`run(layer, *args)`, the layer's call, its activations recomputed in the backward
     pass (`jax.checkpoint` over the layer's state). Not `nnx.remat`: it writes the state
     back into the layer's variables afterwards, which fails ("Cannot mutate Param from a
     different trace level") when some come from another trace, as a LoRA run's frozen base
     weights do; a training forward pass changes no variable, so nothing needs writing back."""
+    saveable = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+    policy = saveable if policy_name == "dots" else None  # "full": recompute everything.
 
     def run(layer, *args):
         graphdef, state = nnx.split(layer)
@@ -95,7 +91,7 @@ def _rematerialized(policy_name: str):
         def pure(state, *args):
             return nnx.merge(graphdef, state)(*args)
 
-        return jax.checkpoint(pure, policy=_remat_policy(policy_name))(state, *args)
+        return jax.checkpoint(pure, policy=policy)(state, *args)
 
     return run
 
@@ -111,9 +107,7 @@ def _checked_inputs(
     if tokens_bt.ndim != 2:
         raise ValueError(f"tokens must have shape [B, T]; got shape {tokens_bt.shape}.")
     b, t = tokens_bt.shape
-    if input_mask_bt is None:
-        input_mask_bt = jnp.ones((b, t), bool)
-    input_mask_bt = input_mask_bt.astype(bool)
+    input_mask_bt = jnp.ones((b, t), bool) if input_mask_bt is None else input_mask_bt.astype(bool)
     if input_mask_bt.shape != (b, t):
         raise ValueError(f"input_mask shape {input_mask_bt.shape} != tokens shape {(b, t)}.")
     max_position = t if positions_bt is None else None
@@ -220,7 +214,6 @@ class Decoder(nnx.Module):
         input_mask_bt, positions_bt, max_position = _checked_inputs(
             tokens_bt, positions_bt, input_mask_bt
         )
-        t = tokens_bt.shape[1]
         if cache is None:
             mask_bts = _causal_mask(input_mask_bt)
             cache_index, layer_caches, key_mask = None, (None,) * cfg.num_layers, None
@@ -239,20 +232,13 @@ class Decoder(nnx.Module):
             rope = self.rope_tables(positions_bt, max_position)  # Shared by every layer.
         new_layer_caches = []
         for layer, layer_cache in zip(self.layers, layer_caches, strict=True):
-            x_btd, new_layer_cache = run(
-                layer, x_btd, positions_bt, mask_bts, layer_cache, cache_index, rope
-            )
+            x_btd, new_layer_cache = run(layer, x_btd, rope, mask_bts, layer_cache, cache_index)
             new_layer_caches.append(new_layer_cache)
         x_btd = self.final_norm(x_btd)
-
-        new_cache = None
-        if cache is not None:
-            new_cache = {
-                "index": cache_index + t,
-                "key_mask": key_mask,
-                "layers": tuple(new_layer_caches),
-            }
-        return x_btd, new_cache
+        if cache is None:
+            return x_btd, None
+        index = cache_index + tokens_bt.shape[1]
+        return x_btd, {"index": index, "key_mask": key_mask, "layers": tuple(new_layer_caches)}
 
     def rope_tables(
         self, positions_bt: jax.Array, max_position: int | None = None

@@ -26,13 +26,19 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
+from flax import nnx, traverse_util
 from jax.sharding import Mesh
 
 from gac_jax._closing import Closing
 from gac_jax.models.config import DTYPES, ModelConfig
 from gac_jax.models.decoder import Decoder
-from gac_jax.models.hf_config import CONFIG_FILE, config_from_hf, config_to_hf, read_hf_config
+from gac_jax.models.hf_config import (
+    CONFIG_FILE,
+    config_from_hf,
+    config_to_hf,
+    read_hf_config,
+    read_json_object,
+)
 from gac_jax.models.sharding import ShardingRules, host_array, state_shardings
 
 SINGLE_FILE = "model.safetensors"
@@ -112,7 +118,7 @@ def _weight_files(path: Path) -> dict[str, Path]:
     """HF tensor name -> file holding it."""
     index_path = path / INDEX_FILE
     if index_path.is_file():
-        weight_map = _read_json(index_path).get("weight_map")
+        weight_map = read_json_object(index_path).get("weight_map")
         if not isinstance(weight_map, dict):
             raise ValueError(f"{str(index_path)!r} has no weight_map object.")
         return _indexed_files(path, weight_map)
@@ -123,16 +129,6 @@ def _weight_files(path: Path) -> dict[str, Path]:
     raise FileNotFoundError(
         f"Checkpoint directory {str(path)!r} has neither {SINGLE_FILE} nor {INDEX_FILE}."
     )
-
-
-def _read_json(file: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(file.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise ValueError(f"{str(file)!r} is not valid JSON: {error}.") from error
-    if not isinstance(data, dict):
-        raise ValueError(f"{str(file)!r} holds a JSON {type(data).__name__}, not an object.")
-    return data
 
 
 def _indexed_files(path: Path, weight_map: dict[str, Any]) -> dict[str, Path]:
@@ -272,10 +268,10 @@ def load_hf_checkpoint(
     rules = ShardingRules() if rules is None else rules
     abstract = nnx.eval_shape(lambda: Decoder(config, rules, rngs=nnx.Rngs(0)))
     graphdef, abstract_state = nnx.split(abstract)
-    shardings = None
+    shardings = {}  # Parameter path -> NamedSharding; none without a mesh.
     if mesh is not None:
-        shardings = nnx.to_pure_dict(state_shardings(abstract_state, mesh, rules))
-    expected = nnx.to_pure_dict(abstract_state)
+        shardings = _flat(state_shardings(abstract_state, mesh, rules))
+    expected = _flat(abstract_state)
 
     files = _weight_files(path)
     mapping = parameter_mapping(config)
@@ -289,16 +285,14 @@ def load_hf_checkpoint(
             f"{unknown[:8]}{' ...' if len(unknown) > 8 else ''}."
         )
 
-    values: dict = {}
+    values = {}
     with _TensorReader(files) as reader:
         for our_path, hf_name, to_ours, _ in mapping:
             if hf_name not in files:
                 raise ValueError(f"Checkpoint {str(path)!r} has no tensor {hf_name!r}.")
-            target = _get(expected, our_path)
-            array = _converted(reader.read(hf_name), hf_name, target, to_ours)
-            sharding = None if shardings is None else _get(shardings, our_path)
-            _set(values, our_path, _place(array, sharding))
-    nnx.replace_by_pure_dict(abstract_state, values)
+            array = _converted(reader.read(hf_name), hf_name, expected[our_path], to_ours)
+            values[our_path] = _place(array, shardings.get(our_path))
+    nnx.replace_by_pure_dict(abstract_state, traverse_util.unflatten_dict(values))
     return nnx.merge(graphdef, abstract_state)
 
 
@@ -315,22 +309,15 @@ def _converted(hf_array, hf_name, target, to_ours) -> np.ndarray:
     return array.astype(target.dtype, copy=False)
 
 
-def _get(tree: dict, path: tuple):
-    for key in path:
-        tree = tree[key]
-    return tree
-
-
-def _set(tree: dict, path: tuple, value) -> None:
-    for key in path[:-1]:
-        tree = tree.setdefault(key, {})
-    tree[path[-1]] = value
+def _flat(state: nnx.State) -> dict[tuple, Any]:
+    """`state`'s leaves by their paths, e.g. `("layers", 0, "attn", "q_dnh")`."""
+    return traverse_util.flatten_dict(nnx.to_pure_dict(state))
 
 
 def _hf_tensors(model: Decoder, dtype) -> Iterator[tuple[str, np.ndarray]]:
-    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    params = _flat(nnx.state(model, nnx.Param))
     for our_path, hf_name, _, to_hf in parameter_mapping(model.config):
-        array = host_array(_get(params, our_path))
+        array = host_array(params[our_path])
         if dtype is not None:
             array = array.astype(dtype)
         yield hf_name, to_hf(array)

@@ -152,14 +152,19 @@ def read_hf_config(path: str | os.PathLike) -> dict[str, Any]:
     config_path = Path(path) / CONFIG_FILE
     if not config_path.is_file():
         raise FileNotFoundError(f"No {CONFIG_FILE} in checkpoint directory {str(path)!r}.")
-    try:
-        hf_config = json.loads(config_path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise ValueError(f"{str(config_path)!r} is not valid JSON: {error}.") from error
-    if not isinstance(hf_config, dict):
-        kind = type(hf_config).__name__
-        raise ValueError(f"{str(config_path)!r} holds a JSON {kind}, not an object.")
+    hf_config = read_json_object(config_path)
     missing = [key for key in REQUIRED_KEYS if key not in hf_config]
     if missing:
         raise ValueError(f"{str(config_path)!r} lacks the required keys {missing}.")
     return hf_config
+
+
+def read_json_object(file: Path) -> dict[str, Any]:
+    """The JSON object `file` holds; ValueError naming the file if it holds none."""
+    try:
+        data = json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ValueError(f"{str(file)!r} is not valid JSON: {error}.") from error
+    if not isinstance(data, dict):
+        raise ValueError(f"{str(file)!r} holds a JSON {type(data).__name__}, not an object.")
+    return data

@@ -28,8 +28,7 @@ def param(rngs: nnx.Rngs, shape, logical_axes, dtype, stddev: float | None) -> n
     if stddev is None:
         value = jnp.ones(shape, dtype)
     else:
-        value = stddev * jax.random.normal(rngs.params(), shape, jnp.float32)
-        value = value.astype(dtype)
+        value = (stddev * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
     # Sharding is applied explicitly (gac_jax.models.sharding), not when the variable is
     # created, so a model can be built without a mesh.
     return nnx.Param(value, out_sharding=tuple(logical_axes), eager_sharding=False)
@@ -169,11 +168,10 @@ class Attention(nnx.Module):
         self.rules = rules
         d, n, k, h = config.embed_dim, config.num_heads, config.num_kv_heads, config.head_dim
         pdt = config.parameter_dtype
-        std = 0.02
-        self.q_dnh = param(rngs, (d, n, h), ("embed", "heads", "head_dim"), pdt, std)
-        self.k_dkh = param(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"), pdt, std)
-        self.v_dkh = param(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"), pdt, std)
-        self.o_nhd = param(rngs, (n, h, d), ("heads", "head_dim", "embed"), pdt, std)
+        self.q_dnh = param(rngs, (d, n, h), ("embed", "heads", "head_dim"), pdt, 0.02)
+        self.k_dkh = param(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"), pdt, 0.02)
+        self.v_dkh = param(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"), pdt, 0.02)
+        self.o_nhd = param(rngs, (n, h, d), ("heads", "head_dim", "embed"), pdt, 0.02)
         if config.qk_norm:
             self.q_norm = RMSNorm(h, eps=config.rms_norm_eps, param_dtype=pdt, rngs=rngs)
             self.k_norm = RMSNorm(h, eps=config.rms_norm_eps, param_dtype=pdt, rngs=rngs)
@@ -184,23 +182,21 @@ class Attention(nnx.Module):
     def __call__(
         self,
         x_btd: jax.Array,
-        positions_bt: jax.Array,
+        rope: tuple[jax.Array, jax.Array],
         mask_bts: jax.Array,
         cache: dict[str, jax.Array] | None = None,
         cache_index: jax.Array | None = None,
-        rope: tuple[jax.Array, jax.Array] | None = None,
     ) -> tuple[jax.Array, dict[str, jax.Array] | None]:
         """Attends from the T new tokens to the S visible keys.
 
         Args:
           x_btd: normalised residual stream [B, T, D].
-          positions_bt: rotary positions of the new tokens [B, T].
+          rope: `rope_tables(...)` of the new tokens' rotary positions [B, T].
           mask_bts: bool [B, T, S], True where query t may attend to key s. Without a
             cache S = T; with one S is the cache length.
           cache: this layer's cache `{"k": [B, K, H, S], "v": [B, K, S, H]}`, or None.
           cache_index: int32 [] slot where the new keys are written (with `cache`), or
             [B], one slot per row.
-          rope: `rope_tables(positions_bt, ...)` if already computed, else None.
 
         Returns:
           `(out_btd, new_cache)`; `new_cache` is None when `cache` is None.
@@ -208,7 +204,7 @@ class Attention(nnx.Module):
         cfg, rules = self.config, self.rules
         dtype = cfg.compute_dtype
         b, t, _ = x_btd.shape
-        q_btnh, k_btkh, v_btkh = self._project_qkv(x_btd, positions_bt, rope)
+        q_btnh, k_btkh, v_btkh = self._project_qkv(x_btd, rope)
 
         kv, g, h = cfg.num_kv_heads, cfg.group_size, cfg.head_dim
         q_btkgh = jnp.reshape(q_btnh, (b, t, kv, g, h))
@@ -230,7 +226,7 @@ class Attention(nnx.Module):
         return constrain(out_btd, rules.act_btd), new_cache
 
     def _project_qkv(
-        self, x_btd: jax.Array, positions_bt: jax.Array, rope: tuple[jax.Array, jax.Array] | None
+        self, x_btd: jax.Array, rope: tuple[jax.Array, jax.Array]
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
         """Queries [B, T, N, H] and keys [B, T, K, H] (normed if so configured, rotated),
         and values [B, T, K, H], all constrained to their activation shardings."""
@@ -242,9 +238,6 @@ class Attention(nnx.Module):
         if self.q_norm is not None:
             q_btnh = self.q_norm(q_btnh)
             k_btkh = self.k_norm(k_btkh)
-        if rope is None:
-            inv_freq = rope_inverse_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
-            rope = rope_tables(positions_bt, inv_freq)
         q_btnh = constrain(rotate(q_btnh, rope), rules.act_btnh)
         k_btkh = constrain(rotate(k_btkh, rope), rules.act_btkh)
         v_btkh = constrain(v_btkh, rules.act_btkh)
@@ -350,11 +343,9 @@ class DecoderLayer(nnx.Module):
         self.mlp_norm = RMSNorm(config.embed_dim, eps=eps, param_dtype=pdt, rngs=rngs)
         self.mlp = MLP(config, rules, rngs=rngs)
 
-    def __call__(self, x_btd, positions_bt, mask_bts, cache=None, cache_index=None, rope=None):
+    def __call__(self, x_btd, rope, mask_bts, cache=None, cache_index=None):
         """See `Attention.__call__`; returns `(x_btd, new_cache)`."""
-        attn_out, new_cache = self.attn(
-            self.attn_norm(x_btd), positions_bt, mask_bts, cache, cache_index, rope
-        )
+        attn_out, new_cache = self.attn(self.attn_norm(x_btd), rope, mask_bts, cache, cache_index)
         x_btd = x_btd + attn_out
         x_btd = x_btd + self.mlp(self.mlp_norm(x_btd))
         return x_btd, new_cache

@@ -148,16 +148,11 @@ class SlotState:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class _Inputs:
-    """A call's per-row inputs, the same for every decode step."""
+class _Inputs(Prompts):
+    """A call's inputs, the same for every decode step: its `Prompts` and, in episodes,
+    the token sequences that end a policy turn (int32 [T, L], right-aligned, -1 padding;
+    `run_chunk`'s `turn_end_ids`)."""
 
-    prompt_tokens: jax.Array  # int32 [R, P], left-padded.
-    prompt_mask: jax.Array  # bool [R, P]
-    row_keys: jax.Array  # [R] keys: row r's is fold_in(key, r).
-    per_row: tuple  # [R] arrays (temperature f32, top_k i32, top_p f32, max_new_tokens i32).
-    # Episodes only: int32 [T, L], the token sequences that end a policy turn (the slot then
-    # waits for its environment, `SlotState.waiting_b`), right-aligned, -1 before a
-    # sequence shorter than L.
     turn_end_ids: jax.Array | None = None
 
 
@@ -422,14 +417,14 @@ class Sampler:
 
     def generate(self, model: nnx.Module, prompt_tokens, prompt_mask, key, **sampling):
         """`self(*nnx.split(model), prompt_tokens, prompt_mask, key, **sampling)`."""
-        graphdef, state = nnx.split(model)
-        return self(graphdef, state, prompt_tokens, prompt_mask, key, **sampling)
+        return self(*nnx.split(model), prompt_tokens, prompt_mask, key, **sampling)
 
     def compiled_programs(self) -> dict[str, int]:
         """How many programs each jitted entry point holds (`__call__`'s "sample", the slot
         API's "start", "chunk", "compact", "observe", "end"; shared with the samplers of
         the same specification): recompilation checks."""
-        return {name: fn._cache_size() for name, fn in self._programs.jitted().items()}
+        names = ("sample", "start", "chunk", "compact", "observe", "end")
+        return {name: getattr(self._programs, name)._cache_size() for name in names}
 
     def prepare(
         self, prompt_tokens, prompt_mask, key, *, temperature=1.0, top_k=0, top_p=1.0,
@@ -578,7 +573,7 @@ class Sampler:
         """`__call__`'s program: the first B rows prefilled, then one decode loop per width
         of the tail compaction schedule."""
         self._programs.traces += 1  # Runs only while tracing.
-        inputs = _Inputs(prompt_tokens, prompt_mask, _row_keys(key, len(prompt_tokens)), per_row)
+        inputs = _Inputs(prompt_tokens, prompt_mask, key, per_row)
         s = self._first_slots(nnx.merge(graphdef, state), prompt_tokens, prompt_mask)
         no_budget = jnp.asarray(np.iinfo(np.int32).max, jnp.int32)
         while True:
@@ -604,12 +599,10 @@ class Sampler:
     ):
         """`run_chunk`'s program: at most `budget` steps of `__call__`'s loop at the state's
         width. Returns the new state and `_progress`."""
-        prompt_tokens, prompt_mask = prompts.tokens, prompts.mask
-        row_keys = _row_keys(prompts.key, len(prompt_tokens))
-        inputs = _Inputs(prompt_tokens, prompt_mask, row_keys, prompts.per_row, turn_end_ids)
+        inputs = _Inputs(prompts.tokens, prompts.mask, prompts.key, prompts.per_row, turn_end_ids)
 
         def refreshed(s: SlotState) -> SlotState:
-            return self._fed_again(nnx.merge(graphdef, state), s, prompt_tokens)
+            return self._fed_again(nnx.merge(graphdef, state), s, prompts.tokens)
 
         s = jax.lax.cond(refresh, refreshed, lambda s: s, s)
         s, steps = self._decode_loop(graphdef, state, s, inputs, budget, version)
@@ -627,7 +620,7 @@ class Sampler:
         Returns:
           `(state, decode steps run)`.
         """
-        rows = inputs.prompt_tokens.shape[0]
+        rows = inputs.tokens.shape[0]
         width = s.row_b.shape[0]
         refill = width == self._width(rows)
         narrower = _narrower(width)
@@ -669,7 +662,9 @@ class Sampler:
         busy_b = written_b < rows  # Decoding: not idle, not waiting for an environment.
         row_b = jnp.minimum(s.row_b, rows - 1)
         temperature, top_k, top_p, limit = (jnp.take(x, row_b, axis=0) for x in inputs.per_row)
-        keys = jax.vmap(jax.random.fold_in)(jnp.take(inputs.row_keys, row_b, axis=0), s.step_b)
+        # Row r's draws use fold_in(key, r), so they do not depend on its slot.
+        row_keys = jax.vmap(jax.random.fold_in, (None, 0))(inputs.key, row_b)
+        keys = jax.vmap(jax.random.fold_in)(row_keys, s.step_b)
         tokens, logps, policy_logps = sample_step(s.logits_bv, keys, temperature, top_k, top_p)
         tokens = jnp.where(busy_b, tokens, self.pad_id)
 
@@ -701,7 +696,7 @@ class Sampler:
         )
         ended_b = busy_b & ends
         if refill:
-            return self._refill(model, s, ended_b, inputs.prompt_tokens, inputs.prompt_mask)
+            return self._refill(model, s, ended_b, inputs.tokens, inputs.mask)
         return dataclasses.replace(s, row_b=jnp.where(ended_b, rows, s.row_b))
 
     def _observe_program(self, graphdef, state, s: SlotState, slot, block_k, length):
@@ -711,11 +706,7 @@ class Sampler:
         k = block_k.shape[0]
         real_1k = (jnp.arange(k) < length)[None, :]
         tokens_1k = block_k[None, :]
-
-        def row_of(x):
-            return jax.lax.dynamic_slice_in_dim(x, slot, 1, axis=0)
-
-        one = jax.tree.map(row_of, s.cache)
+        one = jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, slot, 1, axis=0), s.cache)
         positions_1k = s.positions_b[slot] + jnp.arange(k, dtype=jnp.int32)[None, :]
         rope = model.rope_tables(positions_1k, one["key_mask"].shape[1])
         hidden, one = model.hidden_states(tokens_1k, positions_1k, real_1k, one, rope)
@@ -836,10 +827,6 @@ class _Programs:
     end: Callable
     traces: int = 0  # How often `sample` was traced.
 
-    def jitted(self) -> dict[str, Callable]:
-        names = ("sample", "start", "chunk", "compact", "observe", "end")
-        return {name: getattr(self, name) for name in names}
-
 
 # The programs of the last `_SHARED_SPECIFICATIONS` sampler specifications, least recently
 # built first (a process that builds samplers of many shapes keeps only these alive).
@@ -918,11 +905,6 @@ def _feed(model, tokens_b, positions_b, busy_b, cache) -> tuple[jax.Array, dict]
         tokens_b[:, None], positions_b1, busy_b[:, None], cache, rope
     )
     return model.logits(hidden)[:, 0], cache
-
-
-def _row_keys(key: jax.Array, rows: int) -> jax.Array:
-    """[R] keys, row r's `fold_in(key, r)`: a row's draws do not depend on its slot."""
-    return jax.vmap(jax.random.fold_in, (None, 0))(key, jnp.arange(rows, dtype=jnp.int32))
 
 
 def _progress(s: SlotState, steps) -> jax.Array:

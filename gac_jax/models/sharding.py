@@ -145,8 +145,7 @@ def make_mesh(
     Raises:
       ValueError: if a size is not positive or there are too few devices.
     """
-    sizes = {"data": data, "fsdp": fsdp, "tensor": tensor}
-    for name, size in sizes.items():
+    for name, size in (("data", data), ("fsdp", fsdp), ("tensor", tensor)):
         check_int(name, size, 1)
     devices = list(jax.devices() if devices is None else devices)
     needed = data * fsdp * tensor
@@ -221,10 +220,9 @@ def state_partition_specs(state: nnx.State, rules: ShardingRules, mesh) -> nnx.S
 
     def spec_of(variable):
         axes = logical_axes_of(variable)
-        shape = variable.get_value().shape
         if not axes:
             return variable.replace(PartitionSpec())
-        return variable.replace(fit_spec(rules.spec(*axes), shape, mesh))
+        return variable.replace(fit_spec(rules.spec(*axes), variable.get_value().shape, mesh))
 
     return jax.tree.map(spec_of, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
@@ -268,11 +266,7 @@ def create_sharded(init_fn, mesh: Mesh, rules: ShardingRules | None = None):
     abstract = nnx.eval_shape(init_fn)
     graphdef, abstract_state = nnx.split(abstract)
     shardings = state_shardings(abstract_state, mesh, rules)
-
-    def init():
-        return nnx.state(init_fn())
-
-    state = jax.jit(init, out_shardings=shardings)()
+    state = jax.jit(lambda: nnx.state(init_fn()), out_shardings=shardings)()
     return nnx.merge(graphdef, state)
 
 
@@ -280,8 +274,7 @@ def describe_shardings(model: nnx.Module) -> dict[str, PartitionSpec]:
     """`{"layers.0.attn.q_dnh": PartitionSpec(...), ...}` for every placed parameter."""
     out = {}
     for path, variable in nnx.to_flat_state(nnx.state(model)):
-        value = variable.get_value()
-        sharding = getattr(value, "sharding", None)
+        sharding = getattr(variable.get_value(), "sharding", None)
         key = ".".join(str(p) for p in path)
         out[key] = sharding.spec if isinstance(sharding, NamedSharding) else None
     return out

@@ -193,26 +193,22 @@ class HFTokenizer:
           ValueError: if no EOS token is given or found.
         """
         path = Path(path)
+        given = {"eos_token": eos_token, "pad_token": pad_token, "bos_token": bos_token}
         found: dict[str, str | None] = {}
         config_path = path / "tokenizer_config.json"
         if config_path.is_file():
             tokenizer_config = json.loads(config_path.read_text())
-            for key in ("eos_token", "pad_token", "bos_token"):
+            for key in given:
                 value = tokenizer_config.get(key)
                 if isinstance(value, dict):  # Older files store AddedToken dicts.
                     value = value.get("content")
                 found[key] = value
-        eos_token = eos_token or found.get("eos_token")
-        if eos_token is None:
+        special = {key: value or found.get(key) for key, value in given.items()}
+        if special["eos_token"] is None:
             raise ValueError(
                 f"No eos_token given and none in {str(config_path)!r}; pass eos_token=..."
             )
-        return cls.from_file(
-            path / "tokenizer.json",
-            eos_token=eos_token,
-            pad_token=pad_token or found.get("pad_token"),
-            bos_token=bos_token or found.get("bos_token"),
-        )
+        return cls.from_file(path / "tokenizer.json", **special)
 
     @property
     def vocab_size(self) -> int:

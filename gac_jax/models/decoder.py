@@ -203,9 +203,9 @@ class Decoder(nnx.Module):
           input_mask_bt: bool [B, T], True for real tokens; all True by default. Padding
             tokens are never attended to.
           cache: a cache from `init_cache` (or a previous call), or None.
-          rope: `self.rope_tables(positions_bt)` if the caller has them already (a
-            decode loop computes them for every step before the loop, so no step
-            evaluates sin and cos); computed here otherwise.
+          rope: `self.rope_tables(positions_bt, max_position)` if the caller has them
+            already (the sampler looks them up in the cache's constant tables at each
+            step); computed here otherwise.
 
         Returns:
           `(hidden_btd, new_cache)`; `new_cache` is None when `cache` is None.

@@ -116,7 +116,7 @@ def rope_tables(
     """`(cos, sin)` of the rotary angles, float32 [B, T, 1, H/2] each.
 
     Every layer rotates by the same angles, so the decoder takes them once per call (or
-    precomputed by its caller, as the sampler does for all decode steps before its loop).
+    from its caller, as the sampler's decode step passes them).
 
     With `max_position`, the tables are looked up in constant tables for positions
     `[0, max_position)` (positions outside are clipped into it), computed once with NumPy

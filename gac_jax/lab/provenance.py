@@ -125,6 +125,7 @@ def same_code(recorded: Mapping[str, Any] | None, current: Mapping[str, Any]) ->
         return False
     if recorded.get("dirty") and recorded.get("diff") is None:
         return False  # Dirty, but the changes could not be read.
+    # The same code files, whichever commit; a record without a tree (older) by its commit.
     files = "tree" if recorded.get("tree") and current.get("tree") else "commit"
     keys = (files, "dirty", "diff", *LIBRARIES)
     return all(recorded.get(k) == current.get(k) for k in keys)

@@ -12,7 +12,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from gac_jax.models.sharding import ShardingRules, state_shardings
+from gac_jax.models.sharding import ShardingRules, abstract_with_shardings, state_shardings
 
 # The batch dimension is split over every axis that does not shard the weights' width.
 BATCH_AXES = ("data", "fsdp")
@@ -49,11 +49,7 @@ def with_shardings(tree, shardings):
     carry them, as `jax.jit(...).lower` reads them."""
     if not is_abstract(tree):
         return jax.device_put(tree, shardings)
-    return jax.tree.map(
-        lambda x, sharding: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
-        tree,
-        shardings,
-    )
+    return abstract_with_shardings(tree, shardings)
 
 
 class ShardedLearner:

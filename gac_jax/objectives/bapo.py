@@ -22,7 +22,7 @@ from gac_jax.objectives._common import (
     is_python_number,
 )
 from gac_jax.objectives._loss_terms import _check_clip, _ppo_terms, _prepare, _ratio_aux, _sg
-from gac_jax.objectives.aggregation import aggregate
+from gac_jax.objectives.aggregation import aggregate, check_aggregation
 
 BAPO_CONTRIBUTIONS = ("unclipped", "clamped")
 
@@ -215,6 +215,7 @@ def bapo_loss(
       ``clip_high``, ``positive_share`` and ``search_steps`` (the bounds it chose).
     """
     _check_clip(0.0, 0.0, dual_clip)
+    check_aggregation(aggregation)
     if bounds is None:
         bounds = bapo_clip_bounds(
             logp,

@@ -15,7 +15,7 @@ from gac_jax.objectives._common import (
     masked_log_ratio,
     masked_mean,
 )
-from gac_jax.objectives.aggregation import aggregate
+from gac_jax.objectives.aggregation import aggregate, check_aggregation
 
 KL_ESTIMATORS = ("k1", "k2", "k3")
 
@@ -89,6 +89,7 @@ def kl_penalty(
       (unscaled, no gradient).
     """
     check_nonnegative("coef", coef)
+    check_aggregation(aggregation)
     logp, reference_bt, mask_bt = check_tokens(logp, reference_logp, mask, "reference_logp")
     # Padded positions get a zero log-ratio (zero KL, zero gradient) before the estimator.
     neg_delta = masked_log_ratio(logp, reference_bt, mask_bt)

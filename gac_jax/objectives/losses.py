@@ -45,7 +45,7 @@ from gac_jax.objectives._loss_terms import (
     _sg,
     _weights_bt,
 )
-from gac_jax.objectives.aggregation import aggregate
+from gac_jax.objectives.aggregation import aggregate, check_aggregation
 
 
 def reinforce_loss(
@@ -78,6 +78,7 @@ def reinforce_loss(
     Returns:
       ``(loss, aux)`` with ``weight_mean``, ``ratio_mean``, ``approx_kl``.
     """
+    check_aggregation(aggregation)
     logp_bt, mask_bt, adv_bt, ell_bt = _prepare(logp, behaviour_logp, advantages, mask)
     ratio_bt = _sg(clamped_exp(ell_bt))
     w_bt = (
@@ -128,6 +129,7 @@ def ppo_clip_loss(
       ``clip_fraction_high``, ``dual_clip_fraction``, ``ratio_mean``, ``approx_kl``.
     """
     _check_clip(eps_low, eps_high, dual_clip)
+    check_aggregation(aggregation)
     _, mask_bt, adv_bt, ell_bt = _prepare(logp, behaviour_logp, advantages, mask)
     ratio_bt = clamped_exp(ell_bt)
     loss_bt, low_bt, high_bt, dual_bt = _ppo_terms(
@@ -180,6 +182,7 @@ def decoupled_ppo_loss(
     """
     _check_clip(eps_low, eps_high, dual_clip)
     check_positive("behaviour_weight_cap", behaviour_weight_cap)  # None (no cap) passes.
+    check_aggregation(aggregation)
     _, mask_bt, adv_bt, _ = _prepare(logp, behaviour_logp, advantages, mask)
     logp_bt, prox_bt, _ = check_tokens(logp, proximal_logp, mask_bt)
     behaviour_bt = as_float(behaviour_logp)
@@ -237,6 +240,7 @@ def cispo_loss(
       ``approx_kl``.
     """
     _check_clip(eps_low, eps_high)
+    check_aggregation(aggregation)
     logp_bt, mask_bt, adv_bt, ell_bt = _prepare(logp, behaviour_logp, advantages, mask)
     ratio_bt = _sg(clamped_exp(ell_bt))
     lower, upper = 1.0 - eps_low, 1.0 + eps_high
@@ -291,6 +295,7 @@ def gspo_loss(
       the sequence ratios over valid sequences), ``approx_kl``.
     """
     _check_clip(eps_low, eps_high)
+    check_aggregation(aggregation)
     logp_bt, mask_bt, adv_bt, ell_bt = _prepare(logp, behaviour_logp, advantages, mask)
     count_b = jnp.sum(mask_bt, axis=-1, dtype=jnp.float32)
     seq_log_b = _sg(jnp.sum(ell_bt, axis=-1) / jnp.maximum(count_b, 1.0))
@@ -338,6 +343,7 @@ def topr_loss(
       ``truncated_fraction`` (negative tokens whose sequence ratio exceeded 1),
       ``weight_mean``, ``ratio_mean``, ``approx_kl``.
     """
+    check_aggregation(aggregation)
     logp_bt, mask_bt, adv_bt, ell_bt = _prepare(logp, behaviour_logp, advantages, mask)
     seq_log_b = _sg(jnp.sum(ell_bt, axis=-1))
     neg_weight_b = jnp.exp(jnp.minimum(seq_log_b, 0.0))

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 
 from gac_jax.objectives._common import check_choice, check_nonnegative, clamped_exp
 from gac_jax.objectives._loss_terms import _prepare, _ratio_aux, _sg
-from gac_jax.objectives.aggregation import aggregate
+from gac_jax.objectives.aggregation import aggregate, check_aggregation
 from gac_jax.objectives.importance import M2POHarmfulClip, M2POMask, m2po_harmful_clip, m2po_mask
 from gac_jax.objectives.losses import ppo_clip_loss
 
@@ -66,6 +66,7 @@ def m2po_loss(
     """
     check_choice("variant", variant, M2PO_VARIANTS)
     check_nonnegative("tau_m2", tau_m2)
+    check_aggregation(aggregation)
     if statistics is None:
         statistics = m2po_batch_statistics(
             logp,
@@ -107,9 +108,10 @@ def m2po_batch_statistics(
     logp, behaviour_logp, advantages, mask, *, variant="mask", aggregation="token-mean", **clip
 ) -> dict[str, M2POMask | M2POHarmfulClip]:
     """The whole batch's M2PO statistic (arXiv 2510.01161, Sec. 4), as the ``statistics``
-    argument of `m2po_loss` (takes `m2po_loss`'s keyword arguments; those not of the statistic
-    are ignored): its second-moment mask (`m2po_mask`), or for ``harmful_budget`` its clip
-    ranges (`m2po_harmful_clip`)."""
+    argument of `m2po_loss`: its second-moment mask (`m2po_mask`), or for ``harmful_budget``
+    its clip ranges (`m2po_harmful_clip`). Takes `m2po_loss`'s keyword arguments, as the
+    learner passes them: `aggregation` is not used, ``tau_m2`` (and for the harmful budget
+    ``min_eps_low``, ``min_eps_high``) go to the statistic; any other is a TypeError."""
     del aggregation
     check_choice("variant", variant, M2PO_VARIANTS)
     if variant == "harmful_budget":

@@ -318,13 +318,18 @@ class RolloutBuffer:
         now. The next group reserved is then consumed at step `consumed // groups_per_batch`
         at the earliest, as before.
         """
-        with self._lock:  # `stats()` less the depth, with produced and reserved as above.
-            state = dataclasses.asdict(self.stats())
-            del state["depth"]
-            produced = state["produced"] = self._consumed + self._dropped
-            held = held_after_drop(produced, self._dropped, self.stale_policy)
-            state["reserved"] = min(self._reserved, held)  # A producer may put unreserved.
-            return state
+        with self._lock:
+            produced = self._consumed + self._dropped
+            return {
+                "produced": produced,
+                "consumed": self._consumed,
+                "dropped": self._dropped,
+                "filtered": self._filtered,
+                "reserved": min(  # Never more than held: a producer may put unreserved.
+                    self._reserved, held_after_drop(produced, self._dropped, self.stale_policy)
+                ),
+                "staleness_histogram": {int(k): int(v) for k, v in sorted(self._histogram.items())},
+            }
 
     def restore(self, state: Mapping[str, Any]) -> RolloutBuffer:
         """Continues the counters of `state()` on this fresh buffer; returns the buffer.

@@ -70,6 +70,33 @@ def _check_numbers(numbers: Sequence[int]) -> tuple[int, ...]:
     return numbers
 
 
+def _combine(left: dict, right: dict, lkey, rkey, out: dict, integer_only: bool) -> None:
+    """Adds to `out` every value of ``l op r`` for l in `left`, r in `right` (both orders
+    for - and /), with a back-pointer ``(op, lkey, l, rkey, r)``; first one wins."""
+    for a in left:
+        for b in right:
+            for value, back in (
+                (a + b, ("+", lkey, a, rkey, b)),
+                (a * b, ("*", lkey, a, rkey, b)),
+                (a - b, ("-", lkey, a, rkey, b)),
+                (b - a, ("-", rkey, b, lkey, a)),
+            ):
+                if integer_only and value <= 0:
+                    continue
+                if value not in out:
+                    out[value] = back
+            if integer_only:
+                if a % b == 0 and a // b not in out:
+                    out[a // b] = ("/", lkey, a, rkey, b)
+                if b % a == 0 and b // a not in out:
+                    out[b // a] = ("/", rkey, b, lkey, a)
+            else:
+                if b != 0 and (q := a / b) not in out:
+                    out[q] = ("/", lkey, a, rkey, b)
+                if a != 0 and (q := b / a) not in out:
+                    out[q] = ("/", rkey, b, lkey, a)
+
+
 class _Search:
     """Values of the expressions over each sub-multiset of `numbers` that use all of it."""
 
@@ -96,36 +123,18 @@ class _Search:
             sub = (mask - 1) & mask
             while sub:
                 if sub & low:
-                    self.combine(sub, mask ^ sub, found)
+                    rest = mask ^ sub
+                    _combine(
+                        self.values(sub),
+                        self.values(rest),
+                        self.key(sub),
+                        self.key(rest),
+                        found,
+                        self.integer_only,
+                    )
                 sub = (sub - 1) & mask
         self.exact[key] = found
         return found
-
-    def combine(self, sub: int, rest: int, out: dict) -> None:
-        """Adds to `out` every value of ``l op r`` for l a value of mask `sub`, r one of mask
-        `rest` (both orders for - and /), with a back-pointer ``(op, lkey, l, rkey, r)``;
-        first one wins."""
-        left, right, lkey, rkey = self.values(sub), self.values(rest), self.key(sub), self.key(rest)
-        for a in left:
-            for b in right:
-                ab, ba = (lkey, a, rkey, b), (rkey, b, lkey, a)
-                for value, back in (
-                    (a + b, ("+", *ab)),
-                    (a * b, ("*", *ab)),
-                    (a - b, ("-", *ab)),
-                    (b - a, ("-", *ba)),
-                    (self.quotient(a, b), ("/", *ab)),
-                    (self.quotient(b, a), ("/", *ba)),
-                ):
-                    if value is not None and not (self.integer_only and value <= 0):
-                        out.setdefault(value, back)
-
-    def quotient(self, a, b):
-        """``a / b`` under the search's rule (whole quotients only when `integer_only`), or
-        None where there is none."""
-        if self.integer_only:
-            return a // b if a % b == 0 else None
-        return a / b if b != 0 else None
 
     def render(self, key: tuple[int, ...], value) -> tuple[str, int]:
         back = self.exact[key][value]

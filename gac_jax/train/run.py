@@ -1,8 +1,8 @@
 """A run: everything a `TrainConfig` builds, and what it does between the loop's hooks.
 
-`build_run(config)` is the one builder: the training loop, `plan` (`abstract=True`),
-`eval` and `export-hf` all build through it, so what `plan` reports is the run that will
-happen (LoRA, split devices).
+`build_run(config)` is the one builder: the training loop, `plan` (`abstract=True`: no
+weight is made, only shapes, dtypes and shardings), `eval` and `export-hf` all build
+through it, so what `plan` reports is the run that will happen (LoRA, split devices).
 
 A `Run` publishes its params as a version, takes the step's batch from its rollout source,
 updates, evaluates, and saves or restores its state (`run_state.RunState`).

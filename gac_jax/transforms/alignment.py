@@ -115,9 +115,10 @@ def _zeros_like(param, dtype):
 
 def _thresholds(state, tau_low, tau_high, threshold_mode, adaptive_k, adaptive_warmup):
     """Thresholds for this step (`gradient_alignment_control`'s `thresholds`): the adaptive
-    band follows the cosines seen before this step (a spike cannot raise its own threshold),
-    so runs whose natural alignment is low get a tighter control; persistently aligned runs
-    (the asynchronous failure the method exists for) can never loosen it."""
+    band follows the cosines seen before this step (a spike cannot raise its own threshold)
+    and only slides down, so runs whose natural alignment is low get a tighter control and
+    persistently aligned runs (the failure the method exists for) never loosen it beyond
+    the configured band."""
     tau_low = jnp.asarray(tau_low, jnp.float32)
     tau_high = jnp.asarray(tau_high, jnp.float32)
     if threshold_mode == "fixed":

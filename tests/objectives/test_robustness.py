@@ -180,3 +180,19 @@ def test_jnp_inputs_work_like_numpy_inputs():
     mask = jnp.ones((B, T), bool)
     loss, _ = jax.jit(obj.ppo_clip_loss)(logp, logp, jnp.ones(B), mask)
     assert float(loss) == pytest.approx(-1.0)
+
+
+@pytest.mark.parametrize("name", _LOSS_NAMES)
+def test_an_unknown_aggregation_is_refused_before_the_inputs_are_read(name):
+    # A bad knob is named first, before any search or statistic runs and whatever the
+    # inputs: here the behaviour log-probs have the wrong shape too.
+    import inspect
+
+    fn = obj.POLICY_LOSSES["m2po" if name == "m2po_harmful" else name]
+    if "aggregation" not in inspect.signature(fn).parameters:
+        pytest.skip(f"{name} takes no aggregation")
+    logp, mask = np.zeros((B, T), np.float32), np.ones((B, T), bool)
+    kwargs = _loss_kwargs(name, logp, np.zeros((B,), np.int32))
+    signal = np.zeros((B,), np.float32)
+    with pytest.raises(ValueError, match="aggregation"):
+        fn(logp, np.zeros((B, T + 1), np.float32), signal, mask, aggregation="bogus", **kwargs)

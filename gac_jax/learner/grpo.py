@@ -202,15 +202,18 @@ class GRPOLearner(ShardedLearner):
 
     def _per_update(self, metrics: dict[str, Any], learner_version: int) -> list[dict]:
         """Splits stacked per-update metrics into one record per optimizer step."""
-        count, k = self.config.updates_per_batch, self.config.mini_batches
+        count, per_epoch = self.config.updates_per_batch, self.config.mini_batches
         if count == 1:
             return [metrics]
         stacked = {name: v for name, v in metrics.items() if isinstance(v, list)}
-        updates = [
-            {name: v[u] for name, v in stacked.items()}
-            | {"optimizer_step": learner_version * count + u, "epoch": u // k, "mini_batch": u % k}
-            for u in range(count)
-        ]
+        updates = []
+        for u in range(count):
+            epoch, mini_batch = divmod(u, per_epoch)
+            record = {name: v[u] for name, v in stacked.items()}
+            record.update(
+                optimizer_step=learner_version * count + u, epoch=epoch, mini_batch=mini_batch
+            )
+            updates.append(record)
         metrics.update(updates[-1])
         metrics["updates"] = updates
         return updates

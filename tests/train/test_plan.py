@@ -31,9 +31,16 @@ SMALL = [
 ]
 
 
-def test_the_report_has_both_programs_on_the_mesh():
+@pytest.fixture(scope="module")
+def small_demo():
+    """The demo preset with `SMALL`, and its plan (shared: each plan traces and compiles
+    both programs)."""
     config = apply_overrides(get_preset("demo"), SMALL)
-    report = plan(config, device_memory_gib=80)
+    return config, plan(config, device_memory_gib=80)
+
+
+def test_the_report_has_both_programs_on_the_mesh(small_demo):
+    config, report = small_demo
     assert report["devices"] == 8 and report["mesh"]["fsdp"] == 8
     learner, sampler = report["learner"], report["sampler"]
     width = config.generation.prompt_length + 8
@@ -66,15 +73,13 @@ def test_micro_batches_follow_the_token_budget():
     assert plan(config)["learner"]["micro_batches"] == 4
 
 
-def test_the_step_flops_do_not_depend_on_the_micro_batches():
+def test_the_step_flops_do_not_depend_on_the_micro_batches(small_demo):
     # XLA counts a loop's body once; the report multiplies it back to the whole step.
-    flops = [
-        plan(
-            apply_overrides(get_preset("demo"), [*SMALL, f"learner.micro_batches={m}"]),
-            device_memory_gib=80,
-        )["learner"]["tflops_per_step"]
-        for m in (1, 4)
-    ]
+    config, one = small_demo
+    assert one["learner"]["micro_batches"] == config.learner.micro_batches == 1
+    four = plan(apply_overrides(config, ["learner.micro_batches=4"]), device_memory_gib=80)
+    assert four["learner"]["micro_batches"] == 4
+    flops = [report["learner"]["tflops_per_step"] for report in (one, four)]
     assert flops[1] == pytest.approx(flops[0], rel=0.15)
 
 
@@ -99,11 +104,10 @@ def test_a_checkpoint_is_planned_in_its_own_dtype(tmp_path, stored):
     assert model_config(bf16).dtype == "bfloat16"
 
 
-def test_lora_and_split_devices_change_the_plan():
+def test_lora_and_split_devices_change_the_plan(small_demo):
     # `plan` builds the run `train` would: LoRA's frozen base and the learner's smaller mesh
     # once the rollout devices are taken are in its figures.
-    base = apply_overrides(get_preset("demo"), SMALL)
-    plain = plan(base)
+    base, plain = small_demo
     lora = plan(apply_overrides(base, ["lora.rank=8"]))
     split = plan(apply_overrides(base, ["placement.devices=4"]))
     assert lora["learner"]["optimizer_gib"] < plain["learner"]["optimizer_gib"]

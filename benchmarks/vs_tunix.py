@@ -45,6 +45,11 @@ timed back to back), which cancels the machine's slower drifts. Each timed call
 ends with its outputs on the host (gac_jax: `np.asarray` of the tokens / metrics as
 floats; Tunix: its returned lists / `block_until_ready` of loss, aux and grad norm).
 
+Each call's model FLOP/s is printed beside its time, as a fraction of the machine's matmul
+rate (MFU; the peak is the fastest of three jitted 2048^2 fp32 matmuls a round, timed as
+`learner.py` times it), with the rate gac_jax would need for 1.5x Tunix's median. The
+FLOPs are `learner.py`'s accounting (`model_flops`), the same work for both libraries.
+
 The last lines printed are the four ratios gac_jax / Tunix of tokens/s. With `--profile
 CALLS`, each size also prints, after its timing, where each of the four calls' time goes
 (`trace_profile.py`: its compiled ops and the host's time between them, from a
@@ -108,6 +113,7 @@ import numpy as np
 import optax
 from bench_models import EOS, PAD, SIZES, gac_config
 from flax import nnx
+from learner import PEAK_N, flops_per_token, make_peak, matmul_params
 
 from gac_jax import models
 from gac_jax.learner import (
@@ -355,6 +361,21 @@ def make_tunix_trainer(tunix_model, batch):
 # ---------------------------------------------------------------------------------------
 
 
+def model_flops(cfg: models.ModelConfig) -> dict[str, float]:
+    """Model FLOPs of one call of each task, PaLM's accounting as `learner.py` counts them
+    (2 N_matmul a token forward, 6 N_matmul forward and backward, attention over the whole
+    context, no causal discount): the GRPO step over 64 x 64 tokens; sampling's prefill of
+    the prompts and one forward a new token at its position."""
+    attention = 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim
+    n = matmul_params(cfg)
+    prefill = BATCH * PROMPT * (2 * n + attention * PROMPT)
+    decode = sum(BATCH * (2 * n + attention * (PROMPT + i + 1)) for i in range(NEW))
+    return {
+        "sample": float(prefill + decode),
+        "train": flops_per_token(cfg, PROMPT + NEW) * BATCH * (PROMPT + NEW),
+    }
+
+
 def timed(fn, *args) -> float:
     start = time.perf_counter()
     fn(*args)
@@ -400,6 +421,9 @@ def bench_size(
     )
 
     times = {t: {"gac_jax": [], "tunix": []} for t in ("sample", "train")}
+    # The machine's matmul rate, timed three times a round between the libraries' calls;
+    # the fastest of all is the peak each call's model FLOP/s is compared with (its MFU).
+    peak_timer, peak_times = make_peak(), []
     tasks = {
         ("sample", "gac_jax"): gac_sample,
         ("sample", "tunix"): tunix_sample,
@@ -411,6 +435,8 @@ def bench_size(
         for task in ("sample", "train"):
             for lib in libs:
                 times[task][lib].append(timed(tasks[task, lib], 1 + r))
+        peak_times += [peak_timer() for _ in range(3)]
+    times["peak"] = 2 * PEAK_N**3 / min(peak_times)
     if profile_calls:
         print_profiles(name, tasks, profile_calls)
     return times
@@ -430,16 +456,22 @@ def summarise(name: str, times) -> dict[str, float]:
     tokens = {"sample": BATCH * NEW, "train": BATCH * (PROMPT + NEW)}
     label = {"sample": "generated", "train": "trained"}
     ratios = {}
-    print(f"  {name}: median over {len(times['sample']['gac_jax'])} rounds")
+    flops, peak = model_flops(gac_config(SIZES[name])), times["peak"]
+    print(
+        f"  {name}: median over {len(times['sample']['gac_jax'])} rounds; matmul peak (a "
+        f"jitted {PEAK_N}^2 fp32 matmul, the fastest of three a round) {peak / 1e9:.1f} GFLOP/s"
+    )
     for task in ("sample", "train"):
         rates = {}
         for lib in ("gac_jax", "tunix"):
             t = times[task][lib]
             median = statistics.median(t)
             rates[lib] = tokens[task] / median
+            achieved = flops[task] / median
             print(
                 f"    {task:<6} {lib:<7} {1e3 * median:8.1f} ms (min {1e3 * min(t):.1f}, "
-                f"max {1e3 * max(t):.1f})  {rates[lib]:8.0f} {label[task]} tokens/s"
+                f"max {1e3 * max(t):.1f})  {rates[lib]:8.0f} {label[task]} tokens/s  "
+                f"{achieved / 1e9:6.1f} GFLOP/s, MFU {100 * achieved / peak:4.1f}%"
             )
         # Each round times both libraries back to back, so the ratio within a round sees
         # one state of the (shared, noisy) machine; its median is the headline figure.
@@ -448,6 +480,11 @@ def summarise(name: str, times) -> dict[str, float]:
             for t_gac, t_tunix in zip(times[task]["gac_jax"], times[task]["tunix"], strict=True)
         ]
         ratios[task] = (statistics.median(paired), min(paired), max(paired))
+        goal = 1.5 * flops[task] / statistics.median(times[task]["tunix"])
+        print(
+            f"    {task:<6} 1.5x Tunix's median would be {goal / 1e9:.1f} GFLOP/s, MFU "
+            f"{100 * goal / peak:.1f}% ({flops[task] / 1e9:.1f} GFLOP a call)"
+        )
         print(
             f"    {task:<6} ratio of medians {rates['gac_jax'] / rates['tunix']:.2f}x; "
             f"per-round ratios median {ratios[task][0]:.2f}x "

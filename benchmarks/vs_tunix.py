@@ -384,7 +384,8 @@ def timed(fn, *args) -> float:
 
 def bench_size(
     name: str, size: dict, rounds: int, profile_calls: int = 0
-) -> dict[str, dict[str, list[float]]]:
+) -> tuple[dict[str, dict[str, list[float]]], float]:
+    """Seconds a call per task and library, each round's, and the matmul peak (FLOP/s)."""
     cfg = gac_config(size)
     rng = np.random.default_rng(1234)
     prompts = rng.integers(3, cfg.vocab_size, (BATCH, PROMPT)).astype(np.int32)
@@ -436,10 +437,9 @@ def bench_size(
             for lib in libs:
                 times[task][lib].append(timed(tasks[task, lib], 1 + r))
         peak_times += [peak_timer() for _ in range(3)]
-    times["peak"] = 2 * PEAK_N**3 / min(peak_times)
     if profile_calls:
         print_profiles(name, tasks, profile_calls)
-    return times
+    return times, 2 * PEAK_N**3 / min(peak_times)
 
 
 def print_profiles(name: str, tasks, calls: int) -> None:
@@ -452,11 +452,11 @@ def print_profiles(name: str, tasks, calls: int) -> None:
         print(format_profile(f"{name} {task} {lib}", profile(lambda fn=fn: fn(0), calls)))
 
 
-def summarise(name: str, times) -> dict[str, float]:
+def summarise(name: str, times, peak: float) -> dict[str, float]:
     tokens = {"sample": BATCH * NEW, "train": BATCH * (PROMPT + NEW)}
     label = {"sample": "generated", "train": "trained"}
     ratios = {}
-    flops, peak = model_flops(gac_config(SIZES[name])), times["peak"]
+    flops = model_flops(gac_config(SIZES[name]))
     print(
         f"  {name}: median over {len(times['sample']['gac_jax'])} rounds; matmul peak (a "
         f"jitted {PEAK_N}^2 fp32 matmul, the fastest of three a round) {peak / 1e9:.1f} GFLOP/s"
@@ -527,7 +527,7 @@ def main():
     )
     results = {name: bench_size(name, SIZES[name], rounds, args.profile) for name in args.sizes}
     print("\nThroughput")
-    ratios = {name: summarise(name, times) for name, times in results.items()}
+    ratios = {name: summarise(name, *result) for name, result in results.items()}
     print(
         "\nRatios gac_jax / Tunix (tokens/s; >1 means gac_jax is faster): median over rounds "
         "of the ratio within each round"

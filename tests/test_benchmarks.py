@@ -79,6 +79,15 @@ def test_the_transforms_benchmark_runs_its_smoke_form():
 
 
 @pytest.mark.slow
+def test_the_optimizer_compile_benchmark_runs_its_smoke_form():
+    out = _run("optimizer_compile.py", "--smoke", env=process_env(1))
+    rows = [line.split() for line in out.splitlines() if line.split()[:1] in (["8"], ["16"])]
+    assert [(r[0], r[1]) for r in rows] == [
+        (n, chain) for n in ("8", "16") for chain in ("adamw", "default", "gac+ess")
+    ]
+
+
+@pytest.mark.slow
 def test_the_learner_benchmark_runs_its_smoke_form():
     out = _run("learner.py", "--smoke")
     assert "peak: jitted" in out and "options on tiny" in out

@@ -25,7 +25,7 @@ from gac_jax.learner.batch import TrainBatch
 from gac_jax.learner.objective import Objective
 from gac_jax.learner.optimizer import injected_learning_rate
 from gac_jax.models.scoring import token_logps_and_entropy
-from gac_jax.numerics import masked_mean
+from gac_jax.numerics import computed_once, masked_mean
 from gac_jax.transforms import alignment_statistics
 
 _sg = jax.lax.stop_gradient
@@ -104,6 +104,7 @@ def select_finite_update(params, opt_state, grads, updates, new_opt_state, loss,
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & jnp.isfinite(update_norm)
     if rewards is not None:
         finite &= jnp.all(jnp.isfinite(rewards))
+    finite = computed_once(finite)  # Read by every leaf's select.
     new = (optax.apply_updates(params, updates), new_opt_state)
     params, opt_state = jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, (params, opt_state))
     metrics = {

@@ -36,6 +36,7 @@ import optax
 from optax import GradientTransformationExtraArgs
 
 from gac_jax._validation import check_choice, check_range, concrete_number
+from gac_jax.numerics import computed_once
 from gac_jax.transforms._alignment_math import (
     Alignment,
     Control,
@@ -283,7 +284,7 @@ def gradient_alignment_control(
 
         cache_norms = reference == "gradient"
         per_leaf = per_leaf_alignment(grads, refs, state.gac_reference_sq, cache_norms)
-        total = Alignment(*(jnp.sum(x, keepdims=True) for x in per_leaf))
+        total = computed_once(Alignment(*(jnp.sum(x, keepdims=True) for x in per_leaf)))
         unit = per_leaf if scope == "per_leaf" else total
 
         global_cosine = safe_cosine(total.dot[0], total.grad_sq[0], total.ref_sq[0])

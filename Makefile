@@ -39,6 +39,7 @@ test: $(TEST_STAMP) lint
 bench: $(TEST_STAMP)
 	$(BIN)/python benchmarks/canary.py
 	$(BIN)/python benchmarks/transforms.py
+	$(BIN)/python benchmarks/optimizer_compile.py
 	$(BIN)/python benchmarks/learner.py --quick
 	$(BIN)/python benchmarks/pipeline.py --quick
 

@@ -81,7 +81,8 @@ print(f"FAST={FAST}, jax {jax.__version__} on {jax.devices()[0].platform}")
 # loss on GRPO advantages, AdamW after global-norm clipping). We switch its rollouts to
 # lagged mode, set the lag, turn GAC on or off (off still records `c_t` through
 # `gradient_alignment_monitor`), keep the preset's learning rate of 2e-4 (at 1e-3 the warm
-# start degrades within 50 steps), and turn off evaluation and checkpoints. Everything is written to a temporary directory.
+# start degrades within 50 steps), and turn off evaluation and checkpoints. Everything is
+# written to a temporary directory.
 
 # %%
 GRPO_STEPS = 4 if FAST else 100

@@ -15,8 +15,9 @@ lowered program, so a slow round of this shared machine does not count), the add
 optimised HLO (a measure of the program's size), and the ratio of each chain's compile time
 to adamw's. The chain's sums over the leaves (GAC's inner products, the finiteness test)
 are read by every leaf's update; `numerics.computed_once` keeps XLA:CPU from copying them
-into each leaf's fusion, which made the program quadratic in the leaves (on 2026-11-28,
-before it: 153.75 s and 398,957 adds for the default chain at 310 leaves).
+into each leaf's fusion, which made the program quadratic in the leaves (at dc43713, before
+it, this script printed 220.05 s and 400,817 adds for the default chain at 310 leaves;
+benchmarks/README.md has both tables).
 """
 
 from __future__ import annotations

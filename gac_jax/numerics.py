@@ -93,24 +93,17 @@ def effective_sample_size(
 
 
 def computed_once(scalars):
-    """`scalars` (a pytree of small arrays), unchanged, computed once per program.
-
-    XLA:CPU copies cheap scalar arithmetic into every fusion that reads its result: a sum
-    over a parameter tree's leaves (a chain of adds after XLA's simplifier) that each
-    leaf's update reads is recomputed inside every leaf's fusion, so the program grows
-    with the square of the leaves (at 96 leaves, GAC's chain compiles to 41k adds). An
-    `optimization_barrier` does not stop it (XLA:CPU removes barriers before fusion); a
-    conditional does, as XLA does not fuse across one. On the CPU backend `scalars` pass
-    through `lax.cond` whose two branches return them unchanged (identity, and times 1,
-    exact for every float, so XLA cannot merge the branches); other backends get them as
-    they are. The values are the same bit for bit either way.
-    """
-
-    def through_a_conditional(tree):
-        predicate = jnp.any(jax.tree.leaves(tree)[0] != 0)  # Either branch would do.
-        times_one = functools.partial(jax.tree.map, lambda x: x * jnp.ones((), x.dtype))
-        return jax.lax.cond(predicate, lambda t: t, times_one, tree)
-
+    """`scalars` (small arrays) unchanged, computed once. XLA:CPU copies cheap scalar
+    arithmetic, such as a sum over a parameter tree's leaves, into every fusion that reads
+    it: each leaf's update, a program quadratic in the leaves (`optimizer_compile.py`). A
+    conditional stops it (an `optimization_barrier` is removed first): on CPU the values
+    pass through a `lax.cond` whose branches return them as they are (one times 1, so XLA
+    cannot merge them), bit for bit."""
     if not jax.tree.leaves(scalars):
         return scalars
-    return jax.lax.platform_dependent(scalars, cpu=through_a_conditional, default=lambda t: t)
+    times_one = functools.partial(jax.tree.map, lambda x: x * jnp.ones((), x.dtype))
+
+    def on_cpu(tree):  # Either branch would do: the predicate only has to be opaque.
+        return jax.lax.cond(jnp.any(jax.tree.leaves(tree)[0] != 0), lambda t: t, times_one, tree)
+
+    return jax.lax.platform_dependent(scalars, cpu=on_cpu, default=lambda t: t)

@@ -15,14 +15,17 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 
-OPTIMIZATION_LEVEL = "--xla_backend_optimization_level"
+# XLA:CPU compiles cheaply in the suite's processes (and the subprocesses that inherit
+# these variables), unless the caller set a flag itself: LLVM at -O0 and the older fusion
+# emitters. Compiling is most of the suite's CPU time, and tests/learner/test_learner.py
+# with tests/models/test_sampler.py from an empty cache took 101 s at -O1, 74 s at -O0
+# and 47 s with both. -O0 changes float32 results by a few ulps, the same in every
+# process of the suite; the emitters alone change no bit (a learner step's params after
+# two steps hashed equal).
+CHEAP_COMPILE_FLAGS = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false")
 _flags = os.environ.get("XLA_FLAGS", "").split() + ["--xla_force_host_platform_device_count=8"]
-# LLVM at -O1 in the suite's own processes, unless the caller chose a level: a tenth less
-# time to compile (tests/learner/test_learner.py and tests/models/test_sampler.py from an
-# empty cache: 165 -> 150 s) and the same code's results bit for bit (a learner step's
-# params after two steps hashed equal); -O0 would change float32 results by a few ulps.
-if not any(f.startswith(OPTIMIZATION_LEVEL) for f in _flags):
-    _flags.append(f"{OPTIMIZATION_LEVEL}=1")
+_named = {flag.split("=", 1)[0] for flag in _flags}
+_flags += [flag for flag in CHEAP_COMPILE_FLAGS if flag.split("=", 1)[0] not in _named]
 os.environ["XLA_FLAGS"] = " ".join(_flags)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # A persistent compilation cache shared by the test processes (xdist workers, and the
@@ -73,17 +76,16 @@ def free_port() -> int:
 
 def process_env(local_devices: int | None) -> dict[str, str]:
     """This environment for a child process without conftest's 8 fake devices (with
-    `local_devices` of its own, or none set: the process sets them) and LLVM's
-    optimisations off (compile time dominates short runs)."""
+    `local_devices` of its own, or none set: the process sets them) and with the suite's
+    cheap compiles (`CHEAP_COMPILE_FLAGS`, inherited)."""
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO))
     flags = [
         f
         for f in env.get("XLA_FLAGS", "").split()
-        if not f.startswith(("--xla_force_host_platform_device_count", OPTIMIZATION_LEVEL))
+        if not f.startswith("--xla_force_host_platform_device_count")
     ]
     if local_devices is not None:
         flags.append(f"--xla_force_host_platform_device_count={local_devices}")
-    flags.append(f"{OPTIMIZATION_LEVEL}=0")
     env["XLA_FLAGS"] = " ".join(flags)
     return env
 

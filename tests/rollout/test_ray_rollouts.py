@@ -31,9 +31,10 @@ from gac_jax.rollout.ray_cluster import LocalRayCluster
 from gac_jax.rollout.ray_rollouts import RayRolloutPool, RolloutActorDied
 from gac_jax.rollout.worker import GroupRequest, group_key
 from gac_jax.tasks import get_task
+from tests.conftest import process_env
 
 # Each actor is its own JAX runtime with 2 fake CPU devices (this process has 8).
-ACTOR_ENV = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+ACTOR_ENV = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": process_env(2)["XLA_FLAGS"]}
 EXAMPLES = [
     {"a": a, "op": "+", "b": b, "answer": a + b}
     for a, b in [(12, 34), (50, 7), (3, 99), (41, 41), (8, 15), (27, 60)]

@@ -13,6 +13,7 @@ from gac_jax.train import run as run_lib
 from gac_jax.train.config import TrainConfig
 from gac_jax.train.config_io import apply_overrides
 from gac_jax.train.metrics import read_metrics
+from tests.conftest import process_env
 
 
 def _config(tmp_path, steps, *overrides):
@@ -91,7 +92,7 @@ def ray_cluster():
 
 @pytest.mark.slow
 def test_ray_backend_trains_within_the_bound(tmp_path, ray_cluster, monkeypatch, consumed):
-    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
+    monkeypatch.setenv("XLA_FLAGS", process_env(1)["XLA_FLAGS"])
     config = _config(
         tmp_path,
         4,
@@ -124,7 +125,7 @@ def test_ray_actors_run_tool_episodes_with_inflight_updates(
     taking in-flight updates: observations are masked, versions never go back in a row."""
     from gac_jax.train.config import get_preset
 
-    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
+    monkeypatch.setenv("XLA_FLAGS", process_env(1)["XLA_FLAGS"])
     config = apply_overrides(
         get_preset("calculator"),
         [

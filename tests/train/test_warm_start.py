@@ -2,7 +2,6 @@
 
 import dataclasses
 import functools
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -42,6 +41,7 @@ from gac_jax.train.warm_start import (
     warm_start,
     weights_digest,
 )
+from tests.conftest import process_env
 
 
 def _log_softmax64(logits):
@@ -280,8 +280,7 @@ print(ensure_warm_start(config, cache_dir=sys.argv[1], data_dir=sys.argv[2]))
 def test_processes_asking_for_one_warm_start_at_once_train_it_once(tmp_path, data_dir):
     # A sweep's first runs start together: without the lock, each trains the same warm
     # start and all but the first fail on saving a step that is already saved.
-    repo = str(Path(__file__).resolve().parents[2])
-    env = dict(os.environ, PYTHONPATH=repo, XLA_FLAGS="--xla_force_host_platform_device_count=1")
+    env = process_env(1)
     children = [
         subprocess.Popen(
             [sys.executable, "-c", _ENSURE, str(tmp_path / "cache"), str(data_dir)],

@@ -21,6 +21,7 @@ from gac_jax.transforms import (
     alignment_controlled,
     gradient_alignment_monitor,
 )
+from tests.conftest import USERS_COMPILE_OPTIONS
 
 CONFIG = models.get_config("tiny")
 G, L, PROMPT = 4, 6, 8
@@ -129,9 +130,10 @@ def _params(dtype=jnp.float32):
 
 
 def _updates(tx, params, steps=3, **extra):
-    """Params after `steps` jitted updates with fixed pseudo-random gradients."""
+    """Params after `steps` jitted updates with fixed pseudo-random gradients, compiled as
+    users compile them (the bit-for-bit tests' claim)."""
     state = tx.init(params)
-    update = jax.jit(tx.update)
+    update = jax.jit(tx.update, compiler_options=USERS_COMPILE_OPTIONS)
     keys = jax.random.split(jax.random.key(0), steps)
     for key in keys:
         leaves, treedef = jax.tree.flatten(params)

@@ -139,7 +139,8 @@ def test_values_and_gradients_match_float64_and_the_dense_path(b, t, d, v, chunk
     ):
         assert got.dtype == jnp.float32, name
         _assert_close(got, want, err_msg=f"d/d{name} vs float64")
-        _assert_close(got, dense, err_msg=f"d/d{name} vs dense float32")
+        # Two float32 results, each within 1e-6 of float64: within 2e-6 of each other.
+        _assert_close(got, dense, rtol=2e-6, err_msg=f"d/d{name} vs dense float32")
     _assert_close(logp, dense_logp, err_msg="logp vs dense")
     _assert_close(entropy, dense_entropy, err_msg="entropy vs dense")
 

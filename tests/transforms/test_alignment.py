@@ -135,7 +135,11 @@ def test_matches_float64_reference(projection, reference, scope, skip):
         for k in SHAPES:
             np.testing.assert_allclose(out[k], want[k], rtol=1e-4, atol=1e-5 * scale)
         assert int(state.gac_regime) == regime
-        np.testing.assert_allclose(state.gac_cosine, cosine, atol=1e-5)
+        # An "update" reference is an earlier output, which carries the projection's
+        # rounding (checked above to 1e-5 of the inputs' scale, not of the output's).
+        np.testing.assert_allclose(
+            state.gac_cosine, cosine, atol=1e-5 if reference == "gradient" else 1e-4
+        )
         if reference == "gradient":  # The carried |r|^2 is the stored reference's.
             stored = jax.tree.leaves(state.gac_reference)
             measured = [np.sum(np.square(x, dtype=np.float64)) for x in stored]
@@ -373,7 +377,9 @@ def test_injected_and_plain_forms_agree():
         for k in SHAPES:
             np.testing.assert_allclose(out_injected[k], out_plain[k], rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(
-            optax.tree.get(s_injected, "gac_cosine"), optax.tree.get(s_plain, "gac_cosine")
+            optax.tree.get(s_injected, "gac_cosine"),
+            optax.tree.get(s_plain, "gac_cosine"),
+            rtol=1e-6,
         )
     # The hyperparameter really is a traced input: changing it changes the result.
     s_injected.hyperparams["tau_low"] = jnp.asarray(0.0)

@@ -180,17 +180,10 @@ def bapo_loss(
     advantages: jax.Array,
     mask: jax.Array,
     *,
-    target_positive_share: float = 0.5,
-    low_start: float = 0.6,
-    low_max: float = 0.9,
-    low_step: float = 0.05,
-    high_start: float = 1.2,
-    high_max: float = 3.0,
-    high_step: float = 0.05,
-    contribution: str = "unclipped",
     dual_clip: float | None = 3.0,
     aggregation: str = "token-mean",
     bounds: BAPOBounds | None = None,
+    **search: float | str,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     r"""BAPO: PPO clip with bounds searched per batch (Xi et al., arXiv 2510.18927).
 
@@ -198,17 +191,18 @@ def bapo_loss(
 
         \ell_{bt} = \max\!\big(-A r,\; -A\,\operatorname{clip}(r, c_{low}, c_{high})\big)
 
-    with :math:`[c_{low}, c_{high}]` from `bapo_clip_bounds` (same arguments) and the dual
-    clip :math:`c = 3` of the official recipe (None disables it).
+    with :math:`[c_{low}, c_{high}]` from `bapo_clip_bounds` and the dual clip
+    :math:`c = 3` of the official recipe (None disables it).
 
     Args:
       logp, behaviour_logp, advantages, mask: see the module docstring.
-      target_positive_share, low_start, low_max, low_step, high_start, high_max,
-        high_step, contribution: see `bapo_clip_bounds`.
       dual_clip: :math:`c > 1` or None.
       aggregation: see `aggregate`.
       bounds: the bounds `bapo_clip_bounds` chose on the whole batch, when this call sees
         only part of it (a micro-batch); None searches on this call's inputs.
+      **search: `bapo_clip_bounds`'s keyword arguments (``target_positive_share``,
+        ``low_start``, ``low_max``, ``low_step``, ``high_start``, ``high_max``,
+        ``high_step``, ``contribution``); any other is a TypeError.
 
     Returns:
       ``(loss, aux)``: the diagnostics of `ppo_clip_loss` plus ``clip_low``,
@@ -217,20 +211,7 @@ def bapo_loss(
     _check_clip(0.0, 0.0, dual_clip)
     check_aggregation(aggregation)
     if bounds is None:
-        bounds = bapo_clip_bounds(
-            logp,
-            behaviour_logp,
-            advantages,
-            mask,
-            target_positive_share=target_positive_share,
-            low_start=low_start,
-            low_max=low_max,
-            low_step=low_step,
-            high_start=high_start,
-            high_max=high_max,
-            high_step=high_step,
-            contribution=contribution,
-        )
+        bounds = bapo_clip_bounds(logp, behaviour_logp, advantages, mask, **search)
     _, mask_bt, adv_bt, ell_bt = _prepare(logp, behaviour_logp, advantages, mask)
     ratio_bt = clamped_exp(ell_bt)
     loss_bt, low_bt, high_bt, dual_bt = _ppo_terms(

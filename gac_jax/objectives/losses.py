@@ -149,11 +149,8 @@ def decoupled_ppo_loss(
     mask: jax.Array,
     *,
     proximal_logp: jax.Array,
-    eps_low: float = 0.2,
-    eps_high: float = 0.2,
-    dual_clip: float | None = None,
     behaviour_weight_cap: float | None = None,
-    aggregation: str = "token-mean",
+    **clip: float | str | None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     r"""AReaL's decoupled PPO objective (Fu et al., arXiv 2505.24298, Eq. 5): clip against
     a proximal policy, correct for the behaviour policy with a separate weight.
@@ -173,36 +170,29 @@ def decoupled_ppo_loss(
 
     Args:
       proximal_logp: [B, T] proximal-policy log-probabilities.
-      eps_low, eps_high, dual_clip: as `ppo_clip_loss`.
       behaviour_weight_cap: optional cap > 0 on the behaviour weight.
+      **clip: `ppo_clip_loss`'s ``eps_low``, ``eps_high``, ``dual_clip`` and
+        ``aggregation``; any other is a TypeError.
 
     Returns:
       ``(loss, aux)``: the clip diagnostics of `ppo_clip_loss` (against the proximal
       policy), ``behaviour_weight_mean`` and ``behaviour_mask_fraction``.
     """
-    _check_clip(eps_low, eps_high, dual_clip)
     check_positive("behaviour_weight_cap", behaviour_weight_cap)  # None (no cap) passes.
-    check_aggregation(aggregation)
-    _, mask_bt, adv_bt, _ = _prepare(logp, behaviour_logp, advantages, mask)
-    logp_bt, prox_bt, _ = check_tokens(logp, proximal_logp, mask_bt)
-    behaviour_bt = as_float(behaviour_logp)
-    ell_prox_bt = masked_log_ratio(logp_bt, prox_bt, mask_bt)
-    ratio_bt = clamped_exp(ell_prox_bt)
-    weight_bt = _sg(
-        jnp.where(mask_bt, clamped_exp(masked_log_ratio(prox_bt, behaviour_bt, mask_bt)), 0.0)
-    )
+    _, mask_bt, _, _ = _prepare(logp, behaviour_logp, advantages, mask)
+    _, prox_bt, _ = check_tokens(logp, proximal_logp, mask_bt)
+    log_weight_bt = masked_log_ratio(prox_bt, as_float(behaviour_logp), mask_bt)
+    weight_bt = _sg(jnp.where(mask_bt, clamped_exp(log_weight_bt), 0.0))
     keep_bt = mask_bt
     if behaviour_weight_cap is not None:
         keep_bt = mask_bt & (weight_bt <= behaviour_weight_cap)
-    loss_bt, low_bt, high_bt, dual_bt = _ppo_terms(
-        ratio_bt, adv_bt, 1.0 - eps_low, 1.0 + eps_high, dual_clip
-    )
-    loss_bt = jnp.where(keep_bt, weight_bt * loss_bt, 0.0)
-    aux = clip_fraction_stats(low_bt, high_bt, dual_bt, mask_bt)
-    aux.update(_ratio_aux(_sg(ratio_bt), ell_prox_bt, mask_bt))
+    # PPO clip against the proximal policy, each token's loss times its behaviour weight
+    # (a dropped token's weight is 0; the normaliser is the original mask's).
+    is_weights = jnp.where(keep_bt, weight_bt, 0.0)
+    loss, aux = ppo_clip_loss(logp, proximal_logp, advantages, mask, is_weights=is_weights, **clip)
     aux["behaviour_weight_mean"] = _sg(masked_mean(weight_bt, mask_bt, fallback=1.0))
     aux["behaviour_mask_fraction"] = fraction(mask_bt & ~keep_bt, mask_bt)
-    return aggregate(loss_bt, mask_bt, aggregation), aux
+    return loss, aux
 
 
 def cispo_loss(

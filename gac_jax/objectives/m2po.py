@@ -10,7 +10,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from gac_jax.objectives._common import check_choice, check_nonnegative, clamped_exp
+from gac_jax.objectives._common import check_choice, clamped_exp
 from gac_jax.objectives._loss_terms import _prepare, _ratio_aux, _sg
 from gac_jax.objectives.aggregation import aggregate, check_aggregation
 from gac_jax.objectives.importance import M2POHarmfulClip, M2POMask, m2po_harmful_clip, m2po_mask
@@ -25,12 +25,10 @@ def m2po_loss(
     advantages: jax.Array,
     mask: jax.Array,
     *,
-    tau_m2: float = 0.04,
     variant: str = "mask",
-    min_eps_low: float | None = None,
-    min_eps_high: float | None = None,
     aggregation: str = "token-mean",
     statistics: M2POMask | M2POHarmfulClip | None = None,
+    **knobs: float | None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     r"""M2PO: second-moment trust region instead of ratio clipping (Zheng, Zhao, Chen,
     arXiv 2510.01161, Eq. 6).
@@ -51,13 +49,14 @@ def m2po_loss(
     whose ratio moved in the rewarded direction.
 
     Args:
-      tau_m2: :math:`\tau_{M_2} \ge 0` (0.04 in the paper and the official scripts).
       variant: ``"mask"`` or ``"harmful_budget"``.
-      min_eps_low, min_eps_high: ``harmful_budget`` only, see `m2po_harmful_clip`.
       statistics: the whole batch's mask (`m2po_mask`, ``variant="mask"``) or clip
         ranges (`m2po_harmful_clip`), when this call sees only part of the batch (a
         micro-batch; see `m2po_batch_statistics`); None computes them from this call's
         inputs.
+      **knobs: ``tau_m2``, :math:`\tau_{M_2} \ge 0` (0.04 in the paper and the official
+        scripts), and for ``harmful_budget`` ``min_eps_low`` and ``min_eps_high`` (see
+        `m2po_harmful_clip`); any other is a TypeError.
 
     Returns:
       ``(loss, aux)`` with ``m2_before``, ``m2_after``, ``masked_fraction``, ``ratio_mean``,
@@ -65,18 +64,10 @@ def m2po_loss(
       ``eps_low``/``eps_high``.
     """
     check_choice("variant", variant, M2PO_VARIANTS)
-    check_nonnegative("tau_m2", tau_m2)
     check_aggregation(aggregation)
     if statistics is None:
         statistics = m2po_batch_statistics(
-            logp,
-            behaviour_logp,
-            advantages,
-            mask,
-            tau_m2=tau_m2,
-            variant=variant,
-            min_eps_low=min_eps_low,
-            min_eps_high=min_eps_high,
+            logp, behaviour_logp, advantages, mask, variant=variant, **knobs
         )["statistics"]
     if variant == "harmful_budget":
         clip = statistics

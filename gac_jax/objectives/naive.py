@@ -54,10 +54,7 @@ def ppo_recompute_loss(
     mask: jax.Array,
     *,
     proximal_logp: jax.Array,
-    eps_low: float = 0.2,
-    eps_high: float = 0.2,
-    dual_clip: float | None = None,
-    aggregation: str = "token-mean",
+    **clip: float | str | None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     r"""PPO-clip against the learner's own log-probs at the start of the batch (the
     "recompute" default of verl, https://github.com/volcengine/verl, where ``old_log_prob``
@@ -77,19 +74,13 @@ def ppo_recompute_loss(
 
     Args:
       proximal_logp: [B, T] the learner's log-probs at the start of the batch.
-      eps_low, eps_high, dual_clip, aggregation: as `ppo_clip_loss`.
+      **clip: `ppo_clip_loss`'s ``eps_low``, ``eps_high``, ``dual_clip`` and
+        ``aggregation``; any other is a TypeError.
 
     Returns:
       ``(loss, aux)``: `ppo_clip_loss`'s diagnostics, measured against `proximal_logp`.
     """
     del behaviour_logp  # Trained as if on-policy: the behaviour policy is not consulted.
-    return ppo_clip_loss(
-        logp,
-        proximal_logp,
-        advantages,
-        mask,
-        eps_low=eps_low,
-        eps_high=eps_high,
-        dual_clip=dual_clip,
-        aggregation=aggregation,
-    )
+    if "is_weights" in clip:
+        raise TypeError("ppo_recompute_loss takes no `is_weights`: it corrects nothing.")
+    return ppo_clip_loss(logp, proximal_logp, advantages, mask, **clip)

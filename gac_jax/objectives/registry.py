@@ -23,9 +23,10 @@ from gac_jax.objectives.advantages import (
     rloo_advantages,
     vcpo_advantages,
 )
-from gac_jax.objectives.bapo import bapo_batch_statistics, bapo_loss
+from gac_jax.objectives.bapo import bapo_batch_statistics, bapo_clip_bounds, bapo_loss
 from gac_jax.objectives.importance import (
     icepop_weights,
+    m2po_harmful_clip,
     masked_importance_weights,
     truncated_importance_weights,
 )
@@ -59,6 +60,8 @@ class PolicyLossSpec:
         {name: value}`` computed once on the whole batch and passed back to the loss as
         keyword arguments (M2PO's mask, BAPO's bounds), so splitting the batch into
         micro-batches does not change what they select.
+      forwards_to: None, or the function `fn` passes its other keyword arguments
+        (``**kwargs``) to; its keyword-only arguments are `fn`'s too.
       unsupported: None if the learner can train with it, else why not.
     """
 
@@ -69,6 +72,7 @@ class PolicyLossSpec:
     takes_is_weights: bool = False
     takes_rewards: bool = False
     batch_statistics: Callable | None = None
+    forwards_to: Callable | None = None
     unsupported: str | None = None
 
     def keyword_arguments(self) -> tuple[str, ...]:
@@ -77,11 +81,14 @@ class PolicyLossSpec:
         supplied = {"is_weights", "proximal_logp", "reference_logp", "group_ids"}
         if self.batch_statistics is not None:
             supplied |= {"bounds", "statistics"}
-        return tuple(
+        functions = (self.fn,) if self.forwards_to is None else (self.fn, self.forwards_to)
+        names = [
             name
-            for name, p in inspect.signature(self.fn).parameters.items()
+            for fn in functions
+            for name, p in inspect.signature(fn).parameters.items()
             if p.kind is inspect.Parameter.KEYWORD_ONLY and name not in supplied
-        )
+        ]
+        return tuple(dict.fromkeys(names))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,15 +109,23 @@ POLICY_LOSS_SPECS: Mapping[str, PolicyLossSpec] = MappingProxyType(
     {
         "reinforce": PolicyLossSpec(reinforce_loss, takes_is_weights=True),
         "ppo": PolicyLossSpec(ppo_clip_loss, takes_is_weights=True),
-        "decoupled_ppo": PolicyLossSpec(decoupled_ppo_loss, needs_proximal=True),
+        "decoupled_ppo": PolicyLossSpec(
+            decoupled_ppo_loss, needs_proximal=True, forwards_to=ppo_clip_loss
+        ),
         # The naive asynchronous baselines: stale rollouts trained as if on-policy.
         "naive_pg": PolicyLossSpec(naive_pg_loss),
-        "ppo_recompute": PolicyLossSpec(ppo_recompute_loss, needs_proximal=True),
+        "ppo_recompute": PolicyLossSpec(
+            ppo_recompute_loss, needs_proximal=True, forwards_to=ppo_clip_loss
+        ),
         "cispo": PolicyLossSpec(cispo_loss),
         "gspo": PolicyLossSpec(gspo_loss, default_aggregation="seq-mean-token-mean"),
         "topr": PolicyLossSpec(topr_loss, default_aggregation="seq-mean-token-sum"),
-        "bapo": PolicyLossSpec(bapo_loss, batch_statistics=bapo_batch_statistics),
-        "m2po": PolicyLossSpec(m2po_loss, batch_statistics=m2po_batch_statistics),
+        "bapo": PolicyLossSpec(
+            bapo_loss, batch_statistics=bapo_batch_statistics, forwards_to=bapo_clip_bounds
+        ),
+        "m2po": PolicyLossSpec(
+            m2po_loss, batch_statistics=m2po_batch_statistics, forwards_to=m2po_harmful_clip
+        ),
         "tb": PolicyLossSpec(
             trajectory_balance_loss,
             default_aggregation="seq-mean-token-sum",

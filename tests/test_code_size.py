@@ -1,4 +1,5 @@
-"""Readable sizes: no function over 60 lines of its own code, no file over 450 lines unexplained.
+"""Readable sizes: no function over 60 lines of its own code, no file over 450 lines unexplained,
+at most five functions over 8 parameters (public APIs whose arguments are their knobs).
 
 A function's own code is every physical line from its `def` (or first decorator) to its
 end, less its docstring and less the lines of the functions and classes nested inside
@@ -14,6 +15,8 @@ PACKAGE = Path(__file__).resolve().parent.parent / "gac_jax"
 MAX_FUNCTION_LINES = 60
 MAX_FILE_LINES = 450
 FILE_REASON = "Over 450 lines because"
+MAX_PARAMETERS = 8
+MAX_WIDE_FUNCTIONS = 5
 
 _FUNCTIONS = (ast.FunctionDef, ast.AsyncFunctionDef)
 _SCOPES = (*_FUNCTIONS, ast.ClassDef)
@@ -59,6 +62,20 @@ def long_functions(source: str, filename: str = "<string>") -> list[str]:
     return found
 
 
+def wide_functions(source: str, filename: str = "<string>") -> list[str]:
+    """`"file:line name (N parameters)"` for every function in `source` over the limit
+    (`self` and `cls` aside; ``*args`` and ``**kwargs`` count one each)."""
+    found = []
+    for node in ast.walk(ast.parse(source, filename)):
+        if isinstance(node, _FUNCTIONS):
+            a = node.args
+            names = [p.arg for p in (*a.posonlyargs, *a.args, *a.kwonlyargs)]
+            n = len(names) - (names[:1] in (["self"], ["cls"])) + bool(a.vararg) + bool(a.kwarg)
+            if n > MAX_PARAMETERS:
+                found.append(f"{filename}:{node.lineno} {node.name} ({n} parameters)")
+    return found
+
+
 def unexplained_long_file(source: str, filename: str = "<string>") -> str | None:
     """`"file (N lines)"` if `source` is over the limit without a stated reason."""
     n = len(source.splitlines())
@@ -79,6 +96,15 @@ def test_no_function_over_the_limit():
     for path in _package_files():
         found += long_functions(path.read_text(), str(path.relative_to(PACKAGE.parent)))
     assert not found, f"Functions over {MAX_FUNCTION_LINES} own lines:\n" + "\n".join(found)
+
+
+def test_at_most_five_functions_over_the_parameter_limit():
+    found = []
+    for path in _package_files():
+        found += wide_functions(path.read_text(), str(path.relative_to(PACKAGE.parent)))
+    assert len(found) <= MAX_WIDE_FUNCTIONS, (
+        f"{len(found)} functions over {MAX_PARAMETERS} parameters:\n" + "\n".join(found)
+    )
 
 
 def test_no_long_file_without_a_reason():
@@ -139,3 +165,10 @@ def test_counter_flags_long_functions_and_files():
     )
     assert unexplained_long_file(f'"""{FILE_REASON} reasons."""\n' + filler) is None
     assert unexplained_long_file('"""Short."""\n' + filler[6:]) is None
+
+
+def test_counter_flags_wide_functions():
+    nine = "def f(self, a, b, c, *d, e, f, g, h, **i):\n    pass\n"
+    assert wide_functions(nine, "m.py") == ["m.py:1 f (9 parameters)"]
+    assert wide_functions(nine.replace("**i", "i")) == ["<string>:1 f (9 parameters)"]
+    assert wide_functions(nine.replace(", **i", "")) == []  # Exactly at the limit.

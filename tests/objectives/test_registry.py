@@ -2,6 +2,7 @@
 
 import inspect
 
+import jax.numpy as jnp
 import pytest
 
 import gac_jax.objectives as objectives
@@ -47,7 +48,24 @@ def test_every_policy_loss_shares_the_signature():
         params = list(inspect.signature(fn).parameters.values())
         assert [p.name for p in params[:2]] == ["logp", "behaviour_logp"], name
         assert params[3].name == "mask", name
-        assert all(p.kind is p.KEYWORD_ONLY for p in params[4:]), name
+        spec, rest = objectives.get_policy_loss_spec(name), params[4:]
+        if rest[-1].kind is rest[-1].VAR_KEYWORD:  # Knobs forwarded to `spec.forwards_to`.
+            assert spec.forwards_to is not None, name
+            rest = rest[:-1]
+        assert all(p.kind is p.KEYWORD_ONLY for p in rest), name
+
+
+def test_a_forwarding_loss_takes_its_callees_config_keys():
+    spec = objectives.get_policy_loss_spec("bapo")
+    assert spec.forwards_to is objectives.bapo_clip_bounds
+    assert {"low_start", "contribution", "dual_clip", "aggregation"} <= set(
+        spec.keyword_arguments()
+    )
+    assert "bounds" not in spec.keyword_arguments()  # The learner supplies it.
+    recompute = objectives.get_policy_loss_spec("ppo_recompute").keyword_arguments()
+    assert set(recompute) == {"eps_low", "eps_high", "dual_clip", "aggregation"}
+    with pytest.raises(TypeError, match="low_strat"):
+        objectives.bapo_loss(*[jnp.zeros((1, 2))] * 2, jnp.zeros(1), jnp.ones((1, 2)), low_strat=1)
 
 
 def test_every_public_function_cites_its_source():

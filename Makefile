@@ -8,8 +8,9 @@ STAMP := $(VENV)/.installed-stamp
 # The test extra (torch, transformers, datasets, wandb, pytest: about 2.5 GB) on top, for
 # `make test` and the benchmarks; `make demo` needs none of it.
 TEST_STAMP := $(VENV)/.test-stamp
-# Two workers (xdist), each running whole files: the loop tests share runs within a file.
-PYTEST_ARGS ?= -n 2 --dist loadfile --durations=20
+# Two workers (xdist), each running whole files: the loop tests share runs within a file;
+# the slowest files first (tests/conftest.py, SLOWEST_FILES_FIRST).
+PYTEST_ARGS ?= -n 2 --dist loadfile --no-loadscope-reorder --durations=20
 
 .PHONY: install demo test lint bench bench-sampler bench-async bench-tools bench-accelerator bench-tunix clean
 

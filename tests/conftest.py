@@ -58,6 +58,30 @@ settings.register_profile(
 settings.load_profile("gac_jax")
 
 
+# `make test` hands whole files to two xdist workers (`--dist loadfile`), two to each and
+# then one at a time, in the collection's order (`--no-loadscope-reorder`: xdist's own
+# order, most tests first, put these few-test files last). The slowest go first, so that
+# the run does not end on one worker with a long file while the other core idles. Their
+# order: their tests' seconds from an empty cache (5061dc5's `--durations`).
+SLOWEST_FILES_FIRST = (
+    "tests/test_benchmarks.py",
+    "tests/experiments/test_lab.py",
+    "tests/train/test_plan.py",
+    "tests/train/test_multiturn.py",
+    "tests/train/test_loop.py",
+    "tests/train/test_readme_commands.py",
+    "tests/train/test_multihost_loop.py",
+    "tests/train/test_async_backends.py",
+    "tests/train/test_real_model_readme.py",
+    "tests/test_notebooks.py",
+)
+
+
+def pytest_collection_modifyitems(items):
+    rank = {path: i for i, path in enumerate(SLOWEST_FILES_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))  # Stable.
+
+
 @pytest.fixture(autouse=True)
 def _real_hardware_presets_cache_in_the_suites_cache(monkeypatch):
     """The real-hardware presets' `compilation_cache` (a directory in the user's home)

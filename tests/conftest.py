@@ -78,6 +78,9 @@ SLOWEST_FILES_FIRST = (
 
 
 def pytest_collection_modifyitems(items):
+    missing = [path for path in SLOWEST_FILES_FIRST if not (REPO / path).is_file()]
+    if missing:  # A renamed file would silently lose its place.
+        raise pytest.UsageError(f"SLOWEST_FILES_FIRST names files that do not exist: {missing}")
     rank = {path: i for i, path in enumerate(SLOWEST_FILES_FIRST)}
     items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))  # Stable.
 

@@ -60,8 +60,8 @@ class PolicyLossSpec:
         {name: value}`` computed once on the whole batch and passed back to the loss as
         keyword arguments (M2PO's mask, BAPO's bounds), so splitting the batch into
         micro-batches does not change what they select.
-      forwards_to: None, or the function `fn` passes its other keyword arguments
-        (``**kwargs``) to; its keyword-only arguments are `fn`'s too.
+      forwards_to: None, or the function whose keyword-only arguments `fn` takes through
+        ``**kwargs`` and passes on (directly, or through `batch_statistics`).
       unsupported: None if the learner can train with it, else why not.
     """
 
@@ -123,6 +123,8 @@ POLICY_LOSS_SPECS: Mapping[str, PolicyLossSpec] = MappingProxyType(
         "bapo": PolicyLossSpec(
             bapo_loss, batch_statistics=bapo_batch_statistics, forwards_to=bapo_clip_bounds
         ),
+        # M2PO's knobs go through m2po_batch_statistics; the harmful budget's statistic
+        # takes them all (the mask's takes tau_m2 only).
         "m2po": PolicyLossSpec(
             m2po_loss, batch_statistics=m2po_batch_statistics, forwards_to=m2po_harmful_clip
         ),

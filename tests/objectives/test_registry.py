@@ -49,7 +49,7 @@ def test_every_policy_loss_shares_the_signature():
         assert [p.name for p in params[:2]] == ["logp", "behaviour_logp"], name
         assert params[3].name == "mask", name
         spec, rest = objectives.get_policy_loss_spec(name), params[4:]
-        if rest[-1].kind is rest[-1].VAR_KEYWORD:  # Knobs forwarded to `spec.forwards_to`.
+        if rest and rest[-1].kind is rest[-1].VAR_KEYWORD:  # Knobs forwarded to `spec.forwards_to`.
             assert spec.forwards_to is not None, name
             rest = rest[:-1]
         assert all(p.kind is p.KEYWORD_ONLY for p in rest), name

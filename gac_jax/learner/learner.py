@@ -18,13 +18,9 @@ from gac_jax.models.sharding import ShardingRules, abstract_with_shardings, stat
 BATCH_AXES = ("data", "fsdp")
 
 
-# XLA:CPU allocates a step's temporaries afresh on every call (one mmap of the whole arena,
-# page-faulted in again each time: a quarter of the step's CPU time at vs_tunix's sizes).
-# Its memory-optimized scheduler orders the same ops for a smaller arena: 448 MiB instead
-# of 636 at vs_tunix's 3.3M model, 870 instead of 1,290 at 9.6M, and steps 13% and 5%
-# faster (benchmarks/README.md). Other backends pool their memory; the option is XLA:CPU's,
-# and a learner built to be lowered, not run (`gac-jax plan`'s), compiles without it: plan
-# stands for an accelerator's layout, and its figures stay comparable with earlier plans.
+# XLA:CPU page-faults a step's arena of temporaries in afresh on every call; this scheduler
+# orders the same ops for a third less arena (steps 5-13% faster, benchmarks/README.md).
+# `plan`'s learners (abstract: lowered, never run) compile without it, as for an accelerator.
 CPU_STEP_COMPILER_OPTIONS = {"xla_cpu_scheduler_type": "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED"}
 
 

@@ -105,8 +105,7 @@ def converged(losses: np.ndarray, problem: DelayedQuadratic = DelayedQuadratic()
     `problem.converged_below` times the initial loss."""
     x0 = jax.random.normal(jax.random.key(problem.seed), (problem.dim,), jnp.float32)
     initial = 0.5 * float(np.sum(problem.eigenvalues() * np.asarray(x0) ** 2))
-    # In float64: a diverging run's float32 losses near float32's largest would overflow
-    # the sum (the run is refused either way, but with a warning).
+    # In float64: a diverging run's float32 losses would overflow the sum (with a warning).
     tail = losses[:, -max(1, losses.shape[1] // 4) :].astype(np.float64).mean(axis=1)
     return np.isfinite(tail) & (tail < problem.converged_below * initial)
 

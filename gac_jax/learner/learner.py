@@ -19,7 +19,7 @@ BATCH_AXES = ("data", "fsdp")
 
 
 # XLA:CPU page-faults a step's arena of temporaries in afresh on every call; this scheduler
-# orders the same ops for a third less arena (steps 5-13% faster, benchmarks/README.md).
+# orders the same ops for a third less arena (steps 5-7% faster, benchmarks/README.md).
 # `plan`'s learners (abstract: lowered, never run) compile without it, as for an accelerator.
 CPU_STEP_COMPILER_OPTIONS = {"xla_cpu_scheduler_type": "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED"}
 

@@ -10,11 +10,17 @@ Measures, in one run with interleaved repetitions (so machine noise hits every v
   gac+ess     chain(gradient_alignment_control, scale_by_ess).update
   full chain  chain(gradient_alignment_control, adamw, scale_by_ess).update
   full, ref donated   the same with GAC's reference donated too
-and prints medians, the ratios gac+ess / adamw and (full chain - adamw) / adamw, and each
+  clip+adamw  optax.chain(clip_by_global_norm, adamw).update    (the learner's bare optimizer)
+  learner, monitors   the learner's chain, `make_optimizer()`: clip, then adamw under
+              `alignment_controlled` with both alignment monitors (its default, gac=None)
+  learner, GAC+ESS    `make_optimizer(gac=GACConfig(), ess=ESSConfig())`: GAC's true skip
+and prints medians, the ratios gac+ess / adamw, (full chain - adamw) / adamw and the
+learner's chains over clip+adamw, and each
 variant's passes over memory: XLA's count of bytes accessed divided by the tree's bytes
 (adamw makes 10: read g, mu, nu, p; write mu, nu, p; mu and nu re-read by the last loop).
 Every step is jitted with params and optimizer state donated as `GRPOLearner` does
-(everything but GAC's reference); compile time is excluded (one warm-up call each).
+(everything but GAC's reference), with the learner's XLA:CPU options on a CPU backend
+(`CPU_STEP_COMPILER_OPTIONS`); compile time is excluded (one warm-up call each).
 """
 
 from __future__ import annotations
@@ -29,6 +35,9 @@ import numpy as np
 import optax
 
 import gac_jax
+from gac_jax.learner.learner import CPU_STEP_COMPILER_OPTIONS
+from gac_jax.learner.optimizer import OptimizerConfig, make_optimizer
+from gac_jax.transforms import ESSConfig, GACConfig
 
 
 def transformer_like_tree(total_floats: float, width: int = 1024) -> dict[str, jax.Array]:
@@ -89,7 +98,8 @@ def make_step(tx: optax.GradientTransformationExtraArgs, state, *, donate_refere
         )
         return (optax.apply_updates(params, updates), *split(state))
 
-    return jax.jit(step, donate_argnums=(0, 1)), split, merge
+    options = CPU_STEP_COMPILER_OPTIONS if jax.default_backend() == "cpu" else None
+    return jax.jit(step, donate_argnums=(0, 1), compiler_options=options), split, merge
 
 
 def main():
@@ -117,6 +127,12 @@ def main():
         "gac+ess": (optax.chain(gac, ess), False),
         "full chain": (optax.chain(gac, adamw, ess), False),
         "full, ref donated": (optax.chain(gac, adamw, ess), True),
+        "clip+adamw": (optax.chain(optax.clip_by_global_norm(1.0), adamw), False),
+        "learner, monitors": (make_optimizer(OptimizerConfig(learning_rate=1e-3)), False),
+        "learner, GAC+ESS": (
+            make_optimizer(OptimizerConfig(learning_rate=1e-3), GACConfig(), ESSConfig()),
+            False,
+        ),
     }
     steps, splits, merges, states = {}, {}, {}, {}
     for name, (tx, donate_reference) in variants.items():
@@ -162,7 +178,7 @@ def main():
     for name, median in medians.items():
         spread = (min(times[name]), max(times[name]))
         print(
-            f"  {name:<17} median {1e3 * median:8.1f} ms   "
+            f"  {name:<18} median {1e3 * median:8.1f} ms   "
             f"(min {1e3 * spread[0]:.1f}, max {1e3 * spread[1]:.1f})   "
             f"{passes[name]:5.1f} passes"
         )
@@ -178,6 +194,9 @@ def main():
     print(f"ratio gac+ess / adamw:                 {standalone:.3f}")
     print(f"ratio (full chain - adamw) / adamw:    {incremental:.3f}")
     print(f"  the same with the reference donated: {donated:.3f}")
+    for name in ("learner, monitors", "learner, GAC+ESS"):
+        ratio = medians[name] / medians["clip+adamw"]
+        print(f"ratio {name} / clip+adamw:".ljust(39) + f"{ratio:.3f}")
 
 
 if __name__ == "__main__":

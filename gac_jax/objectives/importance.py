@@ -335,19 +335,16 @@ def m2po_harmful_clip(
     Infini-AI-Lab/M2PO ``kpo_clip_harmful_tokens``), as PPO clip ranges and the equivalent
     keep-mask.
 
-    Only *harmful* tokens enter: those whose ratio moves in the direction the advantage
-    rewards, :math:`(A > 0 \wedge r > 1)` or :math:`(A < 0 \wedge r < 1)`. With
-    :math:`v_i = (\log r_i)^2` over the :math:`n` harmful tokens, sorted ascending, if
-    :math:`\bar v > \tau_{M_2}` the code picks the first index :math:`k` with
-    :math:`(n-k-1)\,v_k + \sum_{j\le k} v_j \ge n\,\tau_{M_2}` and sets
-    :math:`\tau^2 = v_{k-1}` (0 when :math:`k = 0`): the largest breakpoint at which
-    capping :math:`|\log r|` keeps the harmful second moment under budget. The cap maps to
-    ratio bounds :math:`[e^{-\tau}, e^{\tau}]`, i.e.
-    :math:`\epsilon_{\mathrm{low}} = 1 - e^{-\tau}`,
-    :math:`\epsilon_{\mathrm{high}} = e^{\tau} - 1`, each raised to its optional minimum
-    (the code's ``miniclip_low``/``miniclip_high``). Under a PPO clip with these ranges a
-    harmful token beyond the cap gets zero gradient, so ``mask`` marks exactly the tokens
-    whose gradient survives.
+    Only *harmful* tokens enter: those whose ratio moves in the direction the advantage rewards,
+    :math:`(A > 0 \wedge r > 1)` or :math:`(A < 0 \wedge r < 1)`. With :math:`v_i = (\log r_i)^2`
+    over the :math:`n` harmful tokens, sorted ascending, if :math:`\bar v > \tau_{M_2}` the code
+    picks the first index :math:`k` with :math:`(n-k-1)\,v_k + \sum_{j\le k} v_j \ge n\,\tau_{M_2}`
+    and sets :math:`\tau^2 = v_{k-1}` (0 when :math:`k = 0`): the largest breakpoint at which
+    capping :math:`|\log r|` keeps the harmful second moment under budget. The cap maps to ratio
+    bounds :math:`[e^{-\tau}, e^{\tau}]`, i.e. :math:`\epsilon_{\mathrm{low}} = 1 - e^{-\tau}`,
+    :math:`\epsilon_{\mathrm{high}} = e^{\tau} - 1`, each raised to its optional minimum (the code's
+    ``miniclip_low``/``miniclip_high``). Under a PPO clip with these ranges a harmful token beyond
+    the cap gets zero gradient, so ``mask`` marks exactly the tokens whose gradient survives.
 
     Within budget (or with no harmful token) the bounds are unconstraining:
     :math:`\tau = 20` (`MAX_LOG_RATIO`), which no clamped ratio exceeds. The official

@@ -5,21 +5,19 @@ ends, an environment answers, the answer is appended to the slot's cache and dec
 goes on, without re-running the prefix. It waits on the environments' futures, so it is
 rollout work and lives in `rollout/`, above the models.
 
-An episode is one row of the sampler: its prompt, then policy turns and observations
-interleaved in the row's N = `max_new_tokens` columns (the episode's token budget). A
-policy turn ends when it samples one of `turn_end_ids` (a tool call's closing token,
-say, or the last token of a sequence of them); its slot then *waits*
-(`SlotState.waiting_b`): it neither decodes nor takes another row, while the other
-slots go on decoding. The host hands the row's tokens so far to `respond`, which returns
-a `concurrent.futures.Future`; the environment runs off the decode loop (in the caller's
-threads), so a slow tool stalls only its own slot. When the future is done, its
-observation tokens are fed through the model into that slot's cache at the slot's next
-positions (one prefill of at most `max_observation_tokens` tokens, the observation
-only), written into the row as observation tokens (`observation_mask`, never sampled,
-with log-prob 0 and version -1), and the slot decodes again (an empty reply appends
-nothing); a reply of None ends the episode (the slot takes the next waiting row, as
-after EOS). EOS and the row's token budget end an episode too; an observation that would
-leave no room for one more policy token ends it.
+An episode is one row of the sampler: its prompt, then policy turns and observations interleaved in
+the row's N = `max_new_tokens` columns (the episode's token budget). A policy turn ends when it
+samples one of `turn_end_ids` (a tool call's closing token, say, or the last token of a sequence of
+them); its slot then *waits* (`SlotState.waiting_b`): it neither decodes nor takes another row,
+while the other slots go on decoding. The host hands the row's tokens so far to `respond`, which
+returns a `concurrent.futures.Future`; the environment runs off the decode loop (in the caller's
+threads), so a slow tool stalls only its own slot. When the future is done, its observation tokens
+are fed through the model into that slot's cache at the slot's next positions (one prefill of at
+most `max_observation_tokens` tokens, the observation only), written into the row as observation
+tokens (`observation_mask`, never sampled, with log-prob 0 and version -1), and the slot decodes
+again (an empty reply appends nothing); a reply of None ends the episode (the slot takes the next
+waiting row, as after EOS). EOS and the row's token budget end an episode too; an observation that
+would leave no room for one more policy token ends it.
 
 The decode loop is the sampler's own, driven through its public slot API (`start`,
 `run_chunk`, `append_observation`, `end_slot`: refill, per-row keys, versions), in chunks

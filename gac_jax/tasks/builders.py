@@ -340,14 +340,12 @@ class Calculator(_LocalBuilder):
 class Gsm8k(_tfds_gsm8k.Gsm8k, skip_registration=True):
     """tfds's ``gsm8k`` builder that also prepares offline from the original JSONL files.
 
-    Same name, version and features (``question``, ``answer``, ``annotation``,
-    ``short_answer``) as `tfds.text.gsm8k.Gsm8k`, and so the same prepared directory: data
-    prepared by either builder is read by both. If the manual directory
-    (``tfds.download.DownloadConfig(manual_dir=...)``, by default
-    ``<data_dir>/downloads/manual``) holds the release files ``train.jsonl`` and
-    ``test.jsonl``, they are read (the same files tfds downloads) and only the ``train``
-    and ``test`` splits are made; otherwise tfds downloads all four splits, the socratic
-    ones included.
+    Same name, version and features (``question``, ``answer``, ``annotation``, ``short_answer``) as
+    `tfds.text.gsm8k.Gsm8k`, and so the same prepared directory: data prepared by either builder is
+    read by both. If the manual directory (``tfds.download.DownloadConfig(manual_dir=...)``, by
+    default ``<data_dir>/downloads/manual``) holds the release files ``train.jsonl`` and
+    ``test.jsonl``, they are read (the same files tfds downloads) and only the ``train`` and
+    ``test`` splits are made; otherwise tfds downloads all four splits, the socratic ones included.
     """
 
     name = "gsm8k"

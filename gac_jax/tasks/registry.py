@@ -1,12 +1,10 @@
 """The task registry: every task by name, with its data, prompt and reward.
 
-`TASK_NAMES` is the only list of valid names: ``countdown/<config>``,
-``arithmetic/<config>`` and ``calculator/<config>`` (multi-turn, with a tool) for each
-builder config, and ``gsm8k``. `TASK_FAMILIES` lists
-the names that take a parameter after their prefix: ``jsonl:TRAIN_PATH[,TEST_PATH]`` and
-``hf:PATH[:TRAIN_SPLIT[,TEST_SPLIT]]`` (a researcher's own data, see
-`gac_jax.tasks.custom`). `get_task` rejects any other name with
-an error that lists them.
+`TASK_NAMES` is the only list of valid names: ``countdown/<config>``, ``arithmetic/<config>`` and
+``calculator/<config>`` (multi-turn, with a tool) for each builder config, and ``gsm8k``.
+`TASK_FAMILIES` lists the names that take a parameter after their prefix:
+``jsonl:TRAIN_PATH[,TEST_PATH]`` and ``hf:PATH[:TRAIN_SPLIT[,TEST_SPLIT]]`` (a researcher's own
+data, see `gac_jax.tasks.custom`). `get_task` rejects any other name with an error that lists them.
 
 Example::
 

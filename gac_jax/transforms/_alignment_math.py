@@ -129,8 +129,9 @@ def per_leaf_control(control: Control, num_leaves: int, scope: str) -> Control:
     return Control(*(jnp.broadcast_to(x, (num_leaves,)) for x in control))
 
 
-def emitted_and_next_references(grads, refs, control: Control, finite, reference: str, ema_decay):
-    """The emitted update and the next reference, leaf by leaf (`control` is per leaf).
+def emitted_and_next_references(grads, refs, control, finite, reference, ema_decay, unchanged):
+    """The emitted update and the next reference, leaf by leaf (`control` is per leaf);
+    `unchanged` (a monitor) emits the gradients themselves, reading no reference.
 
     A non-finite gradient keeps the previous reference; so does a skipped leaf under the
     "update" reference, since a zero update has no direction.
@@ -138,7 +139,7 @@ def emitted_and_next_references(grads, refs, control: Control, finite, reference
     emitted, new_refs = [], []
     for i, (g, r) in enumerate(zip(grads, refs, strict=True)):
         out = control.keep[i] * g.astype(jnp.float32) - control.alpha[i] * r.astype(jnp.float32)
-        out = out.astype(g.dtype)
+        out = g if unchanged else out.astype(g.dtype)
         if reference == "gradient":
             new_r = g
         elif reference == "update":

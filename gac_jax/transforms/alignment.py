@@ -1,9 +1,8 @@
 r"""Gradient Alignment Control (GAC), arXiv 2603.01501, as an optax transformation.
 
-Asynchronous RL trains on rollouts from an older policy. Xu et al. observe that the
-consecutive policy gradients of such runs stay aligned (cosine near 1), unlike the
-near-orthogonal gradients of synchronous training, and that this "stale-aligned" drift
-precedes collapse. GAC measures
+Asynchronous RL trains on rollouts from an older policy. Xu et al. observe that the consecutive
+policy gradients of such runs stay aligned (cosine near 1), unlike the near-orthogonal gradients of
+synchronous training, and that this "stale-aligned" drift precedes collapse. GAC measures
 
 .. math::
 
@@ -19,11 +18,11 @@ still moves the params on; the paper's skip, params and optimizer state kept, is
 `GACConfig.wrap`), what the learner runs: see `gac_jax.transforms.controlled`.
 
 Cost, with the default "gradient" reference: two inner products per leaf, `<g, r>` and
-`|g|^2` (the reference's `|r|^2` is the previous step's `|g|^2`, carried in the state), and
-one elementwise pass that emits the update, which XLA fuses into the optimizer after it.
-The new reference is the gradient itself: no copy when the gradient is computed in the
-same jitted step. The "update" and "ema" references also measure `|r|^2` and write a new
-reference. Everything else is O(number of leaves) scalar work.
+`|g|^2` (`|r|^2` is the previous step's `|g|^2`, carried in the state), one elementwise pass
+emitting the update (XLA fuses it into the optimizer after it; a monitor emits its input and
+reads no reference) and one writing the next reference, `where(finite, g, r)`. "ema", and
+"update" under control, also measure `|r|^2` (a monitor's is carried: its reference is
+what came in). Everything else is O(number of leaves) scalar work.
 """
 
 from __future__ import annotations
@@ -116,10 +115,9 @@ def _zeros_like(param, dtype):
 
 def _thresholds(state, tau_low, tau_high, threshold_mode, adaptive_k, adaptive_warmup):
     """Thresholds for this step (`gradient_alignment_control`'s `thresholds`): the adaptive
-    band follows the cosines seen before this step (a spike cannot raise its own threshold)
-    and only slides down, so runs whose natural alignment is low get a tighter control and
-    persistently aligned runs (the failure the method exists for) never loosen it beyond
-    the configured band."""
+    band follows the cosines seen before this step (a spike cannot raise its own threshold) and only
+    slides down, so runs whose natural alignment is low get a tighter control and persistently
+    aligned runs (the failure the method exists for) never loosen it beyond the configured band."""
     tau_low = jnp.asarray(tau_low, jnp.float32)
     tau_high = jnp.asarray(tau_high, jnp.float32)
     if threshold_mode == "fixed":
@@ -197,12 +195,11 @@ def gradient_alignment_control(
         \alpha = \frac{\|g\|}{\|r\|}
             \Big(c - \text{target}\sqrt{\tfrac{1 - c^2}{1 - \text{target}^2}}\Big)
 
-    for `projection="partial"`, which leaves `cos(g~, r) = target` and the component of
-    `g` orthogonal to `r` untouched; `projection="full"` uses `alpha = <g, r> / |r|^2`
-    (cosine 0). With skip off, `c > tau_high` is projected too. The first step, a zero
-    gradient and a zero reference all give `c = 0` and pass unchanged. A non-finite
-    gradient passes unchanged (pair with `optax.apply_if_finite` to drop it) and leaves the
-    reference and statistics untouched.
+    for `projection="partial"`, which leaves `cos(g~, r) = target` and the component of `g`
+    orthogonal to `r` untouched; `projection="full"` uses `alpha = <g, r> / |r|^2` (cosine 0). With
+    skip off, `c > tau_high` is projected too. The first step, a zero gradient and a zero reference
+    all give `c = 0` and pass unchanged. A non-finite gradient passes unchanged (pair with
+    `optax.apply_if_finite` to drop it) and leaves the reference and statistics untouched.
 
     Args:
       tau_low: cosine at or below which the gradient passes, in [0, 1). Projection brings
@@ -282,7 +279,8 @@ def gradient_alignment_control(
         if not grads:
             return updates, state._replace(gac_count=optax.safe_increment(state.gac_count))
 
-        cache_norms = reference == "gradient"
+        # |r|^2 of the next reference is this step's |g|^2 when the reference is what came in.
+        cache_norms = reference == "gradient" or (reference == "update" and monitor_only)
         per_leaf = per_leaf_alignment(grads, refs, state.gac_reference_sq, cache_norms)
         total = computed_once(Alignment(*(jnp.sum(x, keepdims=True) for x in per_leaf)))
         unit = per_leaf if scope == "per_leaf" else total
@@ -298,8 +296,9 @@ def gradient_alignment_control(
             next_ref_sq = jnp.where(finite, per_leaf.grad_sq, state.gac_reference_sq)
         else:
             next_ref_sq = state.gac_reference_sq
+        leaf_control = per_leaf_control(control, len(grads), scope)
         emitted, new_refs = emitted_and_next_references(
-            grads, refs, per_leaf_control(control, len(grads), scope), finite, reference, ema_decay
+            grads, refs, leaf_control, finite, reference, ema_decay, monitor_only
         )
         regime = _regime(finite, control)
         mean, var, stats_count = _update_cosine_stats(state, global_cosine, usable, adaptive_decay)
@@ -320,7 +319,13 @@ def gradient_alignment_control(
         )
         return jax.tree.unflatten(treedef, emitted), new_state
 
+    update_fn.can_skip = skip and not monitor_only  # Read by `can_skip`.
     return GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def can_skip(transform: optax.GradientTransformation) -> bool:
+    """False for a `gradient_alignment_control` that never skips (a monitor, or skip off)."""
+    return getattr(transform.update, "can_skip", True)
 
 
 def gradient_alignment_monitor(

@@ -34,7 +34,7 @@ A skip at thresholds below a problem's own synchronous cosine skips every step a
 choose them from a synchronous run's `gac_cosine` / `gac_update_cosine`.
 
 Cost over the bare optimizer: the two alignment passes (inner products, and one reference
-copy each) and a select over the optimizer state.
+copy each), and a select over the optimizer state when the control can skip.
 """
 
 from __future__ import annotations
@@ -136,6 +136,8 @@ def alignment_controlled(
         proposed, inner_state = inner.update(passed, state.gac_inner_state, params, **extra_args)
         applied, update_state = update.update(proposed, state.gac_update_alignment, params)
         skipped = _chose_skip(gradient_state) | _chose_skip(update_state)
+        if not (alignment.can_skip(gradient) or alignment.can_skip(update)):
+            skipped = jnp.zeros([], jnp.bool_)  # Known here: XLA drops the selects below.
         if reference_after_skip == "held":
             gradient_state = _with_reference_of(
                 gradient_state, state.gac_gradient_alignment, skipped

@@ -278,6 +278,26 @@ def test_monitor_records_cosine_without_changing_gradient():
     assert int(state.gac_regime) == REGIME_PASS
 
 
+@pytest.mark.parametrize("reference", ["gradient", "update", "ema"])
+def test_monitor_emits_its_input_and_carries_its_references_norms(reference):
+    """A monitor's output is its input bit for bit (signed zeros included), and with the
+    "gradient" or "update" reference the |r|^2 it carries instead of re-measuring is the
+    stored reference's own."""
+    tx = gradient_alignment_monitor(reference=reference)
+    update = jax.jit(tx.update)
+    grads = _correlated_grads(3, 6, SHAPES, persistence=[0.0, 2.0, -1.0])
+    state = tx.init({k: jnp.zeros(s) for k, s in SHAPES.items()})
+    for g in grads:
+        g = {k: jnp.asarray(v).at[(0,) * len(v.shape)].set(-0.0) for k, v in g.items()}
+        out, state = update(g, state)
+        for k in SHAPES:
+            assert np.asarray(out[k]).tobytes() == np.asarray(g[k]).tobytes()
+        if reference != "ema":
+            stored = jax.tree.leaves(state.gac_reference)
+            measured = [np.sum(np.square(x, dtype=np.float64)) for x in stored]
+            np.testing.assert_allclose(state.gac_reference_sq, measured, rtol=1e-6)
+
+
 def test_adaptive_thresholds_follow_low_cosines_and_never_rise():
     tau_low, tau_high = 0.4, 0.9
     tx = gradient_alignment_control(

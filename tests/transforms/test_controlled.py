@@ -64,6 +64,24 @@ INNERS = {
 }
 
 
+def _passes_over_memory(tx):
+    """XLA's bytes accessed by the compiled update, in units of the one leaf's bytes."""
+    params, grads = {"w": jnp.zeros((256, 256))}, {"w": jnp.ones((256, 256))}
+    cost = jax.jit(tx.update).lower(grads, tx.init(params), params).compile().cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    return cost["bytes accessed"] / (4 * 256 * 256)
+
+
+def test_a_control_that_cannot_skip_leaves_the_skips_selects_out():
+    """With monitors only, or a control with skip off, nothing can skip: the program holds
+    no select over Adam's two moments (each would read the old and new moment and write
+    one, 6 passes over memory in all)."""
+    adamw = lambda: optax.adamw(1e-3)  # noqa: E731
+    skipping = _passes_over_memory(alignment_controlled(adamw(), gradient_alignment_control()))
+    for control in (None, gradient_alignment_control(skip=False)):
+        assert _passes_over_memory(alignment_controlled(adamw(), control)) <= skipping - 6
+
+
 @pytest.mark.parametrize("inner", sorted(INNERS))
 def test_a_skipped_step_keeps_params_and_the_whole_optimizer_state(inner):
     # Identical gradients: cosine 1 from the second step on, every one of them skipped.

@@ -36,6 +36,15 @@ same tokens before timing anything.
       `GRPOLearner.__init__` wires it (advantages from Tunix's "grpo" estimator, computed
       outside the step as Tunix does). Trained tokens = 64 x 64 per step. The two steps
       are checked to give the same loss and gradient norm on the first batch.
+  (c) the same update with the batch split in SPLIT = 4 micro-batches of 16 sequences,
+      each library's own gradient accumulation: gac_jax `LearnerConfig(micro_batches=4)`
+      (one jitted step that accumulates over the four), Tunix
+      `TrainingConfig(gradient_accumulation_steps=4)` (`optax.MultiSteps`: four jitted
+      calls, the optimizer applied on the fourth). On XLA:CPU a program's temporaries are
+      faulted in on every call, so a smaller step can be the faster one. The script checks
+      that each split computes the whole batch's loss (token-mean, with equal token counts
+      per micro-batch) and prints, beside the whole-batch ratio, the split's and the ratio
+      of each library's faster configuration within a round.
 
 Timing: after warm-up (compilation and two compiled calls per variant, excluded), every
 round runs all four (library, task) pairs, alternating which library goes first, so
@@ -118,6 +127,7 @@ from learner import PEAK_N, flops_per_token, make_peak, matmul_params
 from gac_jax import models
 from gac_jax.learner import (
     GRPOLearner,
+    LearnerConfig,
     LossConfig,
     OptimizerConfig,
     TrainBatch,
@@ -130,6 +140,7 @@ GROUPS, GROUP_SIZE = 8, 8
 LEARNING_RATE = 1e-4
 CLIP_EPS = 0.2
 GRAD_CLIP = 1.0
+SPLIT = 4  # Micro-batches of the split train step, (c).
 
 
 def tunix_config(cfg: models.ModelConfig):
@@ -282,7 +293,7 @@ def fake_rollouts(cfg, seed: int) -> list[Rollout]:
     ]
 
 
-def make_gac_trainer(gac_model, batch):
+def make_gac_trainer(gac_model, batch, micro_batches: int = 1):
     learner = GRPOLearner(
         gac_model,
         make_optimizer(OptimizerConfig(learning_rate=LEARNING_RATE, clip_norm=GRAD_CLIP)),
@@ -292,6 +303,7 @@ def make_gac_trainer(gac_model, batch):
             loss_kwargs=dict(eps_low=CLIP_EPS, eps_high=CLIP_EPS, aggregation="token-mean"),
             advantage="grpo",
         ),
+        config=LearnerConfig(micro_batches=micro_batches),
     )
     placed = learner.place_batch(batch)
     version = [0]
@@ -303,9 +315,11 @@ def make_gac_trainer(gac_model, batch):
     return step
 
 
-def make_tunix_trainer(tunix_model, batch):
+def make_tunix_trainer(tunix_model, batch, micro_batches: int = 1):
     """Tunix's RL actor trainer with its GRPO loss, as `tunix.rl.grpo.GRPOLearner` sets
-    it up (minus rollout, reward and reference-model machinery)."""
+    it up (minus rollout, reward and reference-model machinery). With `micro_batches` > 1
+    a step is that many calls on slices of the batch, accumulated by Tunix's
+    `gradient_accumulation_steps` (as its RL cluster derives it from a micro-batch size)."""
     from tunix.rl import algo_core
     from tunix.rl import common as tunix_common
     from tunix.rl import trainer as tunix_trainer
@@ -323,7 +337,11 @@ def make_tunix_trainer(tunix_model, batch):
     trainer = tunix_trainer.Trainer(
         tunix_model,
         optax.chain(optax.clip_by_global_norm(GRAD_CLIP), optax.adamw(LEARNING_RATE)),
-        peft_trainer.TrainingConfig(eval_every_n_steps=10**9, max_steps=10**9),
+        peft_trainer.TrainingConfig(
+            eval_every_n_steps=10**9,
+            max_steps=10**9,
+            gradient_accumulation_steps=micro_batches if micro_batches > 1 else None,
+        ),
         custom_checkpoint_metadata_fn=lambda: {},
     )
     trainer.with_loss_fn(
@@ -338,20 +356,28 @@ def make_tunix_trainer(tunix_model, batch):
 
     tokens = np.asarray(batch.tokens)
     advantages = algo_core.compute_advantages(np.asarray(batch.rewards), GROUP_SIZE)
-    example = tunix_common.TrainExample(
-        prompt_ids=jnp.asarray(tokens[:, :PROMPT]),
-        prompt_mask=jnp.asarray(batch.attention_mask[:, :PROMPT]).astype(jnp.int32),
-        completion_ids=jnp.asarray(tokens[:, PROMPT:]),
-        completion_mask=jnp.asarray(batch.loss_mask[:, PROMPT:]).astype(jnp.int32),
-        advantages=jnp.asarray(advantages, jnp.float32),
-        ref_per_token_logps=None,
-        old_per_token_logps=jnp.asarray(batch.behaviour_logp[:, PROMPT:]),
-    )
+    rows = np.array_split(np.arange(BATCH), micro_batches)
+    examples = [
+        tunix_common.TrainExample(
+            prompt_ids=jnp.asarray(tokens[r, :PROMPT]),
+            prompt_mask=jnp.asarray(batch.attention_mask[r, :PROMPT]).astype(jnp.int32),
+            completion_ids=jnp.asarray(tokens[r, PROMPT:]),
+            completion_mask=jnp.asarray(batch.loss_mask[r, PROMPT:]).astype(jnp.int32),
+            advantages=jnp.asarray(advantages[r], jnp.float32),
+            ref_per_token_logps=None,
+            old_per_token_logps=jnp.asarray(batch.behaviour_logp[r, PROMPT:]),
+        )
+        for r in rows
+    ]
 
     def step() -> dict[str, float]:
-        loss, aux, grad_norm = train_step(example)
-        jax.block_until_ready((loss, aux, grad_norm))
-        return {"loss": float(loss), "grad_norm": float(grad_norm)}
+        losses = []
+        for example in examples:
+            loss, aux, grad_norm = train_step(example)
+            losses.append(loss)
+        jax.block_until_ready((losses, aux, grad_norm))
+        # Equal token counts per micro-batch: the mean of their token-means is the batch's.
+        return {"loss": float(np.mean(losses)), "grad_norm": float(grad_norm)}
 
     return step
 
@@ -376,6 +402,15 @@ def model_flops(cfg: models.ModelConfig) -> dict[str, float]:
     }
 
 
+TASKS = ("sample", "train", "split")
+LABELS = (
+    ("sample", "sampling"),
+    ("train", "GRPO train step"),
+    ("split", f"train, split in {SPLIT}"),
+    ("best", "train, each's faster"),
+)
+
+
 def timed(fn, *args) -> float:
     start = time.perf_counter()
     fn(*args)
@@ -392,6 +427,7 @@ def bench_size(
     with tempfile.TemporaryDirectory() as ckpt:
         gac_sampling_model, tunix_sampling_model = build_models(cfg, ckpt)
         gac_training_model, tunix_training_model = build_models(cfg, ckpt)
+        gac_split_model, tunix_split_model = build_models(cfg, ckpt)
     n_params = sum(x.size for x in jax.tree.leaves(nnx.state(gac_sampling_model, nnx.Param)))
     logit_gap = check_same_model(gac_sampling_model, tunix_sampling_model, prompts)
 
@@ -401,13 +437,16 @@ def bench_size(
     batch = TrainBatch(**collate(fake_rollouts(cfg, seed=0), PROMPT))
     gac_step = make_gac_trainer(gac_training_model, batch)
     tunix_step = make_tunix_trainer(tunix_training_model, batch)
+    gac_split = make_gac_trainer(gac_split_model, batch, SPLIT)
+    tunix_split = make_tunix_trainer(tunix_split_model, batch, SPLIT)
 
     # Warm-up: compile, then two compiled calls each. The first training step of each
     # library runs on identical weights and data, so loss and gradient norm must agree.
     first_gac, first_tunix = gac_step(), tunix_step()
+    split_losses = gac_split()["loss"], tunix_split()["loss"]
     agree = greedy_agreement()
     for _ in range(2):
-        gac_sample(0), tunix_sample(0), gac_step(), tunix_step()
+        gac_sample(0), tunix_sample(0), gac_step(), tunix_step(), gac_split(), tunix_split()
 
     print(
         f"\n{name}: {n_params / 1e6:.2f}M params (V={cfg.vocab_size} D={cfg.embed_dim} "
@@ -417,11 +456,13 @@ def bench_size(
         f"identical in {agree}/{BATCH} rows\n"
         f"  first train step: loss gac_jax {first_gac['loss']:+.6f} / Tunix "
         f"{first_tunix['loss']:+.6f}; grad norm {first_gac['grad_norm']:.6f} / "
-        f"{first_tunix['grad_norm']:.6f}",
+        f"{first_tunix['grad_norm']:.6f}\n"
+        f"  split in {SPLIT}, first step: loss gac_jax {split_losses[0]:+.6f} / Tunix "
+        f"{split_losses[1]:+.6f}",
         flush=True,
     )
 
-    times = {t: {"gac_jax": [], "tunix": []} for t in ("sample", "train")}
+    times = {t: {"gac_jax": [], "tunix": []} for t in TASKS}
     # The machine's matmul rate, timed three times a round between the libraries' calls;
     # the fastest of all is the peak each call's model FLOP/s is compared with (its MFU).
     peak_timer, peak_times = make_peak(), []
@@ -430,10 +471,12 @@ def bench_size(
         ("sample", "tunix"): tunix_sample,
         ("train", "gac_jax"): lambda _: gac_step(),
         ("train", "tunix"): lambda _: tunix_step(),
+        ("split", "gac_jax"): lambda _: gac_split(),
+        ("split", "tunix"): lambda _: tunix_split(),
     }
     for r in range(rounds):
         libs = ("gac_jax", "tunix") if r % 2 == 0 else ("tunix", "gac_jax")
-        for task in ("sample", "train"):
+        for task in TASKS:
             for lib in libs:
                 times[task][lib].append(timed(tasks[task, lib], 1 + r))
         peak_times += [peak_timer() for _ in range(3)]
@@ -453,15 +496,20 @@ def print_profiles(name: str, tasks, calls: int) -> None:
 
 
 def summarise(name: str, times, peak: float) -> dict[str, float]:
-    tokens = {"sample": BATCH * NEW, "train": BATCH * (PROMPT + NEW)}
-    label = {"sample": "generated", "train": "trained"}
+    tokens = {
+        "sample": BATCH * NEW,
+        "train": BATCH * (PROMPT + NEW),
+        "split": BATCH * (PROMPT + NEW),
+    }
+    label = {"sample": "generated", "train": "trained", "split": "trained"}
     ratios = {}
     flops = model_flops(gac_config(SIZES[name]))
+    flops["split"] = flops["train"]
     print(
         f"  {name}: median over {len(times['sample']['gac_jax'])} rounds; matmul peak (a "
         f"jitted {PEAK_N}^2 fp32 matmul, the fastest of three a round) {peak / 1e9:.1f} GFLOP/s"
     )
-    for task in ("sample", "train"):
+    for task in TASKS:
         rates = {}
         for lib in ("gac_jax", "tunix"):
             t = times[task][lib]
@@ -490,6 +538,15 @@ def summarise(name: str, times, peak: float) -> dict[str, float]:
             f"per-round ratios median {ratios[task][0]:.2f}x "
             f"(range {ratios[task][1]:.2f}-{ratios[task][2]:.2f})"
         )
+    # Each library's faster way to make the update, chosen within each round.
+    best = [
+        min(tunix, tunix_split) / min(gac, gac_split)
+        for gac, tunix, gac_split, tunix_split in zip(
+            *(times[task][lib] for task in ("train", "split") for lib in ("gac_jax", "tunix")),
+            strict=True,
+        )
+    ]
+    ratios["best"] = (statistics.median(best), min(best), max(best))
     return ratios
 
 
@@ -533,9 +590,9 @@ def main():
         "of the ratio within each round"
     )
     for name, r in ratios.items():
-        for task, label in (("sample", "sampling"), ("train", "GRPO train step")):
+        for task, label in LABELS:
             median, low, high = r[task]
-            print(f"  {name:<5} {label:<16} {median:.2f}x  (range {low:.2f}-{high:.2f})")
+            print(f"  {name:<5} {label:<22} {median:.2f}x  (range {low:.2f}-{high:.2f})")
 
 
 if __name__ == "__main__":

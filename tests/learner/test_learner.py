@@ -20,6 +20,7 @@ from gac_jax.learner import (
 from gac_jax.learner import learner as learner_module
 from gac_jax.rollout import Rollout, collate
 from gac_jax.transforms import ESSConfig, GACConfig
+from tests.conftest import USERS_COMPILE_OPTIONS
 
 CONFIG = models.get_config("tiny")
 G, L, PROMPT = 4, 6, 8
@@ -190,6 +191,8 @@ def test_on_cpu_a_running_step_is_scheduled_for_memory_with_the_same_bits(monkey
         return lowered.compile().memory_analysis().temp_size_in_bytes
 
     def trained(options):
+        # Compiled as users compile (the suite's -O0 may round two schedules differently).
+        options = {**USERS_COMPILE_OPTIONS, **options}
         monkeypatch.setattr(learner_module, "CPU_STEP_COMPILER_OPTIONS", options)
         learner = _learner((1, 1, 1))
         metrics = [learner.step(batch, version) for version in (1, 2)]

@@ -138,8 +138,9 @@ def emitted_and_next_references(grads, refs, control, finite, reference, ema_dec
     """
     emitted, new_refs = [], []
     for i, (g, r) in enumerate(zip(grads, refs, strict=True)):
-        out = control.keep[i] * g.astype(jnp.float32) - control.alpha[i] * r.astype(jnp.float32)
-        out = g if unchanged else out.astype(g.dtype)
+        keep, alpha = control.keep[i], control.alpha[i]
+        out = g if unchanged else (keep * g.astype(jnp.float32) - alpha * r.astype(jnp.float32))
+        out = out.astype(g.dtype)
         if reference == "gradient":
             new_r = g
         elif reference == "update":

@@ -124,7 +124,7 @@ def learner_ratio(config, shape: dict) -> dict:
         models.create_model(config, seed=0),
         make_optimizer(OptimizerConfig(learning_rate=1e-4)),
         models.make_mesh(),
-        config=LearnerConfig(),
+        config=LearnerConfig(micro_batches=1),  # Whole, as the plain step: like for like.
     )
     graphdef, params, other = nnx.split(models.create_model(config, seed=0), nnx.Param, ...)
     tx = optax.adamw(1e-4)

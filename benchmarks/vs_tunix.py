@@ -44,7 +44,10 @@ same tokens before timing anything.
       faulted in on every call, so a smaller step can be the faster one. The script checks
       that each split computes the whole batch's loss (token-mean, with equal token counts
       per micro-batch) and prints, beside the whole-batch ratio, the split's and the ratio
-      of each library's faster configuration within a round.
+      of each library's fastest configuration within a round ((b), (c) or (d)).
+  (d) each library's default configuration: gac_jax `LearnerConfig()`, which on XLA:CPU
+      splits a step into micro-batches by its activations' size (here 8 of 8 sequences),
+      against Tunix's default, the whole batch (its (b) step, timed again in the round).
 
 Timing: after warm-up (compilation and two compiled calls per variant, excluded), every
 round runs all four (library, task) pairs, alternating which library goes first, so
@@ -293,7 +296,7 @@ def fake_rollouts(cfg, seed: int) -> list[Rollout]:
     ]
 
 
-def make_gac_trainer(gac_model, batch, micro_batches: int = 1):
+def make_gac_trainer(gac_model, batch, micro_batches: int | None = 1):
     learner = GRPOLearner(
         gac_model,
         make_optimizer(OptimizerConfig(learning_rate=LEARNING_RATE, clip_norm=GRAD_CLIP)),
@@ -402,12 +405,13 @@ def model_flops(cfg: models.ModelConfig) -> dict[str, float]:
     }
 
 
-TASKS = ("sample", "train", "split")
+TASKS = ("sample", "train", "split", "default")
 LABELS = (
     ("sample", "sampling"),
     ("train", "GRPO train step"),
     ("split", f"train, split in {SPLIT}"),
-    ("best", "train, each's faster"),
+    ("default", "train, each's default"),
+    ("best", "train, each's fastest"),
 )
 
 
@@ -439,14 +443,17 @@ def bench_size(
     tunix_step = make_tunix_trainer(tunix_training_model, batch)
     gac_split = make_gac_trainer(gac_split_model, batch, SPLIT)
     tunix_split = make_tunix_trainer(tunix_split_model, batch, SPLIT)
+    gac_default = make_gac_trainer(models.create_model(cfg, seed=0), batch, None)
 
     # Warm-up: compile, then two compiled calls each. The first training step of each
     # library runs on identical weights and data, so loss and gradient norm must agree.
     first_gac, first_tunix = gac_step(), tunix_step()
     split_losses = gac_split()["loss"], tunix_split()["loss"]
+    first_default = gac_default()
     agree = greedy_agreement()
     for _ in range(2):
         gac_sample(0), tunix_sample(0), gac_step(), tunix_step(), gac_split(), tunix_split()
+        gac_default()
 
     print(
         f"\n{name}: {n_params / 1e6:.2f}M params (V={cfg.vocab_size} D={cfg.embed_dim} "
@@ -458,7 +465,9 @@ def bench_size(
         f"{first_tunix['loss']:+.6f}; grad norm {first_gac['grad_norm']:.6f} / "
         f"{first_tunix['grad_norm']:.6f}\n"
         f"  split in {SPLIT}, first step: loss gac_jax {split_losses[0]:+.6f} / Tunix "
-        f"{split_losses[1]:+.6f}",
+        f"{split_losses[1]:+.6f}\n"
+        f"  gac_jax's default: {first_default['micro_batches']:.0f} micro-batches on "
+        f"{jax.default_backend()}, first step loss {first_default['loss']:+.6f}",
         flush=True,
     )
 
@@ -473,6 +482,8 @@ def bench_size(
         ("train", "tunix"): lambda _: tunix_step(),
         ("split", "gac_jax"): lambda _: gac_split(),
         ("split", "tunix"): lambda _: tunix_split(),
+        ("default", "gac_jax"): lambda _: gac_default(),
+        ("default", "tunix"): lambda _: tunix_step(),  # Tunix's default: the whole batch.
     }
     for r in range(rounds):
         libs = ("gac_jax", "tunix") if r % 2 == 0 else ("tunix", "gac_jax")
@@ -500,11 +511,12 @@ def summarise(name: str, times, peak: float) -> dict[str, float]:
         "sample": BATCH * NEW,
         "train": BATCH * (PROMPT + NEW),
         "split": BATCH * (PROMPT + NEW),
+        "default": BATCH * (PROMPT + NEW),
     }
-    label = {"sample": "generated", "train": "trained", "split": "trained"}
+    label = {"sample": "generated", "train": "trained", "split": "trained", "default": "trained"}
     ratios = {}
     flops = model_flops(gac_config(SIZES[name]))
-    flops["split"] = flops["train"]
+    flops["split"] = flops["default"] = flops["train"]
     print(
         f"  {name}: median over {len(times['sample']['gac_jax'])} rounds; matmul peak (a "
         f"jitted {PEAK_N}^2 fp32 matmul, the fastest of three a round) {peak / 1e9:.1f} GFLOP/s"
@@ -538,13 +550,11 @@ def summarise(name: str, times, peak: float) -> dict[str, float]:
             f"per-round ratios median {ratios[task][0]:.2f}x "
             f"(range {ratios[task][1]:.2f}-{ratios[task][2]:.2f})"
         )
-    # Each library's faster way to make the update, chosen within each round.
+    # Each library's fastest way to make the update, chosen within each round.
+    ways = ("train", "split", "default")
     best = [
-        min(tunix, tunix_split) / min(gac, gac_split)
-        for gac, tunix, gac_split, tunix_split in zip(
-            *(times[task][lib] for task in ("train", "split") for lib in ("gac_jax", "tunix")),
-            strict=True,
-        )
+        min(times[w]["tunix"][r] for w in ways) / min(times[w]["gac_jax"][r] for w in ways)
+        for r in range(len(times["train"]["gac_jax"]))
     ]
     ratios["best"] = (statistics.median(best), min(best), max(best))
     return ratios

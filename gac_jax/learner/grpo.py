@@ -17,11 +17,13 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from gac_jax.learner import token_budget
 from gac_jax.learner.batch import TrainBatch
 from gac_jax.learner.learner import BATCH_AXES, ShardedLearner, with_shardings
 from gac_jax.learner.objective import LossConfig, Objective
 from gac_jax.learner.step import LearnerConfig, make_train_step
 from gac_jax.learner.token_budget import budget_micro_batches, trim_padding, used_columns
+from gac_jax.models.config import ModelConfig
 from gac_jax.models.sharding import ShardingRules
 
 # Trimmed batches are this many columns wide, times some integer (few widths, few compiles).
@@ -84,7 +86,8 @@ class GRPOLearner(ShardedLearner):
         self.config.validate(self.objective.config)  # Before any array is placed.
         super().__init__(model, tx, mesh, rules=rules, trainable=trainable)
         self._steps = {}  # The compiled steps by micro-batch count.
-        self._step = self.step_for(self.config.micro_batches)
+        self._step = self.step_for(self.config.micro_batches or 1)
+        self._cpu_model = self._split_by_default(getattr(model, "config", None))
         self.reference = self._place_reference(reference, trainable)
 
     def _place_reference(self, reference, trainable):
@@ -110,17 +113,30 @@ class GRPOLearner(ShardedLearner):
             self._steps[micro_batches] = self.compile_step(step, num_extra=2)
         return self._steps[micro_batches]
 
+    def _split_by_default(self, model_config) -> ModelConfig | None:
+        """The config of a `Decoder` whose steps `micro_batches=None` splits on XLA:CPU
+        (`cpu_tokens_per_micro_batch`), or None: a count of 1, as on accelerators and where
+        a split costs a whole-batch pass (batch statistics) or is not allowed (a partition
+        function)."""
+        config, spec = self.config, self.objective.spec
+        unset = config.micro_batches is None and not config.max_tokens_per_micro_batch
+        splits = spec.batch_statistics is None and not spec.needs_reference
+        runs = isinstance(model_config, ModelConfig) and self.runs_on_cpu
+        return model_config if unset and splits and runs else None
+
     def budget_micro_batches(self, rows: int, width: int) -> int:
-        """Micro-batches for a batch of `rows` x `width` (the token budget's, or the
-        configured count without a budget)."""
+        """Micro-batches for a batch of `rows` x `width`: the token budget's (set, or the
+        CPU default's), else the configured count."""
         budget = self.config.max_tokens_per_micro_batch
+        if self._cpu_model is not None:
+            budget = token_budget.cpu_tokens_per_micro_batch(self._cpu_model, width)
         if not budget:
-            return self.config.micro_batches
+            return self.config.micro_batches or 1
         return budget_micro_batches(
             rows // self.config.mini_batches,  # The rows of one optimizer step.
             width,
             budget,
-            minimum=self.config.micro_batches,
+            minimum=self.config.micro_batches or 1,
             devices=self.batch_divisor,
         )
 
@@ -186,13 +202,17 @@ class GRPOLearner(ShardedLearner):
         untouched); `config.max_consecutive_nonfinite` of them in a row raise
         `NonFiniteStepError`.
         """
-        micro_batches = self.config.micro_batches
         tokens = batch.tokens
         placed = isinstance(tokens, jax.Array) and tokens.sharding == self.batch_sharding
-        if self.config.max_tokens_per_micro_batch and not placed:
+        budget = self.config.max_tokens_per_micro_batch
+        if budget and not placed:
             batch, micro_batches = self._fit_budget(batch)
         if not placed:
             batch = self.place_batch(batch)
+        if not budget:  # The global batch's rows x width.
+            micro_batches = self.budget_micro_batches(*batch.tokens.shape)
+        elif placed:  # Neither trimmed nor budgeted.
+            micro_batches = self.config.micro_batches or 1
         step = self.step_for(micro_batches)
         metrics = self.run_step(batch, np.int32(learner_version), self.reference, step=step)
         metrics["micro_batches"] = float(micro_batches)

@@ -132,9 +132,6 @@ class ShardedLearner:
             return (params, *self._split(opt_state), metrics)
 
         shardings = self._split_leaves(opt_sharding_leaves)
-        runs_on_cpu = not is_abstract(self.params) and all(
-            d.platform == "cpu" for d in self.mesh.devices.flat
-        )
         return jax.jit(
             split_step,
             in_shardings=(self.param_shardings, *shardings, self.frozen_shardings)
@@ -142,7 +139,14 @@ class ShardedLearner:
             + (None,) * num_extra,
             out_shardings=(self.param_shardings, *shardings, self.replicated),
             donate_argnums=(0, 1),
-            compiler_options=CPU_STEP_COMPILER_OPTIONS if runs_on_cpu else None,
+            compiler_options=CPU_STEP_COMPILER_OPTIONS if self.runs_on_cpu else None,
+        )
+
+    @property
+    def runs_on_cpu(self) -> bool:
+        """Whether the step runs (its params are arrays, not abstract) on XLA:CPU."""
+        return not is_abstract(self.params) and all(
+            d.platform == "cpu" for d in self.mesh.devices.flat
         )
 
     def run_step(self, batch, *extra, step=None) -> dict[str, float]:

@@ -55,7 +55,10 @@ class LearnerConfig:
       micro_batches: gradient accumulation: each mini-batch is split into this many chunks,
         whose gradients are summed exactly, each weighted by its share of the loss's
         normaliser; it must divide the batch. VCPO's exact gradient norms are computed one
-        micro-batch of sequences at a time (`per_example_grad_sq_norms`).
+        micro-batch of sequences at a time (`per_example_grad_sq_norms`). None (default):
+        1 on accelerators; on XLA:CPU, which faults a step's temporaries in on every call,
+        the fewest of at least 512 tokens whose temporaries fit 64 MiB (`token_budget`; 1
+        where a split costs a pass: batch statistics, a group-wise partition function).
       max_consecutive_nonfinite: a step with a non-finite loss, gradient or update is
         skipped (`make_train_step`); this many skipped in a row raise `NonFiniteStepError`.
       logits_chunk_size: the step never materialises the logits [B, T, V]: log-probs and
@@ -92,7 +95,7 @@ class LearnerConfig:
         change where the data lies (exact sampling estimates only for on-policy data).
     """
 
-    micro_batches: int = 1
+    micro_batches: int | None = None
     max_consecutive_nonfinite: int = 3
     logits_chunk_size: int = 512
     max_tokens_per_micro_batch: int | None = None
@@ -112,19 +115,20 @@ class LearnerConfig:
     def validate(self, loss: LossConfig | None = None, rows: int | None = None) -> None:
         """Raises ValueError naming a bad field; with `loss` (validated), also a loss that
         cannot be split; with `rows`, a batch of that many sequences that cannot."""
-        for name in ("micro_batches", "mini_batches", "epochs", "max_consecutive_nonfinite"):
+        for name in ("mini_batches", "epochs", "max_consecutive_nonfinite"):
             check_int(name, getattr(self, name), 1)
+        check_int("micro_batches", self.micro_batches, 1, allow_none=True)
         check_int("logits_chunk_size", self.logits_chunk_size, 1)
         check_int("max_tokens_per_micro_batch", self.max_tokens_per_micro_batch, 1, allow_none=True)
         check_int("shuffle_seed", self.shuffle_seed, 0)
         for name in ("shuffle", "reference_offload", "noise_scale", "policy_change"):
             check_bool(name, getattr(self, name))
-        if self.noise_scale and self.micro_batches < 2:
+        if self.noise_scale and (self.micro_batches or 1) < 2:
             raise ValueError(
                 "noise_scale=true compares micro-batch gradients with the whole one: it needs "
                 f"micro_batches >= 2, got {self.micro_batches}."
             )
-        m, k, e = self.micro_batches, self.mini_batches, self.epochs
+        m, k, e = self.micro_batches or 1, self.mini_batches, self.epochs
         spec = None if loss is None else objectives.get_policy_loss_spec(loss.policy_loss)
         if spec is not None and spec.needs_reference and m * k * e > 1:
             raise ValueError(
@@ -374,6 +378,7 @@ def make_train_step(
     """
     objective = Objective(LossConfig() if loss is None else loss)
     config = dataclasses.replace(LearnerConfig() if config is None else config, **settings)
+    config = dataclasses.replace(config, micro_batches=config.micro_batches or 1)
     config.validate(objective.config)
     settings = _StepSettings(graphdef, tx, objective, config, row_sharding)
     return functools.partial(_train_step, settings)

@@ -436,7 +436,8 @@ def _preset_lab() -> TrainConfig:
         keep_checkpoints=1,
         samples_every=0,
         optimizer=OptimizerConfig(learning_rate=LAB_LEARNING_RATE),
-        learner=LearnerConfig(policy_change=True),
+        # Whole steps, as its committed runs were made (the CPU default would split them).
+        learner=LearnerConfig(micro_batches=1, policy_change=True),
         rollout=RolloutConfig(mode="lagged", groups_per_batch=16),
     )
 
@@ -528,6 +529,7 @@ def _preset_calculator() -> TrainConfig:
         optimizer=OptimizerConfig(learning_rate=CALCULATOR_LEARNING_RATE),
         generation=GenerationConfig(group_size=8, prompt_length=16, max_new_tokens=48),
         episode=EpisodeConfig(max_turns=4, max_observation_tokens=8),
+        learner=LearnerConfig(micro_batches=1),  # Whole steps, as its committed runs.
         rollout=RolloutConfig(mode="sync", groups_per_batch=16),
     )
 

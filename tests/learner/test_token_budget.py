@@ -11,9 +11,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from gac_jax import models
-from gac_jax.learner import GRPOLearner, LearnerConfig, TrainBatch
+from gac_jax.learner import GRPOLearner, LearnerConfig, LossConfig, TrainBatch, token_budget
+from gac_jax.learner import learner as learner_module
 from gac_jax.learner.token_budget import budget_micro_batches, trim_padding, used_columns
 from gac_jax.rollout import Rollout, collate
+from tests.conftest import USERS_COMPILE_OPTIONS
 
 
 @given(
@@ -111,3 +113,59 @@ def test_a_budgeted_step_equals_the_plain_one(budget, expected):
         np.testing.assert_allclose(b[key], a[key], rtol=2e-5, atol=1e-6, err_msg=key)
     for x, y in zip(jax.tree.leaves(plain.params), jax.tree.leaves(budgeted.params), strict=True):
         np.testing.assert_allclose(np.asarray(y), np.asarray(x), rtol=1e-5, atol=1e-6)
+
+
+def _full_batch(rows, width, vocab=128):
+    rng = np.random.default_rng(3)
+    mask = np.ones((rows, width), bool)
+    return TrainBatch(
+        rng.integers(3, vocab, (rows, width)).astype(np.int32),
+        mask,
+        mask.copy(),
+        (-3.0 - rng.random((rows, width))).astype(np.float32),
+        rng.random(rows).astype(np.float32),
+        np.repeat(np.arange(rows // 4, dtype=np.int32), 4),
+        np.zeros(rows, np.int32),
+    )
+
+
+@pytest.mark.parametrize(
+    "overrides", [{}, dict(num_layers=3, mlp_dim=512), dict(embed_dim=128, num_heads=8)]
+)
+def test_the_cpu_estimate_is_xla_s_arena_within_a_fifth(overrides, monkeypatch):
+    # XLA:CPU's temporaries for one step, compiled as users compile it.
+    options = {**USERS_COMPILE_OPTIONS, **learner_module.CPU_STEP_COMPILER_OPTIONS}
+    monkeypatch.setattr(learner_module, "CPU_STEP_COMPILER_OPTIONS", options)
+    cfg = models.get_config("tiny", **overrides)
+    model = models.create_model(cfg, seed=0)
+    learner = GRPOLearner(
+        model, optax.adam(1e-3), models.make_mesh(1, 1, 1), config=LearnerConfig(micro_batches=1)
+    )
+    batch = learner.place_batch(_full_batch(64, 48))
+    compiled = learner.lower(batch, np.int32(0), None).compile()
+    per_token = compiled.memory_analysis().temp_size_in_bytes / batch.tokens.size
+    monkeypatch.setattr(token_budget, "CPU_MIN_TOKENS", 1)
+    estimate = token_budget.CPU_ACTIVATION_BYTES / token_budget.cpu_tokens_per_micro_batch(cfg, 48)
+    assert 0.8 <= estimate / per_token <= 1.25, (estimate, per_token)
+
+
+def test_on_cpu_the_default_splits_a_step_to_keep_its_activations_small(monkeypatch):
+    monkeypatch.setattr(token_budget, "CPU_ACTIVATION_BYTES", 1 << 20)
+    monkeypatch.setattr(token_budget, "CPU_MIN_TOKENS", 64)
+    mesh, batch = models.make_mesh(1, 2, 1), _full_batch(32, 16)
+    cfg = models.get_config("tiny", num_layers=1)
+    fits = token_budget.cpu_tokens_per_micro_batch(cfg, 16)
+    expected = budget_micro_batches(32, 16, fits, devices=2)
+    assert expected > 1 and 32 // (expected * 2) * 16 <= fits
+    default = _learner(LearnerConfig(), mesh)
+    whole = _learner(LearnerConfig(micro_batches=1), mesh)
+    a, b = default.step(batch, 0), whole.step(batch, 0)
+    assert a["micro_batches"] == expected and b["micro_batches"] == 1
+    for key in a.keys() - {"micro_batches"}:
+        np.testing.assert_allclose(a[key], b[key], rtol=2e-5, atol=1e-6, err_msg=key)
+    for x, y in zip(jax.tree.leaves(default.params), jax.tree.leaves(whole.params), strict=True):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-6)
+    # A loss whose split needs a whole-batch pass keeps the batch whole.
+    model = models.create_model(cfg, seed=1)
+    m2po = GRPOLearner(model, optax.sgd(0.5), mesh, loss=LossConfig(policy_loss="m2po"))
+    assert m2po.budget_micro_batches(32, 16) == 1

@@ -132,7 +132,7 @@ def _full_batch(rows, width, vocab=128):
 @pytest.mark.parametrize(
     "overrides", [{}, dict(num_layers=3, mlp_dim=512), dict(embed_dim=128, num_heads=8)]
 )
-def test_the_cpu_estimate_is_xla_s_arena_within_a_fifth(overrides, monkeypatch):
+def test_the_cpu_estimate_is_within_a_quarter_of_xla_s_arena(overrides, monkeypatch):
     # XLA:CPU's temporaries for one step, compiled as users compile it.
     options = {**USERS_COMPILE_OPTIONS, **learner_module.CPU_STEP_COMPILER_OPTIONS}
     monkeypatch.setattr(learner_module, "CPU_STEP_COMPILER_OPTIONS", options)

@@ -131,13 +131,16 @@ def alignment_controlled(
             gac_skipped_steps=jnp.zeros([], jnp.int32),
         )
 
+    # Known when the chain is built: a constant False lets XLA drop the selects below.
+    can_skip = alignment.can_skip(gradient) or alignment.can_skip(update)
+
     def update_fn(updates, state, params=None, **extra_args):
         passed, gradient_state = gradient.update(updates, state.gac_gradient_alignment, params)
         proposed, inner_state = inner.update(passed, state.gac_inner_state, params, **extra_args)
         applied, update_state = update.update(proposed, state.gac_update_alignment, params)
-        skipped = _chose_skip(gradient_state) | _chose_skip(update_state)
-        if not (alignment.can_skip(gradient) or alignment.can_skip(update)):
-            skipped = jnp.zeros([], jnp.bool_)  # Known here: XLA drops the selects below.
+        skipped = jnp.zeros([], jnp.bool_)
+        if can_skip:
+            skipped = _chose_skip(gradient_state) | _chose_skip(update_state)
         if reference_after_skip == "held":
             gradient_state = _with_reference_of(
                 gradient_state, state.gac_gradient_alignment, skipped

@@ -30,14 +30,16 @@ behind its loops:
   updates, PipelineRL's idea: a long row is finished by newer weights instead of
   holding its batch on the old ones; each token records the version that sampled it,
   `InflightSampleOutput`), and in multi-turn episodes a slot whose turn ends on a
-  turn-end token waits (`SlotState.waiting_b`), writing and decoding nothing, until the
+  turn-end token waits (`EpisodeSlots.waiting_b`), writing and decoding nothing, until the
   host appends its environment's observation to its cache.
 
 The slot API: `prepare` (the checked prompts), `start` (the first slots prefilled),
 `run_chunk` (decode steps), `compact` (tail compaction, `narrower_width`),
 `append_observation` and `end_slot` (a waiting slot's observation, or the end of its
-row), each a jitted program over a public `SlotState` that stays on the device between
-calls.
+row), each a jitted program over a public slot state that stays on the device between
+calls. The mode is the state's type: `SlotState` (`__call__`'s), `InflightSlots` (the slot
+API's: each token's version recorded) or `EpisodeSlots` (slots that wait for an
+environment), so a step reads its mode off a type, never off a missing field.
 
 Temperature, top-k, top-p and each row's length limit are array arguments (one value per
 row, or one for all), so changing them does not recompile; `(graphdef, state)` are jit
@@ -116,8 +118,8 @@ class Prompts:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class SlotState:
-    """The decode slots on the device between two calls of the slot API: B slots' KV cache
-    and next-token logits, the row each serves, and the R rows' outputs so far."""
+    """The decode slots of one call: B slots' KV cache and next-token logits, the row each
+    serves, and the R rows' outputs so far."""
 
     cache: dict  # the decoder's KV cache of B slots x S positions; "index" int32 [B].
     logits_bv: jax.Array  # f32 [B, V]: logits for each slot's next token.
@@ -129,14 +131,6 @@ class SlotState:
     mask_rn: jax.Array  # bool [R, N]
     logps_rn: jax.Array  # f32 [R, N]
     policy_logps_rn: jax.Array  # f32 [R, N]
-    # int32 [R, N]: the params version that sampled each token, -1 past a row's end;
-    # in-flight sampling only (None: not recorded).
-    versions_rn: jax.Array | None = None
-    # Episodes only (`gac_jax.rollout.episode_driver`; None otherwise): bool [B], the slot's turn
-    # has ended and it waits for its environment's observation (it neither decodes nor is
-    # refilled); bool [R, N], the row's observation tokens (context, not sampled).
-    waiting_b: jax.Array | None = None
-    observed_rn: jax.Array | None = None
 
     def output(self, cls: type, **extra):
         """The rows' outputs so far as `cls` (`SampleOutput` or a subclass: `extra` holds
@@ -148,18 +142,28 @@ class SlotState:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class _Inputs(Prompts):
-    """A call's inputs, the same for every decode step: its `Prompts` and, in episodes,
-    the token sequences that end a policy turn (int32 [T, L], right-aligned, -1 padding;
-    `run_chunk`'s `turn_end_ids`)."""
+class InflightSlots(SlotState):
+    """The slot API's `SlotState`, with the params version that sampled each token."""
 
-    turn_end_ids: jax.Array | None = None
+    versions_rn: jax.Array  # int32 [R, N]: -1 past a row's end.
 
 
-def _turn_ended(s: SlotState, tokens_b, row_b, turn_tl) -> jax.Array:
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class EpisodeSlots(InflightSlots):
+    """`InflightSlots` of multi-turn episodes (`gac_jax.rollout.episode_driver`): a slot
+    whose turn ends waits for its environment's observation, neither decoding nor refilled."""
+
+    waiting_b: jax.Array  # bool [B]: the slot's turn has ended; it waits.
+    observed_rn: jax.Array  # bool [R, N]: the row's observation tokens (context, not sampled).
+    turn_end_tl: jax.Array  # int32 [T, L]: what ends a turn, right-aligned, -1 padding.
+
+
+def _turn_ended(s: EpisodeSlots, tokens_b, row_b) -> jax.Array:
     """bool [B]: whether each slot's policy tokens end, with this step's `tokens_b`, in one
-    of the sequences `turn_tl` (int32 [T, L], right-aligned, -1 padding). Earlier tokens
-    are read from the slot's row; a sequence never spans an observation."""
+    of the sequences `s.turn_end_tl`. Earlier tokens are read from the slot's row; a
+    sequence never spans an observation."""
+    turn_tl = s.turn_end_tl
     back = jnp.arange(turn_tl.shape[1] - 1, 0, -1, dtype=jnp.int32)  # L-1 .. 1 steps back.
     columns_bl = s.step_b[:, None] - back[None, :]
     rows_bl = row_b[:, None]
@@ -453,31 +457,30 @@ class Sampler:
     # ------------------------------------------------------------------- the slot API
 
     def start(
-        self, graphdef, state, prompts: Prompts, *, episodes: bool = False
-    ) -> tuple[SlotState, jax.Array]:
-        """The first B rows prefilled with `state` into the slots, every token's version
-        recorded from here on (-1 until sampled); with `episodes`, the slots can also wait
-        for an environment and rows hold observation tokens. Returns the slots and their
-        progress (int32 [3]: decode steps just run, busy slots, first row no slot took)."""
-        return self._programs.start(
-            graphdef, state, prompts.tokens, prompts.mask, episodes=episodes
-        )
+        self, graphdef, state, prompts: Prompts, turn_end_ids=None
+    ) -> tuple[InflightSlots, jax.Array]:
+        """The first B rows prefilled with `state` into `InflightSlots`, every token's
+        version recorded from here on (-1 until sampled); given `turn_end_ids` (int32
+        [T, L]: the sequences that end a policy turn, right-aligned, -1 before shorter
+        ones), `EpisodeSlots`. Returns the slots and their progress (int32 [3]: decode
+        steps just run, busy slots, first row no slot took)."""
+        return self._programs.start(graphdef, state, prompts.tokens, prompts.mask, turn_end_ids)
 
     def run_chunk(
-        self, graphdef, state, slots: SlotState, prompts: Prompts, *, version: int,
-        budget: int, refresh: bool = False, turn_end_ids=None,
-    ) -> tuple[SlotState, jax.Array]:  # fmt: skip
+        self, graphdef, state, slots: InflightSlots, prompts: Prompts, *, version: int,
+        budget: int, refresh: bool = False,
+    ) -> tuple[InflightSlots, jax.Array]:  # fmt: skip
         """At most `budget` decode steps with `state` (version `version`; the busy slots'
         last tokens fed again first if `refresh`), stopping early where `__call__` would
-        compact, or, given `turn_end_ids` (int32 [T, L], right-aligned turn-end sequences,
-        -1 before shorter ones), as soon as one more slot waits for its environment.
-        `slots` is donated. Returns the new slots and their progress (as `start`)."""
+        compact, or, for `EpisodeSlots`, as soon as one more slot waits for its
+        environment. `slots` is donated. Returns the new slots and their progress (as
+        `start`)."""
         return self._programs.chunk(
             graphdef, state, slots, prompts, jnp.asarray(version, jnp.int32),
-            jnp.asarray(budget, jnp.int32), jnp.asarray(refresh), turn_end_ids,
+            jnp.asarray(budget, jnp.int32), jnp.asarray(refresh),
         )  # fmt: skip
 
-    def append_observation(self, graphdef, state, slots: SlotState, slot: int, block, length):
+    def append_observation(self, graphdef, state, slots: EpisodeSlots, slot: int, block, length):
         """Feeds the first `length` tokens of `block` (int32 [K]) into waiting slot `slot`'s
         cache at its next positions, writes them into its row as observation tokens and
         lets the slot decode again. `slots` is donated."""
@@ -485,7 +488,7 @@ class Sampler:
             graphdef, state, slots, jnp.int32(slot), block, jnp.int32(length)
         )
 
-    def end_slot(self, graphdef, state, slots: SlotState, slot: int, prompts: Prompts):
+    def end_slot(self, graphdef, state, slots: EpisodeSlots, slot: int, prompts: Prompts):
         """Ends waiting slot `slot`'s row at its turn's end; the slot takes the next row
         no slot has taken (prefilled with `state`), or idles. `slots` is donated."""
         return self._programs.end(
@@ -506,7 +509,7 @@ class Sampler:
     def _new_programs(self) -> _Programs:
         return _Programs(
             sample=jax.jit(self._sample),
-            start=jax.jit(self._start_program, static_argnames="episodes"),
+            start=jax.jit(self._start_program),
             chunk=jax.jit(self._chunk_program, donate_argnames="s"),
             compact=jax.jit(_compacted, static_argnames="width"),
             observe=jax.jit(self._observe_program, donate_argnames="s"),
@@ -573,58 +576,51 @@ class Sampler:
         """`__call__`'s program: the first B rows prefilled, then one decode loop per width
         of the tail compaction schedule."""
         self._programs.traces += 1  # Runs only while tracing.
-        inputs = _Inputs(prompt_tokens, prompt_mask, key, per_row)
+        prompts = Prompts(prompt_tokens, prompt_mask, key, per_row)
         s = self._first_slots(nnx.merge(graphdef, state), prompt_tokens, prompt_mask)
         no_budget = jnp.asarray(np.iinfo(np.int32).max, jnp.int32)
         while True:
-            s, _ = self._decode_loop(graphdef, state, s, inputs, no_budget)
+            s, _ = self._decode_loop(graphdef, state, s, prompts, no_budget)
             if not _narrower(s.row_b.shape[0]):
                 return s.output(SampleOutput)
             s = _compacted(s, _narrower(s.row_b.shape[0]))
 
-    def _start_program(self, graphdef, state, prompt_tokens, prompt_mask, episodes):
+    def _start_program(self, graphdef, state, prompt_tokens, prompt_mask, turn_end_tl):
         """`start`'s program: `_first_slots`, no version recorded yet."""
         s = self._first_slots(nnx.merge(graphdef, state), prompt_tokens, prompt_mask)
-        s = dataclasses.replace(s, versions_rn=jnp.full(s.tokens_rn.shape, -1, jnp.int32))
-        if episodes:
-            s = dataclasses.replace(
-                s,
-                waiting_b=jnp.zeros(s.row_b.shape, bool),
-                observed_rn=jnp.zeros(s.tokens_rn.shape, bool),
-            )
+        versions_rn = jnp.full(s.tokens_rn.shape, -1, jnp.int32)
+        if turn_end_tl is None:
+            s = InflightSlots(**vars(s), versions_rn=versions_rn)
+        else:
+            waiting_b, observed_rn = jnp.zeros(s.row_b.shape, bool), jnp.zeros_like(s.mask_rn)
+            s = EpisodeSlots(**vars(s), versions_rn=versions_rn, waiting_b=waiting_b,
+                             observed_rn=observed_rn, turn_end_tl=turn_end_tl)  # fmt: skip
         return s, _progress(s, 0)
 
-    def _chunk_program(
-        self, graphdef, state, s, prompts: Prompts, version, budget, refresh, turn_end_ids
-    ):
+    def _chunk_program(self, graphdef, state, s: InflightSlots, prompts, version, budget, refresh):
         """`run_chunk`'s program: at most `budget` steps of `__call__`'s loop at the state's
-        width. Returns the new state and `_progress`."""
-        inputs = _Inputs(prompts.tokens, prompts.mask, prompts.key, prompts.per_row, turn_end_ids)
+        width, each token sampled recording `version`. Returns the new state and
+        `_progress`."""
 
         def refreshed(s: SlotState) -> SlotState:
             return self._fed_again(nnx.merge(graphdef, state), s, prompts.tokens)
 
+        sampled_rn = s.mask_rn
         s = jax.lax.cond(refresh, refreshed, lambda s: s, s)
-        s, steps = self._decode_loop(graphdef, state, s, inputs, budget, version)
-        return s, _progress(s, steps)
+        s, steps = self._decode_loop(graphdef, state, s, prompts, budget)
+        versions_rn = jnp.where(s.mask_rn & ~sampled_rn, version, s.versions_rn)
+        return dataclasses.replace(s, versions_rn=versions_rn), _progress(s, steps)
 
-    def _decode_loop(self, graphdef, state, s: SlotState, inputs: _Inputs, budget, version=None):
+    def _decode_loop(self, graphdef, state, s: SlotState, prompts: Prompts, budget):
         """Decode steps at `s`'s width until `budget` steps are run, every row has ended,
         or no row waits and the busy slots fit the next width. The widest state refills
-        the slots that end; narrower ones only follow their rows to the end.
-
-        Args:
-          version: the params version recorded for each sampled token in `s.versions_rn`
-            (when `s` records versions).
-
-        Returns:
-          `(state, decode steps run)`.
-        """
-        rows = inputs.tokens.shape[0]
+        the slots that end; narrower ones only follow their rows to the end. Returns
+        `(state, decode steps run)`."""
+        rows = prompts.tokens.shape[0]
         width = s.row_b.shape[0]
         refill = width == self._width(rows)
         narrower = _narrower(width)
-        if s.waiting_b is not None:  # Episodes: no compaction; back to the host at a turn end.
+        if isinstance(s, EpisodeSlots):  # No compaction; back to the host at a turn end.
             waiting = jnp.sum(s.waiting_b, dtype=jnp.int32)
 
             def cond(carry) -> jax.Array:
@@ -642,42 +638,37 @@ class Sampler:
 
         def body(carry):
             s, step = carry
-            if s.versions_rn is not None:
-                # Recorded at the pre-step (row, step), as `_decode_step` records its token.
-                versions_rn = s.versions_rn.at[_written_rows(s, rows), s.step_b].set(
-                    version, mode="drop"
-                )
-                s = dataclasses.replace(s, versions_rn=versions_rn)
-            s = self._decode_step(nnx.merge(graphdef, state), s, inputs, refill)
-            return s, step + 1
+            return self._decode_step(nnx.merge(graphdef, state), s, prompts, refill), step + 1
 
         return jax.lax.while_loop(cond, body, (s, jnp.zeros((), jnp.int32)))
 
-    def _decode_step(self, model, s: SlotState, inputs: _Inputs, refill: bool) -> SlotState:
+    def _decode_step(self, model, s: SlotState, prompts: Prompts, refill: bool) -> SlotState:
         """The one decode step: samples a token in every busy slot, records it in its row,
         feeds it to the decoder, then hands each slot whose row has just ended the next
         waiting row (`refill`) or leaves it idle."""
         rows = s.tokens_rn.shape[0]
-        written_b = _written_rows(s, rows)
+        episodes = isinstance(s, EpisodeSlots)
+        # The row each slot writes to: R (dropped) for idle slots and waiting ones.
+        written_b = jnp.where(s.waiting_b, rows, s.row_b) if episodes else s.row_b
         busy_b = written_b < rows  # Decoding: not idle, not waiting for an environment.
         row_b = jnp.minimum(s.row_b, rows - 1)
-        temperature, top_k, top_p, limit = (jnp.take(x, row_b, axis=0) for x in inputs.per_row)
+        temperature, top_k, top_p, limit = (jnp.take(x, row_b, axis=0) for x in prompts.per_row)
         # Row r's draws use fold_in(key, r), so they do not depend on its slot.
-        row_keys = jax.vmap(jax.random.fold_in, (None, 0))(inputs.key, row_b)
+        row_keys = jax.vmap(jax.random.fold_in, (None, 0))(prompts.key, row_b)
         keys = jax.vmap(jax.random.fold_in)(row_keys, s.step_b)
         tokens, logps, policy_logps = sample_step(s.logits_bv, keys, temperature, top_k, top_p)
         tokens = jnp.where(busy_b, tokens, self.pad_id)
 
-        def put(buffer, values_b):  # Idle and waiting slots write to row R: dropped.
+        def put(buffer, values_b):
             return buffer.at[written_b, s.step_b].set(values_b, mode="drop")
 
         eos = jnp.asarray(self.eos_ids, jnp.int32)
         eos_b = jnp.any(tokens[:, None] == eos[None, :], axis=1)
         full_b = s.step_b + 1 >= limit
-        if s.waiting_b is not None:  # A turn ends: the slot waits for its environment.
+        if episodes:  # A turn ends: the slot waits for its environment.
             # A turn-end token that is also EOS (a chat template's end of turn) ends the
             # turn; the environment then says whether the episode ends.
-            turn_b = _turn_ended(s, tokens, row_b, inputs.turn_end_ids)
+            turn_b = _turn_ended(s, tokens, row_b)
             eos_b = eos_b & ~turn_b
             s = dataclasses.replace(s, waiting_b=s.waiting_b | (busy_b & turn_b & ~full_b))
         ends = eos_b | full_b
@@ -696,10 +687,10 @@ class Sampler:
         )
         ended_b = busy_b & ends
         if refill:
-            return self._refill(model, s, ended_b, inputs.tokens, inputs.mask)
+            return self._refill(model, s, ended_b, prompts.tokens, prompts.mask)
         return dataclasses.replace(s, row_b=jnp.where(ended_b, rows, s.row_b))
 
-    def _observe_program(self, graphdef, state, s: SlotState, slot, block_k, length):
+    def _observe_program(self, graphdef, state, s: EpisodeSlots, slot, block_k, length):
         """`append_observation`'s program: one prefill of K tokens (the rest masked) into
         the slot's row of the cache; the last real one's logits become the slot's."""
         model = nnx.merge(graphdef, state)
@@ -725,7 +716,7 @@ class Sampler:
             waiting_b=s.waiting_b.at[slot].set(False),
         )
 
-    def _end_program(self, graphdef, state, s: SlotState, slot, prompt_tokens, prompt_mask):
+    def _end_program(self, graphdef, state, s: EpisodeSlots, slot, prompt_tokens, prompt_mask):
         """`end_slot`'s program: the slot stops waiting and is refilled like an ended row."""
         ended_b = jnp.arange(s.row_b.shape[0]) == slot
         s = dataclasses.replace(s, waiting_b=s.waiting_b & ~ended_b)
@@ -843,14 +834,6 @@ def _shared_programs(specification: tuple, new: Callable[[], _Programs]) -> _Pro
     while len(_SHARED) > _SHARED_SPECIFICATIONS:
         del _SHARED[next(iter(_SHARED))]
     return programs
-
-
-def _written_rows(s: SlotState, rows: int) -> jax.Array:
-    """int32 [B]: the row each slot's next token is written to; R (out of bounds, so the
-    write is dropped) for idle slots and slots waiting for an environment."""
-    if s.waiting_b is None:
-        return s.row_b
-    return jnp.where(s.waiting_b, rows, s.row_b)
 
 
 def _put_row(big: jax.Array, one: jax.Array, slot) -> jax.Array:

@@ -8,7 +8,7 @@ rollout work and lives in `rollout/`, above the models.
 An episode is one row of the sampler: its prompt, then policy turns and observations interleaved in
 the row's N = `max_new_tokens` columns (the episode's token budget). A policy turn ends when it
 samples one of `turn_end_ids` (a tool call's closing token, say, or the last token of a sequence of
-them); its slot then *waits* (`SlotState.waiting_b`): it neither decodes nor takes another row,
+them); its slot then *waits* (`EpisodeSlots.waiting_b`): it neither decodes nor takes another row,
 while the other slots go on decoding. The host hands the row's tokens so far to `respond`, which
 returns a `concurrent.futures.Future`; the environment runs off the decode loop (in the caller's
 threads), so a slow tool stalls only its own slot. When the future is done, its observation tokens
@@ -46,7 +46,7 @@ import numpy as np
 from flax import nnx
 
 from gac_jax._validation import check_int
-from gac_jax.models.sampler import InflightSampleOutput, Prompts, Sampler
+from gac_jax.models.sampler import EpisodeSlots, InflightSampleOutput, Prompts, Sampler
 
 #: `respond(row, tokens)`: the row's tokens so far (policy and observation tokens, in order)
 #: at the end of one of its turns -> a future of the observation's token ids, or None to end
@@ -228,9 +228,10 @@ class _HostLoop:
 
     def run(self, chunk_steps: int, turn_ids=None) -> InflightSampleOutput:
         """Runs every row to its end; a turn-end table `turn_ids` makes them episodes."""
-        sampler, graphdef, episodes = self.sampler, self.graphdef, turn_ids is not None
+        sampler, graphdef = self.sampler, self.graphdef
         state, version = _published(self.params_fn)
-        st, progress = sampler.start(graphdef, state, self.prompts, episodes=episodes)
+        st, progress = sampler.start(graphdef, state, self.prompts, turn_ids)
+        episodes = isinstance(st, EpisodeSlots)
         width = st.row_b.shape[0]
         remaining, refresh = chunk_steps, False
         while True:
@@ -263,7 +264,7 @@ class _HostLoop:
                 continue
             st, progress = sampler.run_chunk(
                 graphdef, state, st, self.prompts, version=version, budget=remaining,
-                refresh=refresh, turn_end_ids=turn_ids,
+                refresh=refresh,
             )  # fmt: skip
             refresh = False
 

@@ -265,6 +265,43 @@ def test_sample_step_with_a_key_per_row_ignores_the_batch():
     np.testing.assert_array_equal(tokens, alone)
 
 
+def test_rows_without_a_filter_skip_the_sort_with_the_same_bits():
+    """With top-k 0 (or >= V) and top-p 1 in every row, `sample_step` skips the sort of
+    the vocabulary (`filter_logits`) at run time; a row sampled so gives the tokens and
+    both log-probs, bit for bit, that it gets in a batch whose other row filters."""
+    logits = jax.random.normal(jax.random.key(5), (2, 64)) * 3
+    keys = jax.random.split(jax.random.key(6), 2)
+    temperature = jnp.array([0.7, 0.7])
+    step = jax.jit(sample_step)
+    mixed = step(logits, keys, temperature, jnp.array([0, 5], jnp.int32), jnp.array([1.0, 0.9]))
+    for top_k in (0, 64):
+        alone = step(logits[:1], keys[:1], temperature[:1], jnp.array([top_k], jnp.int32),
+                     jnp.ones(1))  # fmt: skip
+        for got, want in zip(alone, mixed, strict=True):
+            np.testing.assert_array_equal(got, want[:1])
+    unfiltered = (jnp.zeros(2, jnp.int32), jnp.ones(2))
+    closed = jax.make_jaxpr(sample_step)(logits, keys, temperature, *unfiltered)
+    assert "sort" in _primitives(closed.jaxpr, conds=True)
+    assert "sort" not in _primitives(closed.jaxpr, conds=False)  # Only in a cond's branch.
+
+
+def _primitives(jaxpr, conds: bool) -> set[str]:
+    """The primitives `jaxpr` runs, in its sub-programs too (in `cond` branches if `conds`)."""
+    names = set()
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "cond" and not conds:
+            continue
+        names.add(eqn.primitive.name)
+        for value in jax.tree.leaves(list(eqn.params.values()), is_leaf=_is_jaxpr):
+            if _is_jaxpr(value):
+                names |= _primitives(getattr(value, "jaxpr", value), conds)
+    return names
+
+
+def _is_jaxpr(x) -> bool:
+    return isinstance(x, jax.extend.core.ClosedJaxpr | jax.extend.core.Jaxpr)
+
+
 def _reference_kept(logits, temperature, top_k, top_p):
     """NumPy float64: which tokens the top-k / top-p sampling distribution keeps."""
     scaled = logits.astype(np.float64) / temperature

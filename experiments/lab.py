@@ -19,6 +19,11 @@ The sweeps' lengths were cut to fit the whole set in about 2 hours on 2 cores, w
   buffer room for 32 batches), 1 seed, 200 steps; one process at a time (the worker and
   the learner share the cores).
 
+- ``v5`` (issue #62): GAC on top of PPO-clip in v4's cell, the controls that separate bias
+  correction from a trust region, random skips at GAC's rate, VESPO and DPPO, 5 seeds;
+  ``v5pilot`` picks the harsher cell (``V5_HARSH``) and ``v5harsh`` runs it; ``v5floor``
+  re-runs PPO with a change of rounding only. Report: ``experiments/report_v5.py``.
+
 - ``tools`` (issue #35): the `calculator` preset's multi-turn tool episodes: sync, naive,
   VCPO and GAC at k=16 in laboratory v3's regime, and the preset as it is (synchronous
   PPO-clip), 5 seeds, 100 steps.
@@ -224,6 +229,113 @@ V4_ORDER = (
     f"naive_b1_0_lr{V4_SMALL_LR:g}",
     "gac_held",
 )
+# Laboratory v5 (issue #62): GAC where the paper runs it, on a clipped, importance-weighted
+# loss with headroom (PPO 0.122 against sync 0.182 in v4), the controls that separate bias
+# correction from a trust region, random skips, the 2026 cures from their authors' code, and
+# a harsher cell. v4's cell (128 prompts x 8, k=16, lr 5e-4, 150 updates), evaluated every
+# 25 updates on the whole test split (500 problems x 8 samples: countdown n3_max20 holds no
+# more); the score is the mean of the evaluations after 100, 125 and 150 updates.
+V5_SIZE = ("steps=150", "eval_every=25", "eval_size=500", "checkpoint_every=25")
+PPO = "loss.policy_loss=ppo"
+# Thresholds from PPO's own cosines in v4's cell (5 seeds, 740 steps: applied updates median
+# 0.919, 90th percentile 0.963; raw gradients' c_t median 0.318, 90th percentile 0.571):
+# project above the median, skip above the 90th percentile.
+PPO_GAC_UPDATE = (ACTIVE, "gac.acts_on=update", "gac.reference=update", "gac.tau_low=0.92",
+                  "gac.tau_high=0.96")  # fmt: skip
+PPO_GAC_GRAD = (ACTIVE, "gac.tau_low=0.32", "gac.tau_high=0.57")
+# v4's gac_update (naive_pg) skipped 43.6% of its steps (5 seeds), in 88 streaks of mean
+# length 3.7 (longest 58): the random-skip controls skip as often, i.i.d. or in streaks.
+GAC_UPDATE_SKIP_RATE = 0.436
+GAC_UPDATE_STREAK = 3.7
+TOKEN_TIS2 = ("loss.policy_loss=reinforce", "loss.correction=tis",
+              "loss.correction_kwargs.level=token", "loss.correction_kwargs.cap=2.0")  # fmt: skip
+V5_CELL = {  # label -> overrides on v4's regime (naive_pg, lag 16 unless they say).
+    "sync": ("rollout.lag=0",),
+    "naive": (),
+    "ppo": (PPO,),
+    "ppo_gac_update": (PPO, *PPO_GAC_UPDATE),
+    "ppo_gac": (PPO, *PPO_GAC_GRAD),
+    f"ppo_lr{V4_LR / 2:g}": (PPO, f"optimizer.learning_rate={V4_LR / 2}"),
+    # Bias against drift: importance weights with no trust region; a trust region with
+    # unit weights.
+    "reinforce_tis2": TOKEN_TIS2,
+    "naive_trust_region": ("loss.policy_loss=naive_pg_trust_region",),
+    "vespo": ("loss.policy_loss=vespo",),
+    "dppo_binary_tv": ("loss.policy_loss=dppo_binary_tv",),
+    "vcpo": V4_CELL["vcpo"],
+    "gac_update": GAC_UPDATE,
+    "random_skip": (f"gac.random_skip_rate={GAC_UPDATE_SKIP_RATE}",),
+    "random_skip_streaks": (
+        f"gac.random_skip_rate={GAC_UPDATE_SKIP_RATE}",
+        f"gac.random_skip_streak={GAC_UPDATE_STREAK}",
+    ),  # fmt: skip
+}
+# The harsher cell, where PPO itself degrades: chosen by `v5pilot` (PPO at k=64, and at
+# lr 1e-3 with k=16, beside sync at lr 1e-3), seed 0; V5_HARSH names the one taken.
+V5_HARSH_CELLS = {"k64": ("rollout.lag=64",), "lr0.001": ("optimizer.learning_rate=0.001",)}
+V5_HARSH = "k64"
+V5_HARSH_ARMS = ("sync", "ppo", "ppo_gac_update", "vcpo", "vespo", "dppo_binary_tv")
+# The rounding floor: `ppo` re-run with its step in two micro-batches, which changes only
+# the order of the sums (the same gradient in exact arithmetic), seeds 0-2.
+V5_FLOOR = ("learner.micro_batches=2",)
+V5_FLOOR_SEEDS = 3
+
+
+def v5_label(name: str, cell: str = "") -> str:
+    """``v5/<name>/k16`` in the main cell, ``v5_<cell>/<name>`` in a harsher one."""
+    return f"v5_{cell}/{name}" if cell else f"v5/{name}/k{0 if name == 'sync' else V4_LAG}"
+
+
+def v5_specs(seeds, quick=False):
+    """Laboratory v5's main cell, the seeds outermost and PPO's comparisons first."""
+    names = ("ppo_gac_update", "random_skip_streaks") if quick else tuple(V5_CELL)
+    size = () if quick else V5_SIZE
+    lag = QUICK["cure_lag"] if quick else V4_LAG
+    regime = V4_REGIME[:-1] if quick else V4_REGIME
+    return [
+        RunSpec(v5_label(n), (*regime, *size, f"rollout.lag={lag}", *V5_CELL[n]), s)
+        for s in seeds
+        for n in names
+    ]
+
+
+def v5harsh_specs(seeds, quick=False, cell: str | None = None):
+    """The harsher cell's arms (sync at the cell's step size, no lag)."""
+    if quick:  # The main cell's quick runs go the same way.
+        return []
+    cell = cell or V5_HARSH
+    return [
+        RunSpec(
+            # Sync at the main cell's step size is the main cell's sync run.
+            v5_label(n, "" if n == "sync" and "rollout.lag" in V5_HARSH_CELLS[cell][0] else cell),
+            (*V4_REGIME, *V5_SIZE, f"rollout.lag={V4_LAG}", *V5_HARSH_CELLS[cell], *V5_CELL[n]),
+            s,
+        )
+        for s in seeds
+        for n in V5_HARSH_ARMS
+    ]
+
+
+def v5pilot_specs(seeds, quick=False):
+    """PPO in each candidate harsher cell, and sync at the larger step (seed 0 only)."""
+    if quick:
+        return []
+    runs = [spec for cell in V5_HARSH_CELLS for spec in v5harsh_specs([0], cell=cell)]
+    return [r for r in runs if r.label.split("/")[-1] == "ppo" or r.label == "v5_lr0.001/sync"]
+
+
+def v5floor_specs(seeds, quick=False):
+    """`ppo` with a flag that changes only rounding, the first seeds."""
+    if quick:
+        return []
+    return [
+        RunSpec(
+            "v5/ppo_floor/k16", (*V4_REGIME, *V5_SIZE, f"rollout.lag={V4_LAG}", PPO, *V5_FLOOR), s
+        )
+        for s in seeds[:V5_FLOOR_SEEDS]
+    ]
+
+
 # The map of alignment: naive asynchrony at several batch sizes and lags, with the gradient
 # noise scale measured (mini-batch halves).
 V4_MAP_GROUPS = (16, 32, 64, 128, 256)
@@ -240,6 +352,10 @@ SEEDS = {
     "tools": 5,
     "v4": 5,
     "v4map": 3,
+    "v5": 5,
+    "v5harsh": 5,
+    "v5pilot": 1,
+    "v5floor": 5,
 }
 
 # --quick: the same sweeps, cut to a few short runs from the shipped warm start.
@@ -454,6 +570,10 @@ SWEEPS = {
     "tools": tools_specs,
     "v4": v4_specs,
     "v4map": v4map_specs,
+    "v5": v5_specs,
+    "v5harsh": v5harsh_specs,
+    "v5pilot": v5pilot_specs,
+    "v5floor": v5floor_specs,
 }
 # Sweeps whose base is another preset than `lab` (--config), and their folder under --root.
 OWN_BASE = {"tools": "calculator"}

@@ -49,7 +49,7 @@ from gac_jax.objectives.losses import (
     topr_loss,
 )
 from gac_jax.objectives.m2po import m2po_batch_statistics, m2po_loss
-from gac_jax.objectives.naive import naive_pg_loss, ppo_recompute_loss
+from gac_jax.objectives.naive import naive_pg_loss, naive_pg_trust_region_loss, ppo_recompute_loss
 from gac_jax.objectives.registry import (
     ADVANTAGE_ESTIMATORS,
     ADVANTAGE_SPECS,
@@ -65,18 +65,26 @@ from gac_jax.objectives.registry import (
     get_policy_loss_spec,
 )
 from gac_jax.objectives.trajectory_balance import trajectory_balance_loss
+from gac_jax.objectives.vespo_dppo import (
+    dppo_binary_kl_loss,
+    dppo_binary_tv_loss,
+    vespo_loss,
+    vespo_weights,
+)
 
 __all__ = ["ADVANTAGE_ESTIMATORS", "ADVANTAGE_SPECS", "AGGREGATIONS", "AdvantageSpec", "BAPOBounds",
            "GRAD_NORM_PROXIES", "IMPORTANCE_CORRECTIONS", "ImportanceWeights", "KL_ESTIMATORS",
            "M2POHarmfulClip", "M2POMask", "POLICY_LOSSES", "POLICY_LOSS_SPECS", "PolicyLossSpec",
            "aggregate", "aggregation_size", "bapo_batch_statistics", "bapo_clip_bounds",
-           "bapo_loss", "cispo_loss", "clip_fractions", "decoupled_ppo_loss", "dr_grpo_advantages",
-           "get_advantage_estimator", "get_advantage_spec", "get_importance_correction",
-           "get_policy_loss", "get_policy_loss_spec", "grad_sq_norm_proxy", "grpo_advantages",
-           "gspo_loss", "icepop_weights", "importance_ratio", "kl_behaviour_current", "kl_estimate",
+           "bapo_loss", "cispo_loss", "clip_fractions", "decoupled_ppo_loss", "dppo_binary_kl_loss",
+           "dppo_binary_tv_loss", "dr_grpo_advantages", "get_advantage_estimator",
+           "get_advantage_spec", "get_importance_correction", "get_policy_loss",
+           "get_policy_loss_spec", "grad_sq_norm_proxy", "grpo_advantages", "gspo_loss",
+           "icepop_weights", "importance_ratio", "kl_behaviour_current", "kl_estimate",
            "kl_penalty", "m2po_batch_statistics", "m2po_harmful_clip", "m2po_loss", "m2po_mask",
-           "mask_fraction", "masked_importance_weights", "naive_pg_loss", "off_policy_diagnostics",
-           "ppo_clip_loss", "ppo_recompute_loss", "ratio_statistics", "reinforce_loss",
-           "rloo_advantages", "second_moment", "sequence_ess", "sequence_log_ratio",
-           "token_log_ratio", "topr_loss", "trajectory_balance_loss",
-           "truncated_importance_weights", "vcpo_advantages"]  # fmt: skip
+           "mask_fraction", "masked_importance_weights", "naive_pg_loss",
+           "naive_pg_trust_region_loss", "off_policy_diagnostics", "ppo_clip_loss",
+           "ppo_recompute_loss", "ratio_statistics", "reinforce_loss", "rloo_advantages",
+           "second_moment", "sequence_ess", "sequence_log_ratio", "token_log_ratio", "topr_loss",
+           "trajectory_balance_loss", "truncated_importance_weights", "vcpo_advantages",
+           "vespo_loss", "vespo_weights"]  # fmt: skip

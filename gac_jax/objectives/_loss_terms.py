@@ -10,12 +10,15 @@ from gac_jax.objectives._common import (
     broadcast_per_token,
     check_nonnegative,
     check_tokens,
+    clamped_exp,
     clip_fraction_stats,  # noqa: F401 - re-exported to the loss modules
+    fraction,
     is_python_number,
     masked_log_ratio,
     masked_mean,
     ppo_clip_flags,
 )
+from gac_jax.objectives.aggregation import aggregate
 
 _sg = jax.lax.stop_gradient
 
@@ -61,3 +64,26 @@ def _weights_bt(is_weights, mask_bt):
     return jnp.where(
         mask_bt, _sg(broadcast_per_token(is_weights, mask_bt.shape, "is_weights")), 0.0
     )
+
+
+def _weighted_pg(logp_bt, mask_bt, adv_bt, ell_bt, weight_bt, aggregation):
+    """``-agg(sg[w] A log pi)`` over the valid tokens, with ``weight_mean``, ``ratio_mean``
+    and ``approx_kl``."""
+    w_bt = jnp.where(mask_bt, _sg(weight_bt), 0.0)
+    loss_bt = -w_bt * adv_bt * jnp.where(mask_bt, logp_bt, 0.0)
+    aux = {"weight_mean": _sg(masked_mean(w_bt, mask_bt, fallback=1.0))}
+    aux.update(_ratio_aux(_sg(clamped_exp(ell_bt)), ell_bt, mask_bt))
+    return aggregate(loss_bt, mask_bt, aggregation), aux
+
+
+def _trust_region_pg(logp_bt, mask_bt, adv_bt, ell_bt, weight_bt, low_bt, high_bt, aggregation):
+    """`_weighted_pg` less the tokens a trust region drops: ``low_bt`` (A < 0, pushed below
+    it) and ``high_bt`` (A > 0, pushed above it) get no gradient; ``clip_fraction*`` are
+    their shares of the valid tokens."""
+    low_bt, high_bt = low_bt & mask_bt, high_bt & mask_bt
+    weight_bt = jnp.where(low_bt | high_bt, 0.0, weight_bt)
+    loss, aux = _weighted_pg(logp_bt, mask_bt, adv_bt, ell_bt, weight_bt, aggregation)
+    aux["clip_fraction"] = fraction(low_bt | high_bt, mask_bt)
+    aux["clip_fraction_low"] = fraction(low_bt, mask_bt)
+    aux["clip_fraction_high"] = fraction(high_bt, mask_bt)
+    return loss, aux

@@ -43,6 +43,7 @@ from gac_jax.objectives._loss_terms import (
     _prepare,
     _ratio_aux,
     _sg,
+    _weighted_pg,
     _weights_bt,
 )
 from gac_jax.objectives.aggregation import aggregate, check_aggregation
@@ -80,16 +81,8 @@ def reinforce_loss(
     """
     check_aggregation(aggregation)
     logp_bt, mask_bt, adv_bt, ell_bt = _prepare(logp, behaviour_logp, advantages, mask)
-    ratio_bt = _sg(clamped_exp(ell_bt))
-    w_bt = (
-        jnp.where(mask_bt, ratio_bt, 0.0)
-        if is_weights is None
-        else _weights_bt(is_weights, mask_bt)
-    )
-    loss_bt = -w_bt * adv_bt * jnp.where(mask_bt, logp_bt, 0.0)
-    aux = {"weight_mean": _sg(masked_mean(w_bt, mask_bt, fallback=1.0))}
-    aux.update(_ratio_aux(ratio_bt, ell_bt, mask_bt))
-    return aggregate(loss_bt, mask_bt, aggregation), aux
+    w_bt = clamped_exp(ell_bt) if is_weights is None else _weights_bt(is_weights, mask_bt)
+    return _weighted_pg(logp_bt, mask_bt, adv_bt, ell_bt, w_bt, aggregation)
 
 
 def ppo_clip_loss(
@@ -232,20 +225,17 @@ def cispo_loss(
     _check_clip(eps_low, eps_high)
     check_aggregation(aggregation)
     logp_bt, mask_bt, adv_bt, ell_bt = _prepare(logp, behaviour_logp, advantages, mask)
-    ratio_bt = _sg(clamped_exp(ell_bt))
+    ratio_bt = clamped_exp(ell_bt)
     lower, upper = 1.0 - eps_low, 1.0 + eps_high
-    weight_bt = jnp.where(mask_bt, jnp.clip(ratio_bt, lower, upper), 0.0)
-    loss_bt = -weight_bt * adv_bt * jnp.where(mask_bt, logp_bt, 0.0)
+    loss, aux = _weighted_pg(
+        logp_bt, mask_bt, adv_bt, ell_bt, jnp.clip(ratio_bt, lower, upper), aggregation
+    )
     high_bt = mask_bt & (ratio_bt > upper)
     low_bt = mask_bt & (ratio_bt < lower)
-    aux = {
-        "clip_fraction": fraction(low_bt | high_bt, mask_bt),
-        "clip_fraction_low": fraction(low_bt, mask_bt),
-        "clip_fraction_high": fraction(high_bt, mask_bt),
-        "weight_mean": _sg(masked_mean(weight_bt, mask_bt, fallback=1.0)),
-    }
-    aux.update(_ratio_aux(ratio_bt, ell_bt, mask_bt))
-    return aggregate(loss_bt, mask_bt, aggregation), aux
+    aux["clip_fraction"] = fraction(low_bt | high_bt, mask_bt)
+    aux["clip_fraction_low"] = fraction(low_bt, mask_bt)
+    aux["clip_fraction_high"] = fraction(high_bt, mask_bt)
+    return loss, aux
 
 
 def gspo_loss(
@@ -339,13 +329,9 @@ def topr_loss(
     neg_weight_b = jnp.exp(jnp.minimum(seq_log_b, 0.0))
     neg_weight_bt = jnp.broadcast_to(neg_weight_b[:, None], mask_bt.shape)
     positive_bt = adv_bt >= 0
-    weight_bt = jnp.where(mask_bt, jnp.where(positive_bt, 1.0, neg_weight_bt), 0.0)
-    loss_bt = -weight_bt * adv_bt * jnp.where(mask_bt, logp_bt, 0.0)
+    weight_bt = jnp.where(positive_bt, 1.0, neg_weight_bt)
+    loss, aux = _weighted_pg(logp_bt, mask_bt, adv_bt, ell_bt, weight_bt, aggregation)
     truncated_bt = ~positive_bt & jnp.broadcast_to(seq_log_b[:, None] > 0, mask_bt.shape)
-    aux = {
-        "positive_fraction": fraction(positive_bt, mask_bt),
-        "truncated_fraction": fraction(truncated_bt, mask_bt),
-        "weight_mean": _sg(masked_mean(weight_bt, mask_bt, fallback=1.0)),
-    }
-    aux.update(_ratio_aux(_sg(clamped_exp(ell_bt)), ell_bt, mask_bt))
-    return aggregate(loss_bt, mask_bt, aggregation), aux
+    aux["positive_fraction"] = fraction(positive_bt, mask_bt)
+    aux["truncated_fraction"] = fraction(truncated_bt, mask_bt)
+    return loss, aux

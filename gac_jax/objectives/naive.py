@@ -5,6 +5,7 @@ sampled it were the current one: no importance weight (`naive_pg_loss`), or PPO'
 against the learner's own log-probs at the start of the batch (`ppo_recompute_loss`,
 verl's recompute default). They are the baselines GAC and VCPO are judged against
 (laboratory v4, issue #41); `ppo_clip_loss` clips against the behaviour policy instead.
+`naive_pg_trust_region_loss` keeps PPO's trust region and drops its importance weight.
 """
 
 from __future__ import annotations
@@ -12,6 +13,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from gac_jax.objectives._common import clamped_exp, ppo_clip_flags
+from gac_jax.objectives._loss_terms import _check_clip, _prepare, _trust_region_pg
+from gac_jax.objectives.aggregation import check_aggregation
 from gac_jax.objectives.losses import ppo_clip_loss, reinforce_loss
 
 
@@ -45,6 +49,48 @@ def naive_pg_loss(
     return reinforce_loss(
         logp, behaviour_logp, advantages, mask, is_weights=ones_b, aggregation=aggregation
     )
+
+
+def naive_pg_trust_region_loss(
+    logp: jax.Array,
+    behaviour_logp: jax.Array,
+    advantages: jax.Array,
+    mask: jax.Array,
+    *,
+    eps_low: float = 0.2,
+    eps_high: float = 0.2,
+    aggregation: str = "token-mean",
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    r"""`naive_pg_loss` inside PPO-clip's trust region: unit weights, no importance weight,
+    and no gradient for a token PPO-clip (Schulman et al., arXiv 1707.06347, Eq. 7) would
+    silence,
+
+    .. math::
+
+        \mathcal{L} = -\operatorname{agg}_{b,t}\; \mathbb{1}[\neg(A > 0 \wedge r >
+        1+\epsilon_{high}) \wedge \neg(A < 0 \wedge r < 1-\epsilon_{low})]\, A\,
+        \log\pi_\theta, \qquad r = \pi_\theta/\mu .
+
+    The control that tells a trust region from importance weighting (laboratory v5, issue
+    #62): the gradient is PPO-clip's without the factor :math:`r`, and `naive_pg_loss`'s
+    on the kept tokens.
+
+    Args:
+      eps_low, eps_high: the trust region :math:`[1-\epsilon_{low}, 1+\epsilon_{high}]`
+        of the ratio, `ppo_clip_loss`'s defaults.
+
+    Returns:
+      ``(loss, aux)`` with ``clip_fraction``, ``clip_fraction_low``, ``clip_fraction_high``,
+      ``weight_mean`` (the kept share), ``ratio_mean``, ``approx_kl``.
+    """
+    _check_clip(eps_low, eps_high)
+    check_aggregation(aggregation)
+    logp_bt, mask_bt, adv_bt, ell_bt = _prepare(logp, behaviour_logp, advantages, mask)
+    low_bt, high_bt, _ = ppo_clip_flags(
+        clamped_exp(ell_bt), adv_bt, 1.0 - eps_low, 1.0 + eps_high, None
+    )
+    ones_bt = jnp.ones_like(logp_bt)
+    return _trust_region_pg(logp_bt, mask_bt, adv_bt, ell_bt, ones_bt, low_bt, high_bt, aggregation)
 
 
 def ppo_recompute_loss(

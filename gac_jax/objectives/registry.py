@@ -39,8 +39,18 @@ from gac_jax.objectives.losses import (
     topr_loss,
 )
 from gac_jax.objectives.m2po import m2po_batch_statistics, m2po_loss
-from gac_jax.objectives.naive import naive_pg_loss, ppo_recompute_loss
+from gac_jax.objectives.naive import (
+    naive_pg_loss,
+    naive_pg_trust_region_loss,
+    ppo_recompute_loss,
+)
 from gac_jax.objectives.trajectory_balance import trajectory_balance_loss
+from gac_jax.objectives.vespo_dppo import (
+    dppo_binary_kl_loss,
+    dppo_binary_tv_loss,
+    vespo_loss,
+    vespo_weights,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,6 +124,8 @@ POLICY_LOSS_SPECS: Mapping[str, PolicyLossSpec] = MappingProxyType(
         ),
         # The naive asynchronous baselines: stale rollouts trained as if on-policy.
         "naive_pg": PolicyLossSpec(naive_pg_loss),
+        # Its control: PPO's trust region, no importance weight.
+        "naive_pg_trust_region": PolicyLossSpec(naive_pg_trust_region_loss),
         "ppo_recompute": PolicyLossSpec(
             ppo_recompute_loss, needs_proximal=True, forwards_to=ppo_clip_loss
         ),
@@ -128,6 +140,9 @@ POLICY_LOSS_SPECS: Mapping[str, PolicyLossSpec] = MappingProxyType(
         "m2po": PolicyLossSpec(
             m2po_loss, batch_statistics=m2po_batch_statistics, forwards_to=m2po_harmful_clip
         ),
+        "vespo": PolicyLossSpec(vespo_loss, forwards_to=vespo_weights),
+        "dppo_binary_tv": PolicyLossSpec(dppo_binary_tv_loss),
+        "dppo_binary_kl": PolicyLossSpec(dppo_binary_kl_loss),
         "tb": PolicyLossSpec(
             trajectory_balance_loss,
             default_aggregation="seq-mean-token-sum",

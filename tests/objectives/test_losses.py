@@ -6,6 +6,7 @@ gradient must match it everywhere, including the exact zeros a method promises (
 PPO tokens, padded tokens).
 """
 
+import inspect
 import math
 
 import hypothesis.extra.numpy as hnp
@@ -25,6 +26,7 @@ from gac_jax.objectives import (
     gspo_loss,
     m2po_loss,
     naive_pg_loss,
+    naive_pg_trust_region_loss,
     ppo_clip_loss,
     ppo_recompute_loss,
     reinforce_loss,
@@ -254,6 +256,40 @@ def test_naive_pg_is_the_unweighted_policy_gradient(mode):
         loss_bt[b, t], grad_bt[b, t] = -float(adv[b]) * float(logp[b, t]), -float(adv[b])
     _check(loss, grad, loss_bt, grad_bt, mask, mode)
     assert float(aux["weight_mean"]) == 1.0
+
+
+@pytest.mark.parametrize("mode", AGGREGATIONS)
+@pytest.mark.parametrize("eps_low, eps_high", [(0.2, 0.2), (0.1, 0.28)])
+def test_naive_pg_trust_region_drops_what_ppo_clip_silences(eps_low, eps_high, mode):
+    logp, behaviour, mask, adv = _inputs(14, scale=0.5)
+    kw = {"eps_low": eps_low, "eps_high": eps_high, "aggregation": mode}
+    (loss, aux), grad = _value_and_grad(
+        lambda lp: naive_pg_trust_region_loss(lp, behaviour, adv, mask, **kw), logp
+    )
+    loss_bt, grad_bt, dropped = np.zeros((B, T)), np.zeros((B, T)), np.zeros((B, T), bool)
+    for b, t in zip(*np.nonzero(mask), strict=True):
+        r, a = math.exp(float(logp[b, t]) - float(behaviour[b, t])), float(adv[b])
+        assert min(abs(r - 1 - eps_high), abs(r - 1 + eps_low)) > 1e-4  # no float32 tie
+        dropped[b, t] = (a > 0 and r > 1 + eps_high) or (a < 0 and r < 1 - eps_low)
+        if not dropped[b, t]:
+            loss_bt[b, t], grad_bt[b, t] = -a * float(logp[b, t]), -a
+    _check(loss, grad, loss_bt, grad_bt, mask, mode)
+    assert dropped.any() and (mask & ~dropped).any()
+    np.testing.assert_allclose(float(aux["clip_fraction"]), dropped.sum() / mask.sum(), rtol=1e-6)
+    # naive_pg's gradient on the kept tokens, none on the dropped ones ...
+    _, naive = _value_and_grad(
+        lambda lp: naive_pg_loss(lp, behaviour, adv, mask, aggregation=mode), logp
+    )
+    np.testing.assert_array_equal(np.asarray(grad)[~dropped], np.asarray(naive)[~dropped])
+    assert np.all(np.asarray(grad)[dropped] == 0.0)
+    # ... and PPO-clip's divided by the ratio: the same trust region, no importance weight.
+    _, ppo = _value_and_grad(lambda lp: ppo_clip_loss(lp, behaviour, adv, mask, **kw), logp)
+    ratio = np.exp(np.where(mask, logp - behaviour, 0.0).astype(np.float64))
+    np.testing.assert_allclose(np.asarray(ppo) / ratio, np.asarray(grad), rtol=1e-5, atol=1e-8)
+    ours, ppos = (
+        inspect.signature(f).parameters for f in (naive_pg_trust_region_loss, ppo_clip_loss)
+    )
+    assert all(ours[k].default == ppos[k].default for k in ("eps_low", "eps_high"))
 
 
 def test_ppo_recompute_clips_against_the_learners_own_logps():

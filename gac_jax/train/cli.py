@@ -224,22 +224,16 @@ def _cmd_plan(args, parser) -> int:
 def _cmd_plot(args, parser) -> int:
     from gac_jax.train import plots
 
-    keys = args.key or list(plots.DEFAULT_KEYS)
     with _failing(parser, (ValueError, FileNotFoundError)):
-        if len(args.runs) == 1:
+        smoothing = plots.smoothing_weight(args.smooth)
+        if len(args.runs) == 1:  # Its title and GAC's levels from the run's config.json.
             run = Path(args.runs[0])
             directory = run if run.is_dir() else run.parent
-            out = args.out or directory / "plot.png"
-            # A run's own config draws what its training-time plot drew (GAC's thresholds).
-            saved = directory / CONFIG_FILE
-            lines = plots.threshold_lines(load_config(saved).gac) if saved.is_file() else {}
-            path = plots.plot_run(run, out, keys, title=directory.name, lines=lines)
+            out, keys = args.out or directory / "plot.png", args.key or plots.DEFAULT_KEYS
+            path = plots.plot_run(run, out, keys, smoothing=smoothing, title=directory.name)
         else:
-            if len(keys) != 1:
-                _fail(parser, "comparing several runs needs exactly one --key.")
-            path = plots.plot_runs(
-                {run: run for run in args.runs}, args.out or "compare.png", keys[0]
-            )
+            runs, keys = plots.run_labels(args.runs), args.key or plots.COMPARE_KEYS
+            path = plots.plot_runs(runs, args.out or "compare.png", keys, smoothing=smoothing)
     print(path)
     return 0
 
@@ -371,9 +365,30 @@ def build_parser() -> argparse.ArgumentParser:
         "model's (checked on the third; about a quarter of the time); the sampler whole",
     )
 
-    p = sub.add_parser("plot", help="plot a run's metrics, or compare runs on one metric")
+    from gac_jax.train import plots
+
+    p = sub.add_parser(
+        "plot",
+        help="plot a run's metrics, or compare runs",
+        description="Plot one run (a panel per metric) or compare several (a panel per "
+        "metric, a line per run); held-out metrics (eval/...) are drawn point by point.",
+        epilog="example: gac-jax plot runs/demo/naive/seed0 runs/demo/vcpo/seed0 "
+        "--key eval/pass@1 --key reward --smooth 10",
+    )
     p.add_argument("runs", nargs="+", metavar="RUN", help="run directory or metrics.jsonl")
-    p.add_argument("--key", action="append", help="metric to plot (repeatable)")
+    p.add_argument(
+        "--key",
+        action="append",
+        help="a metric, one panel each (repeatable; default: "
+        f"{' '.join(plots.DEFAULT_KEYS)} for one run, {' '.join(plots.COMPARE_KEYS)} for several)",
+    )
+    p.add_argument(
+        "--smooth",
+        type=float,
+        default=10.0,
+        metavar="STEPS",
+        help="moving-average window of the training metrics, in steps (default 10; 1: raw)",
+    )
     p.add_argument("--out", metavar="PNG", help="default: RUN/plot.png or compare.png")
     for name, p in sub.choices.items():  # `gac-jax NAME` runs `_cmd_NAME(args, its parser)`.
         p.set_defaults(func=globals()[f"_cmd_{name.replace('-', '_')}"], parser=p)

@@ -259,31 +259,32 @@ def test_plot(tmp_path, capsys, monkeypatch):
     for name in ("a", "b"):
         with MetricWriter(tmp_path / name, tensorboard=False) as writer:
             for step in range(5):
-                writer.write(step, {"reward": step / 5})
+                writer.write(step, {"reward": step / 5, "loss": 1.0})
     assert main(["plot", str(tmp_path / "a")]) == 0
     assert (tmp_path / "a" / "plot.png").read_bytes()[:4] == b"\x89PNG"
-    # A run's own config.json: the plot draws its GAC thresholds as training's plot did.
     drawn = []
-    monkeypatch.setattr(plots, "plot_run", lambda *a, **k: drawn.append(k) or tmp_path / "p")
-    save_config(get_preset("demo"), tmp_path / "a" / "config.json")
-    assert main(["plot", str(tmp_path / "a")]) == 0
-    demo = get_preset("demo").gac
-    assert drawn[-1]["title"] == "a" and drawn[-1]["lines"] == {
-        "gac_cosine": [(demo.tau_low, "tau_low"), (demo.tau_high, "tau_high")]
-    }
+    monkeypatch.setattr(plots, "plot_run", lambda *a, **k: drawn.append((a, k)) or tmp_path / "p")
+    monkeypatch.setattr(plots, "plot_runs", lambda *a, **k: drawn.append((a, k)) or tmp_path / "p")
+    assert main(["plot", str(tmp_path / "a"), "--smooth", "4"]) == 0
+    (run, _, keys), kwargs = drawn[-1]
+    assert keys == plots.DEFAULT_KEYS and kwargs == {"smoothing": 0.75, "title": "a"}
+    argv = ["plot", str(tmp_path / "a"), str(tmp_path / "b" / "metrics.jsonl")]
+    assert main([*argv, "--key", "reward", "--key", "loss", "--smooth", "1"]) == 0
+    (runs, out, keys), kwargs = drawn[-1]
+    assert list(runs) == ["a", "b"] and str(out) == "compare.png"
+    assert keys == ["reward", "loss"] and kwargs == {"smoothing": 0.0}
     monkeypatch.undo()
     out = tmp_path / "cmp.png"
-    assert (
-        main(
-            ["plot", str(tmp_path / "a"), str(tmp_path / "b"), "--key", "reward", "--out", str(out)]
-        )
-        == 0
-    )
+    assert main([*argv, "--key", "reward", "--key", "loss", "--out", str(out)]) == 0
     assert out.read_bytes()[:4] == b"\x89PNG"
     capsys.readouterr()
-    with pytest.raises(SystemExit) as e:
-        main(["plot", str(tmp_path / "a"), "--key", "nosuch"])
-    assert e.value.code == 2 and "nosuch" in capsys.readouterr().err
+    for bad, message in (
+        (["--key", "nosuch"], "nosuch"),
+        (["--smooth", "0"], "smooth=0.0 must be a window of at least 1 step"),
+    ):
+        with pytest.raises(SystemExit) as e:
+            main(["plot", str(tmp_path / "a"), *bad])
+        assert e.value.code == 2 and message in capsys.readouterr().err
 
 
 def test_version_and_the_help_a_first_run_reads(capsys):

@@ -3,12 +3,18 @@
 import numpy as np
 import pytest
 
+from gac_jax.train.config import get_preset
+from gac_jax.train.config_io import apply_overrides, save_config
 from gac_jax.train.metrics import MetricWriter
 from gac_jax.train.plots import (
+    describe_config,
     ema_smooth,
     plot_run,
     plot_runs,
     run_figure,
+    run_labels,
+    runs_figure,
+    smoothing_weight,
 )
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -55,11 +61,90 @@ def test_plot_runs_overlays(tmp_path):
         "no reward": _run(tmp_path / "c", 1.0, keys=("loss",)),
     }
     _run(tmp_path / "b", 2.0)
-    png = plot_runs(runs, tmp_path / "cmp.png", "reward")
+    png = plot_runs(runs, tmp_path / "cmp.png", ["reward"])
     width, height = _png_size(png)
     assert width >= 300 and height >= 200
     with pytest.raises(ValueError, match="'gac_cosine'"):
-        plot_runs(runs, tmp_path / "none.png", "gac_cosine")
+        plot_runs(runs, tmp_path / "none.png", ["gac_cosine"])
+    assert not (tmp_path / "none.png").exists()
+
+
+def _evaluated_run(directory, rewards, passes):
+    """A run whose step-0 record holds the evaluation before training and whose steps 4 and
+    9 hold the evaluations after 5 and 10 updates (as `gac_jax.train.loop` logs them)."""
+    with MetricWriter(directory, tensorboard=False) as writer:
+        for step, reward in enumerate(rewards):
+            record = {"reward": float(reward)}
+            if step == 0:
+                record["eval_start/pass@1"] = passes[0]
+            if step in (4, 9):
+                record["eval/pass@1"] = passes[1 if step == 4 else 2]
+            writer.write(step, record)
+    return directory
+
+
+def test_two_runs_two_keys_one_panel_each_one_line_per_run(tmp_path):
+    rng = np.random.default_rng(3)
+    rewards = {"naive": rng.random(10), "vcpo": rng.random(10)}
+    passes = {"naive": (0.2, 0.05, 0.0), "vcpo": (0.2, 0.22, 0.25)}
+    runs = {k: _evaluated_run(tmp_path / k / "seed0", rewards[k], passes[k]) for k in rewards}
+    fig = runs_figure(runs, ["eval/pass@1", "reward", "no_such_key"], smoothing=0.7)
+    pass_ax, reward_ax = fig.axes  # The key no run has draws no panel.
+    assert [pass_ax.get_ylabel(), reward_ax.get_ylabel()] == ["held-out pass@1", "batch reward"]
+    assert reward_ax.get_xlabel() == "step"
+    for ax in (pass_ax, reward_ax):  # A legend entry for every run, in the run's colour.
+        assert [t.get_text() for t in ax.get_legend().get_texts()] == ["naive", "vcpo"]
+    colours = [h.get_color() for h in pass_ax.get_legend().legend_handles]
+    assert colours == [h.get_color() for h in reward_ax.get_legend().legend_handles]
+    assert colours[0] != colours[1]
+    for label, line in zip(("naive", "vcpo"), pass_ax.get_lines(), strict=True):
+        x, y = _line_data(line)  # Markers after 0, 5 and 10 updates.
+        assert line.get_marker() == "o"
+        np.testing.assert_array_equal(x, [0, 5, 10])
+        np.testing.assert_allclose(y, passes[label])
+    drawn = [ln for ln in reward_ax.get_lines() if not ln.get_label().startswith("_")]
+    for label, line in zip(("naive", "vcpo"), drawn, strict=True):
+        np.testing.assert_allclose(_line_data(line)[1], _ema_reference(rewards[label], 0.7))
+    faint = [ln for ln in reward_ax.get_lines() if ln.get_label().startswith("_")]
+    assert len(faint) == 2 and all(ln.get_alpha() < 0.5 for ln in faint)
+    assert "~3 steps" in reward_ax.get_title(loc="right")  # 0.7: a window of ~3 steps.
+    # Named by their paths below the directory they share.
+    assert list(run_labels([runs["naive"], runs["vcpo"] / "metrics.jsonl"])) == [
+        "naive/seed0",
+        "vcpo/seed0",
+    ]
+    assert _png_size(plot_runs(runs, tmp_path / "cmp.png"))[1] > 300
+
+
+@pytest.mark.parametrize(("window", "weight"), [(1, 0.0), (10, 0.9), (4, 0.75)])
+def test_a_smoothing_window_in_steps_is_an_ema_weight(window, weight):
+    assert smoothing_weight(window) == pytest.approx(weight)
+    with pytest.raises(ValueError, match=r"smooth=0\.5 must be a window of at least 1 step"):
+        smoothing_weight(0.5)
+
+
+def test_the_run_plot_is_titled_with_its_config(tmp_path):
+    config = apply_overrides(
+        get_preset("calculator"),
+        ["rollout.mode=lagged", "rollout.lag=16", "optimizer.learning_rate=5e-4"]
+        + ["loss.policy_loss=reinforce", "loss.correction=tis"]
+        + ["loss.correction_kwargs.level=sequence", "ess={}", "loss.advantage=vcpo"],
+    )
+    line = "reinforce, tis (sequence), vcpo advantage, ESS step scale | lagged k=16 | lr 0.0005"
+    assert describe_config(config) == line
+    demo = get_preset("demo")  # Async GRPO with GAC acting at its fixed thresholds.
+    assert describe_config(demo) == (
+        f"ppo, GAC {demo.gac.tau_low:g}/{demo.gac.tau_high:g} on the gradient | "
+        f"async, staleness <= {demo.buffer.max_staleness} | lr 0.0002"
+    )
+    _run(tmp_path, 1.0, keys=("reward", "gac_cosine"))
+    save_config(demo, tmp_path / "config.json")
+    fig = run_figure(tmp_path / "metrics.jsonl", title="my_run")
+    assert fig._suptitle.get_text() == f"my_run\n{describe_config(demo)}"
+    levels = {ln.get_label(): _line_data(ln)[1][0] for ln in fig.axes[1].get_lines()}
+    assert levels["tau_low"] == demo.gac.tau_low and levels["tau_high"] == demo.gac.tau_high
+    (tmp_path / "config.json").write_text('{"no_such_field": 1}')  # Unreadable: no title.
+    assert run_figure(tmp_path / "metrics.jsonl")._suptitle is None
 
 
 def _ema_reference(values, weight):
@@ -111,18 +196,24 @@ def test_plot_run_smooths_and_marks_the_held_out_evaluations(tmp_path):
     fig = run_figure(metrics, smoothing=0.8)
     reward_ax, ess_ax = fig.axes
     raw, smoothed, sampled, greedy = reward_ax.get_lines()
+    assert reward_ax.get_ylabel() == "batch reward" and raw.get_label() == "per step"
     np.testing.assert_allclose(_line_data(raw)[1], rewards)
     np.testing.assert_allclose(_line_data(smoothed)[1], _ema_reference(rewards, 0.8), rtol=1e-12)
     assert raw.get_alpha() < 1 and smoothed.get_alpha() is None
     steps = sorted(evals)
     for line, column in ((sampled, 0), (greedy, 1)):
         assert line.get_linestyle() == "None" and line.get_marker() in ("o", "s")
-        x, y = _line_data(line)
-        np.testing.assert_array_equal(x, steps)
+        x, y = _line_data(line)  # Drawn after the update that preceded them.
+        np.testing.assert_array_equal(x, [s + 1 for s in steps])
         np.testing.assert_allclose(y, [evals[s][column] for s in steps])
     labels = [t.get_text() for t in reward_ax.get_legend().get_texts()]
-    assert labels == ["held-out sampled_reward", "held-out greedy_accuracy"]
-    assert len(ess_ax.get_lines()) == 2 and ess_ax.get_legend() is None  # No evaluation.
+    assert labels == [
+        "per step",
+        "smoothed over ~5 steps",
+        "held-out sampled reward",
+        "held-out greedy accuracy",
+    ]
+    assert len(ess_ax.get_lines()) == 2 and len(ess_ax.get_legend().get_texts()) == 2
     # An evaluation metric asked for by name is its own panel, drawn point by point.
     (eval_line,) = run_figure(metrics, keys=("eval/greedy_accuracy",)).axes[0].get_lines()
     np.testing.assert_allclose(_line_data(eval_line)[1], [evals[s][1] for s in steps])
@@ -142,6 +233,7 @@ def test_plot_run_draws_reference_lines_pass_at_k_and_the_title(tmp_path):
     reward_ax, cosine_ax = fig.axes
     assert fig._suptitle.get_text() == "my_run"
     pass_at_k = [ln for ln in reward_ax.get_lines() if ln.get_label() == "held-out pass@8"]
+    np.testing.assert_array_equal(_line_data(pass_at_k[0])[0], [5, 10])
     np.testing.assert_allclose(_line_data(pass_at_k[0])[1], [0.54, 0.59])
     levels = {ln.get_label(): _line_data(ln)[1][0] for ln in cosine_ax.get_lines()}
     assert levels["tau_low"] == 0.2 and levels["tau_high"] == 0.8

@@ -287,6 +287,35 @@ def test_plot(tmp_path, capsys, monkeypatch):
         assert e.value.code == 2 and message in capsys.readouterr().err
 
 
+def test_demo(tmp_path, capsys, monkeypatch):
+    from gac_jax.lab import demo
+
+    calls = []
+
+    def fake_run_demo(out, **kwargs):
+        calls.append((out, kwargs))
+        if kwargs["seed"] == 9:
+            raise RuntimeError("sweep shards exited with codes [1, 0]. See x/process*.log.")
+        runs = {"naive": tmp_path / "n", "VCPO": tmp_path / "v"}
+        return demo.DemoResult("held-out pass@1 ...", tmp_path / "demo.png", runs, 151.2)
+
+    monkeypatch.setattr(demo, "run_demo", fake_run_demo)
+    assert main(["demo", "--set", "steps=2", "eval_every=1"]) == 0
+    assert calls[-1] == (
+        "runs/demo",
+        {"seed": 0, "jobs": 2, "overrides": ["steps=2", "eval_every=1"]},
+    )
+    assert capsys.readouterr().out.splitlines() == [
+        "held-out pass@1 ...",
+        f"plot: {tmp_path / 'demo.png'} (in 151 s; runs: {tmp_path / 'n'}, {tmp_path / 'v'})",
+    ]
+    assert main(["demo", "--out", str(tmp_path), "--seed", "9", "--jobs", "1"]) == 1
+    assert calls[-1][1]["jobs"] == 1
+    assert capsys.readouterr().err.strip() == (
+        "gac-jax demo: error: sweep shards exited with codes [1, 0]. See x/process*.log."
+    )
+
+
 def test_version_and_the_help_a_first_run_reads(capsys):
     from gac_jax import __version__
 

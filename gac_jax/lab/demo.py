@@ -1,0 +1,177 @@
+"""The demo (`gac-jax demo`, `make demo`): stale rollouts break training, and a cure holds.
+
+One small cell of the laboratory trained twice side by side (`run_sweep`'s processes, one
+XLA thread each): the `calculator` preset's tool episodes in laboratory v3's regime
+(REINFORCE with uncapped sequence-level importance weights, lr 5e-4), every batch sampled by
+the policy 16 updates older (lagged k=16), once naively and once with VCPO (ESS step
+scaling and the off-policy optimal baseline). In experiments/RESULTS.md ("The tool task")
+all 5 naive runs fell to held-out pass@1 0 and all 5 VCPO runs held. The demo's pilot (40
+steps, held-out pass@1 before training and every 10 updates), seeds 0, 1, 2: naive 0.190,
+0.200, 0.209 -> 0.000 after 10 updates in each; VCPO -> 0.240, 0.260, 0.276 after 40. The
+batch reward hides the fall for 16 steps: those batches still come from the old policy.
+
+    result = run_demo("runs/demo")  # runs/demo/{naive,vcpo}/seed0, runs/demo/demo.png
+    print(result.line)
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import sys
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import NamedTuple, TextIO
+
+from gac_jax.lab.sweeps import RunSpec, SweepProcesses, run_sweep
+from gac_jax.train.config import get_preset
+from gac_jax.train.config_io import load_config
+from gac_jax.train.metrics import read_metrics
+from gac_jax.train.plots import describe_config, plot_runs, series
+
+BASE = "calculator"
+REGIME = (  # experiments/lab.py's V3_REGIME, lagged at TOOL_LAG.
+    "rollout.mode=lagged",
+    "rollout.lag=16",
+    "optimizer.learning_rate=5e-4",
+    "loss.policy_loss=reinforce",
+    "loss.correction=tis",
+    "loss.correction_kwargs.level=sequence",
+    "loss.correction_kwargs.cap=10000.0",
+)
+SIZE = ("steps=40", "eval_every=10", "checkpoint_every=0", "samples_every=0")
+ARMS = {"naive": (), "VCPO": ("ess={}", "loss.advantage=vcpo")}  # Name -> overrides.
+PLOT = "demo.png"
+KEYS = ("eval/pass@1", "reward", "ess_ratio")
+# A finished arm is kept whatever code made it (`provenance.STALE_RUNS`): the demo shows
+# a point, it is not a table that must not mix code versions.
+REUSE = "reuse"
+
+
+class DemoResult(NamedTuple):
+    line: str  # The comparison, e.g. "held-out pass@1 ...: naive 0.19 -> 0.00; ...".
+    plot: Path
+    runs: dict[str, Path]  # Arm -> run directory.
+    seconds: float
+
+
+def demo_specs(seed: int = 0, overrides: Sequence[str] = ()) -> list[RunSpec]:
+    """The arms as sweep runs (label: the arm's directory name), `overrides` last."""
+    return [
+        RunSpec(name.lower(), (*REGIME, *SIZE, *arm, *overrides), seed)
+        for name, arm in ARMS.items()
+    ]
+
+
+def comparison(runs: Mapping[str, str | os.PathLike]) -> str:
+    """One line: each run's held-out pass@1 before training and at its last evaluation."""
+    config = load_config(str(Path(next(iter(runs.values()))) / "config.json"))
+    steps, parts = 0, []
+    for name, directory in runs.items():
+        at, passes = series(read_metrics(directory), "eval/pass@1")
+        if not passes:
+            raise ValueError(f"{directory} has no held-out pass@1 (eval_every, eval_at_start).")
+        steps = at[-1]
+        parts.append(f"{name} {passes[0]:.2f} -> {passes[-1]:.2f}")
+    stale = f"on rollouts {config.rollout.lag} updates old" if config.rollout.lag else "synchronous"
+    return f"held-out pass@1 over {steps} updates {stale}: {'; '.join(parts)}"
+
+
+def progress(runs: Mapping[str, str | os.PathLike], steps: int) -> str:
+    """Where each run is: steps done and its held-out pass@1 so far."""
+    parts = []
+    for name, directory in runs.items():
+        path = Path(directory) / "metrics.jsonl"
+        records = read_metrics(path) if path.is_file() else []
+        done = records[-1]["step"] + 1 if records else 0
+        passes = " -> ".join(f"{p:.2f}" for p in series(records, "eval/pass@1")[1])
+        parts.append(f"{name} step {done}/{steps}" + (f", pass@1 {passes}" if passes else ""))
+    return "; ".join(parts)
+
+
+@contextlib.contextmanager
+def _reporting(runs, steps: int, stream: TextIO, every: float):
+    """Prints `progress` every `every` seconds while the body runs."""
+    stop = threading.Event()
+
+    def report():
+        while not stop.wait(every):
+            print(f"  {progress(runs, steps)}", file=stream, flush=True)
+
+    thread = threading.Thread(target=report, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+
+
+def run_demo(
+    out: str | os.PathLike = "runs/demo",
+    *,
+    seed: int = 0,
+    jobs: int = 2,
+    overrides: Sequence[str] = (),
+    stream: TextIO = sys.stdout,
+    every: float = 15.0,
+) -> DemoResult:
+    """Trains the arms into ``out/<arm>/seed<seed>`` (finished ones are kept, as a sweep
+    keeps them), plots them into ``out/demo.png`` and returns the comparison.
+
+    With `jobs` > 1 the arms train in that many child processes (``python -m
+    gac_jax.lab.demo``, their output in ``out/process<i>.log``) while `progress` is printed
+    to `stream` every `every` seconds; with 1, in this process. `overrides` (``--set``
+    syntax) apply to every arm after its own.
+    """
+    out, started = Path(out), time.monotonic()
+    specs = demo_specs(seed, overrides)
+    base = get_preset(BASE, validate=False)
+    runs = {name: spec.directory(out) for name, spec in zip(ARMS, specs, strict=True)}
+    steps = specs[0].config(base).steps
+    if jobs > 1:
+        print(
+            f"Training {', '.join(runs)} side by side ({steps} steps each; logs in "
+            f"{out}/process*.log)",
+            file=stream,
+            flush=True,
+        )
+        argv = ["gac_jax.lab.demo", str(out), "--seed", str(seed), "--set", *overrides]
+        try:  # `-m` as the script: the children run this module's `main`.
+            with _reporting(runs, steps, stream, every):
+                run_sweep(specs, base, out, processes=SweepProcesses("-m", jobs, argv), stale=REUSE)
+        except RuntimeError as error:
+            raise RuntimeError(f"{error} See {out}/process*.log.") from None
+    else:
+        run_sweep(specs, base, out, processes=SweepProcesses("-m"), shard_arg="0/1", stale=REUSE)
+    config = specs[0].config(base)
+    title = f"{config.task}: {describe_config(config)}"
+    plot = plot_runs(runs, out / PLOT, KEYS, title=title)
+    return DemoResult(comparison(runs), plot, runs, time.monotonic() - started)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """A child of `run_demo`: trains its share (``--shard i/n``) of the arms, its output
+    in ``OUT/process<i>.log``."""
+    parser = argparse.ArgumentParser(description="One process of `gac-jax demo`.")
+    parser.add_argument("out")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--set", nargs="*", default=[])
+    parser.add_argument("--shard", required=True)
+    args = parser.parse_args(argv)
+    log = Path(args.out) / f"process{args.shard.split('/')[0]}.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "a") as file:  # Two progress bars on one terminal would be unreadable.
+        os.dup2(file.fileno(), 1)
+        os.dup2(file.fileno(), 2)
+    specs = demo_specs(args.seed, args.set)
+    base = get_preset(BASE, validate=False)
+    processes = SweepProcesses("-m")
+    run_sweep(specs, base, args.out, processes=processes, shard_arg=args.shard, stale=REUSE)
+
+
+if __name__ == "__main__":
+    main()

@@ -300,7 +300,8 @@ class RewardScores(NamedTuple):
 
 class GuardedReward:
     """A run's own reward: `function`, called with a timeout, its failures scored as
-    configured and counted by kind, the first of each kind named in one warning line.
+    configured and counted by kind, the first of each kind named in one warning line (the
+    first call that raised with its traceback).
 
     Attributes:
       name: what the warnings call the reward.
@@ -319,6 +320,7 @@ class GuardedReward:
         self.config = config
         self.failures = 0
         self.timeouts = 0
+        self._traced = False  # Whether a call's traceback was logged.
         self._lock = threading.Lock()  # Async runs score from several worker threads.
 
     def __call__(self, completion: str, example: Mapping[str, Any]) -> float:
@@ -352,32 +354,30 @@ class GuardedReward:
                 self._note("timeout", f"took longer than {self.config.timeout:g} s")
                 continue
             kind, value = result
-            problem = (
-                f"raised {type(value).__name__}: {value}"
-                if kind == "error"
-                else _not_a_score(value)
-            )
+            error = value if kind == "error" else None
+            problem = f"raised {type(error).__name__}: {error}" if error else _not_a_score(value)
             if problem is None:
                 rewards[i] = float(value)
             else:
                 failures += 1
-                self._note("failure", problem)
+                self._note("failure", problem, error)
         return RewardScores(rewards, failures, timeouts)
 
-    def _note(self, kind: str, problem: str) -> None:
-        """Counts a failure or timeout; the first of each kind is one warning line."""
+    def _note(self, kind: str, problem: str, error: BaseException | None = None) -> None:
+        """Counts a failure or timeout; the first of each kind is one warning line, and the
+        first call that raised is logged with its traceback (the file and line that raised)."""
         counter = "timeouts" if kind == "timeout" else "failures"
         with self._lock:
             count = getattr(self, counter) + 1
             setattr(self, counter, count)
-        if count == 1:
+            trace = error is not None and not self._traced
+            self._traced |= trace
+        if count == 1 or trace:
             logger.warning(
                 "reward %s %s; scored %g and counted in reward/%ss (later ones are only counted)",
-                self.name,
-                " ".join(problem.split())[:200],
-                self.config.failure_score,
-                kind,
-            )
+                self.name, " ".join(problem.split())[:200], self.config.failure_score, kind,
+                exc_info=error if trace else None,
+            )  # fmt: skip
 
 
 def _not_a_score(value) -> str | None:

@@ -138,17 +138,39 @@ def test_a_bad_reward_path_fails_with_one_line(reward_module, spec, message):
     assert "\n" not in str(info.value)
 
 
-def test_a_raising_reward_counts_zero_and_is_logged_once_in_one_line(reward_module, caplog):
+def test_a_raising_reward_counts_zero_and_its_first_traceback_names_the_line(
+    reward_module, tmp_path, caplog
+):
     reward = GuardedReward(resolve_reward(f"{reward_module}:broken"), "my_task_rewards:broken")
     with caplog.at_level(logging.WARNING, logger="gac_jax.tasks.custom"):
         values = [reward(f"c{i}", {}) for i in range(5)]
     assert values == [0.0] * 5
     assert reward.failures == 5 and reward.timeouts == 0
     records = [r for r in caplog.records if "my_task_rewards:broken" in r.getMessage()]
-    assert len(records) == 1 and records[0].exc_info is None
+    assert len(records) == 1  # Later failures are only counted.
     message = records[0].getMessage()
     assert "raised RuntimeError: boom c0" in message and "\n" not in message
     assert "reward/failures" in message
+    source = tmp_path / "my_task_rewards.py"
+    line = source.read_text().splitlines().index('    raise RuntimeError("boom " + completion)') + 1
+    assert f'File "{source}", line {line}, in broken' in caplog.text
+    assert caplog.text.count("Traceback") == 1
+
+
+def test_the_first_raise_is_traced_even_after_another_kind_of_failure(caplog):
+    answers = iter(["not a number", ZeroDivisionError("late"), ZeroDivisionError("later")])
+
+    def odd(completion, example):
+        answer = next(answers)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    reward = GuardedReward(odd, "odd")
+    with caplog.at_level(logging.WARNING, logger="gac_jax.tasks.custom"):
+        assert [reward("x", {}) for _ in range(3)] == [0.0] * 3
+    assert [r.exc_info is not None for r in caplog.records] == [False, True]
+    assert "raised ZeroDivisionError: late" in caplog.records[1].getMessage()
 
 
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), "0.5", None, [1.0], True], ids=repr)

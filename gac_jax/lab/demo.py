@@ -33,14 +33,10 @@ from gac_jax.train.metrics import read_metrics
 from gac_jax.train.plots import describe_config, plot_runs, series
 
 BASE = "calculator"
-REGIME = (  # experiments/lab.py's V3_REGIME, lagged at TOOL_LAG.
-    "rollout.mode=lagged",
-    "rollout.lag=16",
-    "optimizer.learning_rate=5e-4",
-    "loss.policy_loss=reinforce",
-    "loss.correction=tis",
-    "loss.correction_kwargs.level=sequence",
-    "loss.correction_kwargs.cap=10000.0",
+REGIME = tuple(  # experiments/lab.py's V3_REGIME, lagged at its TOOL_LAG.
+    "rollout.mode=lagged rollout.lag=16 optimizer.learning_rate=5e-4 loss.policy_loss=reinforce"
+    " loss.correction=tis loss.correction_kwargs.level=sequence"
+    " loss.correction_kwargs.cap=10000.0".split()
 )
 SIZE = ("steps=40", "eval_every=10", "checkpoint_every=0", "samples_every=0")
 ARMS = {"naive": (), "VCPO": ("ess={}", "loss.advantage=vcpo")}  # Name -> overrides.

@@ -330,6 +330,46 @@ def _add_checkpoint_commands(sub) -> None:
     _add_config_args(p, default=None)
 
 
+def _add_plot_and_demo(sub) -> None:
+    """`plot` and `demo`: commands that show runs."""
+    from gac_jax.train import plots
+
+    p = sub.add_parser(
+        "plot",
+        help="plot a run's metrics, or compare runs",
+        description="Plot one run (a panel per metric) or compare several (a panel per "
+        "metric, a line per run); held-out metrics (eval/...) are drawn point by point.",
+        epilog="example: gac-jax plot runs/demo/naive/seed0 runs/demo/vcpo/seed0 "
+        "--key eval/pass@1 --key reward --smooth 10",
+    )
+    p.add_argument("runs", nargs="+", metavar="RUN", help="run directory or metrics.jsonl")
+    p.add_argument(
+        "--key",
+        action="append",
+        help="a metric, one panel each (repeatable; default: "
+        f"{' '.join(plots.DEFAULT_KEYS)} for one run, {' '.join(plots.COMPARE_KEYS)} for several)",
+    )
+    p.add_argument(
+        "--smooth",
+        type=float,
+        default=10.0,
+        metavar="STEPS",
+        help="moving-average window of the training metrics, in steps (default 10; 1: raw)",
+    )
+    p.add_argument("--out", metavar="PNG", help="default: RUN/plot.png or compare.png")
+    p = sub.add_parser(
+        "demo",
+        help="stale rollouts break training, a cure holds: two runs side by side (~3 min)",
+        description="Train one small cell twice side by side, naively on stale rollouts "
+        "and with VCPO, plot them with held-out pass@1 from step 0 and print the "
+        "comparison (gac_jax.lab.demo). Finished runs in --out are kept, not retrained.",
+    )
+    p.add_argument("--out", default="runs/demo", metavar="DIR", help="default: runs/demo")
+    p.add_argument("--seed", type=int, default=0, help="default: 0")
+    p.add_argument("--jobs", type=int, default=2, help="processes, one XLA thread each (2)")
+    p.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE", help="on every run")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from gac_jax import __version__
 
@@ -379,42 +419,7 @@ def build_parser() -> argparse.ArgumentParser:
         "model's (checked on the third; about a quarter of the time); the sampler whole",
     )
 
-    from gac_jax.train import plots
-
-    p = sub.add_parser(
-        "plot",
-        help="plot a run's metrics, or compare runs",
-        description="Plot one run (a panel per metric) or compare several (a panel per "
-        "metric, a line per run); held-out metrics (eval/...) are drawn point by point.",
-        epilog="example: gac-jax plot runs/demo/naive/seed0 runs/demo/vcpo/seed0 "
-        "--key eval/pass@1 --key reward --smooth 10",
-    )
-    p.add_argument("runs", nargs="+", metavar="RUN", help="run directory or metrics.jsonl")
-    p.add_argument(
-        "--key",
-        action="append",
-        help="a metric, one panel each (repeatable; default: "
-        f"{' '.join(plots.DEFAULT_KEYS)} for one run, {' '.join(plots.COMPARE_KEYS)} for several)",
-    )
-    p.add_argument(
-        "--smooth",
-        type=float,
-        default=10.0,
-        metavar="STEPS",
-        help="moving-average window of the training metrics, in steps (default 10; 1: raw)",
-    )
-    p.add_argument("--out", metavar="PNG", help="default: RUN/plot.png or compare.png")
-    p = sub.add_parser(
-        "demo",
-        help="stale rollouts break training, a cure holds: two runs side by side (~3 min)",
-        description="Train one small cell twice side by side, naively on stale rollouts "
-        "and with VCPO, plot them with held-out pass@1 from step 0 and print the "
-        "comparison (gac_jax.lab.demo). Finished runs in --out are kept, not retrained.",
-    )
-    p.add_argument("--out", default="runs/demo", metavar="DIR", help="default: runs/demo")
-    p.add_argument("--seed", type=int, default=0, help="default: 0")
-    p.add_argument("--jobs", type=int, default=2, help="processes, one XLA thread each (2)")
-    p.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE", help="on every run")
+    _add_plot_and_demo(sub)
     for name, p in sub.choices.items():  # `gac-jax NAME` runs `_cmd_NAME(args, its parser)`.
         p.set_defaults(func=globals()[f"_cmd_{name.replace('-', '_')}"], parser=p)
     return parser

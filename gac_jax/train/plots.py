@@ -27,10 +27,7 @@ LABELS = {
     "accuracy": "batch accuracy",
     "ess_ratio": "ESS ratio (ESS / batch)",
     "gac_cosine": "GAC cosine c_t",
-    "gac_cosine_after": "c_t after GAC",
     "grad_norm": "gradient norm",
-    "response_length": "response length (tokens)",
-    "version_gap_mean": "version gap (mean)",
     "kl_k3": "KL(behaviour || current)",
 }
 
@@ -58,10 +55,8 @@ def _save(fig, png_path: str | os.PathLike) -> Path:
     return png_path
 
 
-#: Held-out evaluations (`gac_jax.train.run.Run.evaluate`, every ``eval_every`` steps)
-#: drawn as markers on the training curve they are comparable with: the sampled reward
-#: and greedy accuracy on test problems against the batch reward, pass@1 against the batch
-#: accuracy.
+#: Held-out evaluations drawn as markers on the training curve they compare with: the
+#: sampled reward and greedy accuracy against the batch reward, pass@1 against its accuracy.
 EVAL_MARKERS: Mapping[str, tuple[str, ...]] = {
     "reward": ("eval/sampled_reward", "eval/greedy_accuracy"),
     "accuracy": ("eval/pass@1", "eval/greedy_accuracy"),
@@ -248,20 +243,11 @@ def threshold_lines(gac) -> dict[str, list[tuple[float, str]]]:
     return {"gac_cosine": [(gac.tau_low, "tau_low"), (gac.tau_high, "tau_high")]}
 
 
-def plot_run(
-    metrics_jsonl_path: str | os.PathLike,
-    png_path: str | os.PathLike,
-    keys: Sequence[str] = DEFAULT_KEYS,
-    *,
-    smoothing: float = DEFAULT_SMOOTHING,
-    title: str | None = None,
-    lines: Mapping[str, Sequence[tuple[float, str]]] | None = None,
-) -> Path:
+def plot_run(metrics_jsonl_path, png_path: str | os.PathLike, keys=DEFAULT_KEYS, **options):
     """Saves `run_figure` (each of `keys` against step, one panel each; keys absent from
-    the run skipped, non-finite values left as gaps) as a PNG; returns its path. Raises
-    ValueError as `run_figure` does."""
-    fig = run_figure(metrics_jsonl_path, keys, smoothing=smoothing, title=title, lines=lines)
-    return _save(fig, png_path)
+    the run skipped, non-finite values left as gaps; `options` as there) as a PNG and
+    returns its path. Raises ValueError as `run_figure` does."""
+    return _save(run_figure(metrics_jsonl_path, keys, **options), png_path)
 
 
 def run_labels(paths: Sequence[str | os.PathLike]) -> dict[str, Path]:
@@ -316,14 +302,7 @@ def runs_figure(
     return fig
 
 
-def plot_runs(
-    runs: Mapping[str, str | os.PathLike],
-    png_path: str | os.PathLike,
-    keys: Sequence[str] = COMPARE_KEYS,
-    *,
-    smoothing: float = DEFAULT_SMOOTHING,
-    title: str | None = None,
-) -> Path:
-    """Saves `runs_figure` (runs by label -> run directory or metrics path) as a PNG and
-    returns its path; ValueError as `runs_figure`."""
-    return _save(runs_figure(runs, keys, smoothing=smoothing, title=title), png_path)
+def plot_runs(runs: Mapping[str, str | os.PathLike], png_path, keys=COMPARE_KEYS, **options):
+    """Saves `runs_figure` (runs by label -> run directory or metrics path; `options` as
+    there) as a PNG and returns its path; ValueError as `runs_figure`."""
+    return _save(runs_figure(runs, keys, **options), png_path)

@@ -8,12 +8,17 @@ with a new report, not with another branch in the step. A report is a callable
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
+from gac_jax.train import processes
+
+logger = logging.getLogger(__name__)
 BatchReport = Callable[[Sequence[Any], int], dict[str, float]]
+FLAT_STEPS = 5  # The steps `FlatRewards` watches.
 
 
 class RewardFailedError(RuntimeError):
@@ -61,6 +66,32 @@ class FilteredGroups:
         }
 
 
+class FlatRewards:
+    """One warning when every reward of a run's first `steps` steps (from step 0) was the
+    same value, 0 above all: no group then has a spread to learn from, and the usual cause
+    is a reward that never matches. Process 0 warns; a resumed run does not."""
+
+    def __init__(self, steps: int, random_init: bool):
+        self.steps, self.random_init = steps, random_init
+        self.next, self.values = 0, set()  # The step expected next (None: stop watching).
+
+    def __call__(self, rollouts, step: int) -> dict[str, float]:
+        if self.next != step:
+            self.next = None
+            return {}
+        self.values.update(np.unique(np.concatenate([r.rewards for r in rollouts])).tolist())
+        self.next = step + 1 if len(self.values) == 1 and step + 1 < self.steps else None
+        if step + 1 == self.steps and len(self.values) == 1 and processes.is_primary():
+            hint = "; init=random writes noise: start from a warm start" * self.random_init
+            logger.warning(
+                "every reward of the first %d steps was %g: the reward never matched. Check "
+                "that the answers are in the format it reads (samples.jsonl shows what the "
+                "policy writes) and that it scores a right answer above 0%s.",
+                self.steps, self.values.pop(), hint,
+            )  # fmt: skip
+        return {}
+
+
 def episode_metrics(rollouts, step: int | None = None) -> dict[str, float]:
     """Multi-turn telemetry of a batch: turns per episode, tool calls, errors, timeouts and
     latency, observation vs policy tokens, and the span of policy versions in an episode.
@@ -100,7 +131,9 @@ def actor_replacements(pool) -> BatchReport:
 def batch_reports(config, source, pool=None) -> list[BatchReport]:
     """The reports a run of `config` (a `TrainConfig`) makes of each batch, given its
     rollout source and (with `rollout.backend=ray`) its actor pool."""
-    reports: list[BatchReport] = []
+    reports: list[BatchReport] = [
+        FlatRewards(min(FLAT_STEPS, config.steps), config.init == "random")
+    ]
     if config.rollout.dynamic_sampling:
         reports.append(FilteredGroups(source))
     if config.reward is not None:  # The run's own reward: how often it failed.

@@ -17,12 +17,11 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from gac_jax.learner import token_budget
 from gac_jax.learner.batch import TrainBatch
 from gac_jax.learner.learner import BATCH_AXES, ShardedLearner, with_shardings
 from gac_jax.learner.objective import LossConfig, Objective
 from gac_jax.learner.step import LearnerConfig, make_train_step
-from gac_jax.learner.token_budget import budget_micro_batches, trim_padding, used_columns
+from gac_jax.learner.token_budget import MicroBatching, trim_padding, used_columns
 from gac_jax.models.config import ModelConfig
 from gac_jax.models.sharding import ShardingRules
 
@@ -85,9 +84,9 @@ class GRPOLearner(ShardedLearner):
         )
         self.config.validate(self.objective.config)  # Before any array is placed.
         super().__init__(model, tx, mesh, rules=rules, trainable=trainable)
+        self.micro_batching = self._micro_batching(getattr(model, "config", None))
         self._steps = {}  # The compiled steps by micro-batch count.
-        self._step = self.step_for(self.config.micro_batches or 1)
-        self._cpu_model = self._split_by_default(getattr(model, "config", None))
+        self._step = self.step_for(self.micro_batching.least)
         self.reference = self._place_reference(reference, trainable)
 
     def _place_reference(self, reference, trainable):
@@ -113,43 +112,28 @@ class GRPOLearner(ShardedLearner):
             self._steps[micro_batches] = self.compile_step(step, num_extra=2)
         return self._steps[micro_batches]
 
-    def _split_by_default(self, model_config) -> ModelConfig | None:
-        """The config of a `Decoder` whose steps `micro_batches=None` splits on XLA:CPU
-        (`cpu_tokens_per_micro_batch`), or None: a count of 1, as on accelerators and where
+    def _micro_batching(self, model_config) -> MicroBatching:
+        """This learner's `MicroBatching`. With `micro_batches` and the token budget unset,
+        a `Decoder` on XLA:CPU splits its steps within `cpu_tokens_per_micro_batch`, unless
         a split costs a whole-batch pass (batch statistics) or is not allowed (a partition
-        function)."""
-        config, spec = self.config, self.objective.spec
-        unset = config.micro_batches is None and not config.max_tokens_per_micro_batch
+        function); elsewhere the count is 1, as on accelerators."""
+        spec = self.objective.spec
         splits = spec.batch_statistics is None and not spec.needs_reference
         runs = isinstance(model_config, ModelConfig) and self.runs_on_cpu
-        return model_config if unset and splits and runs else None
+        cpu_model = model_config if splits and runs else None
+        return MicroBatching.of(self.config, cpu_model=cpu_model, devices=self.batch_divisor)
 
     def budget_micro_batches(self, rows: int, width: int) -> int:
-        """Micro-batches for a batch of `rows` x `width`: the token budget's (set, or the
-        CPU default's), else the configured count."""
-        budget = self.config.max_tokens_per_micro_batch
-        if self._cpu_model is not None:
-            budget = token_budget.cpu_tokens_per_micro_batch(self._cpu_model, width)
-        if not budget:
-            return self.config.micro_batches or 1
-        return budget_micro_batches(
-            rows // self.config.mini_batches,  # The rows of one optimizer step.
-            width,
-            budget,
-            minimum=self.config.micro_batches or 1,
-            devices=self.batch_divisor,
-        )
+        """Micro-batches for a placed batch of `rows` x `width` (`MicroBatching.count`)."""
+        return self.micro_batching.count(rows, width)
 
-    def _fit_budget(self, local_batch: TrainBatch) -> tuple[TrainBatch, int]:
-        """The host batch trimmed to its used columns (the same ones in every process) and
-        the micro-batch count its token budget needs (`token_budget`)."""
+    def _trimmed(self, local_batch: TrainBatch) -> TrainBatch:
+        """The host batch trimmed to its used columns (the same ones in every process)."""
         columns = used_columns(local_batch.attention_mask)
         if jax.process_count() > 1:
             bounds = multihost_utils.process_allgather(np.asarray(columns))
             columns = (int(bounds[:, 0].min()), int(bounds[:, 1].max()))
-        batch = trim_padding(local_batch, WIDTH_MULTIPLE, columns)
-        rows, width = batch.num_sequences * jax.process_count(), batch.tokens.shape[1]
-        return batch, self.budget_micro_batches(rows, width)
+        return trim_padding(local_batch, WIDTH_MULTIPLE, columns)
 
     def check_batch_rows(self, rows: int) -> None:
         """The one check that a global batch of `rows` sequences splits evenly over the
@@ -202,17 +186,15 @@ class GRPOLearner(ShardedLearner):
         untouched); `config.max_consecutive_nonfinite` of them in a row raise
         `NonFiniteStepError`.
         """
-        tokens = batch.tokens
+        tokens, rule = batch.tokens, self.micro_batching
         placed = isinstance(tokens, jax.Array) and tokens.sharding == self.batch_sharding
-        budget = self.config.max_tokens_per_micro_batch
-        if budget and not placed:
-            batch, micro_batches = self._fit_budget(batch)
+        if rule.max_tokens and not placed:
+            batch = self._trimmed(batch)
         if not placed:
             batch = self.place_batch(batch)
-        if not budget:  # The global batch's rows x width.
-            micro_batches = self.budget_micro_batches(*batch.tokens.shape)
-        elif placed:  # Neither trimmed nor budgeted.
-            micro_batches = self.config.micro_batches or 1
+        # A batch placed by the caller is not trimmed: a configured budget leaves it alone.
+        budgeted = not (placed and rule.max_tokens)
+        micro_batches = rule.count(*batch.tokens.shape) if budgeted else rule.least
         step = self.step_for(micro_batches)
         metrics = self.run_step(batch, np.int32(learner_version), self.reference, step=step)
         metrics["micro_batches"] = float(micro_batches)

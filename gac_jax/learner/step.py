@@ -2,11 +2,12 @@
 optimizer steps (`gac_jax.learner.update`).
 
 `make_train_step` returns a pure function `(params, opt_state, batch, learner_version,
-reference=None, *, frozen=None) -> (params, opt_state, metrics)` over `nnx.State` params,
-set by a `LearnerConfig` (which holds the rules on splitting a batch, checked once, in its
-`validate`); the learner jits it with shardings and donation. Everything method-specific
-comes from the `Objective` of a `LossConfig`, which reads the registry entries of
-`gac_jax.objectives`.
+reference=None, *, frozen=None, micro_batches) -> (params, opt_state, metrics)` over
+`nnx.State` params, set by a `LearnerConfig` (which holds the rules on splitting a batch,
+checked once, in its `validate`); the learner jits it with shardings and donation, a
+program per micro-batch count (`gac_jax.learner.token_budget.MicroBatching`). Everything
+method-specific comes from the `Objective` of a `LossConfig`, which reads the registry
+entries of `gac_jax.objectives`.
 
 Design of the PPO-style updates (verl's ``ppo_epochs`` and mini-batches, AReaL's decoupled
 PPO): before the first update, under the batch's starting params, the step computes the
@@ -42,6 +43,7 @@ from gac_jax import objectives
 from gac_jax._validation import check_bool, check_int
 from gac_jax.learner.batch import TrainBatch
 from gac_jax.learner.objective import LossConfig, Objective
+from gac_jax.learner.token_budget import MicroBatching
 from gac_jax.learner.update import forward, make_update, split_rows, whole_batch_logp
 from gac_jax.models.scoring import DEFAULT_CHUNK_SIZE
 from gac_jax.numerics import masked_mean
@@ -123,12 +125,12 @@ class LearnerConfig:
         check_int("shuffle_seed", self.shuffle_seed, 0)
         for name in ("shuffle", "reference_offload", "noise_scale", "policy_change"):
             check_bool(name, getattr(self, name))
-        if self.noise_scale and (self.micro_batches or 1) < 2:
+        m, k, e = MicroBatching.of(self).least, self.mini_batches, self.epochs
+        if self.noise_scale and m < 2:
             raise ValueError(
                 "noise_scale=true compares micro-batch gradients with the whole one: it needs "
                 f"micro_batches >= 2, got {self.micro_batches}."
             )
-        m, k, e = self.micro_batches or 1, self.mini_batches, self.epochs
         spec = None if loss is None else objectives.get_policy_loss_spec(loss.policy_loss)
         if spec is not None and spec.needs_reference and m * k * e > 1:
             raise ValueError(
@@ -136,10 +138,16 @@ class LearnerConfig:
                 f"{loss.policy_loss!r} estimates each group's partition function from the "
                 "rows it is given; set all three to 1."
             )
-        if rows is not None and rows % (m * k):
-            raise ValueError(
-                f"micro_batches={m} x mini_batches={k} must divide the batch of {rows} sequences."
-            )
+        if rows is not None:
+            _check_split(rows, m, k)
+
+
+def _check_split(rows: int, micro_batches: int, mini_batches: int) -> None:
+    if rows % (micro_batches * mini_batches):
+        raise ValueError(
+            f"micro_batches={micro_batches} x mini_batches={mini_batches} must divide the "
+            f"batch of {rows} sequences."
+        )
 
 
 def per_example_grad_sq_norms(
@@ -211,9 +219,9 @@ def _batch_metrics(batch: TrainBatch, learner_version, adv_n) -> dict[str, jax.A
     }
 
 
-def _batch_logp(graphdef, config: LearnerConfig, params, batch: TrainBatch, frozen):
+def _batch_logp(graphdef, config: LearnerConfig, micro_batches, params, batch, frozen):
     """[N, T] log-probs of the batch under `params`, a micro-batch of rows at a time."""
-    parts = config.micro_batches * config.mini_batches
+    parts = micro_batches * config.mini_batches
     forward_fn = functools.partial(
         forward, graphdef, logits_chunk_size=config.logits_chunk_size, frozen=frozen
     )
@@ -232,22 +240,23 @@ def _policy_change(after, batch: TrainBatch, before):
     }
 
 
-def _needs_current(objective: Objective, config: LearnerConfig) -> bool:
+def _needs_current(objective: Objective, config: LearnerConfig, micro_batches: int) -> bool:
     """Whether the step computes the batch's log-probs under its starting params."""
     if config.updates_per_batch > 1:
         needed = objective.spec.needs_proximal
     else:  # One update: whole-batch statistics over micro-batches read it.
-        needed = config.micro_batches > 1 and objective.spec.batch_statistics is not None
+        needed = micro_batches > 1 and objective.spec.batch_statistics is not None
     return needed or objective.needs_log_weights or config.policy_change
 
 
-def _prepare(
-    graphdef, objective: Objective, config: LearnerConfig, params, batch, reference, frozen
-):
+def _prepare(settings: _StepSettings, micro_batches: int, params, batch, reference, frozen):
     """What the batch needs before any update: (batch, per-row inputs, current logp or None,
     advantages [N], batch metrics)."""
-    logp = functools.partial(_batch_logp, graphdef, config, batch=batch, frozen=frozen)
-    current = logp(params) if _needs_current(objective, config) else None
+    graphdef, objective, config = settings.graphdef, settings.objective, settings.config
+    logp = functools.partial(
+        _batch_logp, graphdef, config, micro_batches, batch=batch, frozen=frozen
+    )
+    current = logp(params) if _needs_current(objective, config, micro_batches) else None
     inputs, metrics = {}, {}
     if objective.needs_reference:
         if config.reference_offload:  # From host memory, for this one pass.
@@ -262,7 +271,7 @@ def _prepare(
     norms = functools.partial(  # One micro-batch of sequences at a time.
         per_example_grad_sq_norms,
         graphdef,
-        sequences_per_chunk=batch.tokens.shape[0] // (config.micro_batches * config.mini_batches),
+        sequences_per_chunk=batch.tokens.shape[0] // (micro_batches * config.mini_batches),
         logits_chunk_size=config.logits_chunk_size,
         frozen=frozen,
     )
@@ -322,15 +331,14 @@ def _train_step(
     reference=None,
     *,
     frozen=None,
+    micro_batches: int,
 ):
     """`make_train_step`'s step, its settings bound first."""
     graphdef, objective, config = settings.graphdef, settings.objective, settings.config
-    config.validate(rows=batch.tokens.shape[0])
-    m, c = config.micro_batches, config.logits_chunk_size
+    m, c = micro_batches, config.logits_chunk_size
+    _check_split(batch.tokens.shape[0], m, config.mini_batches)
     update = make_update(graphdef, settings.tx, objective, m, c, config.noise_scale)
-    batch, inputs, current, adv_n, metrics = _prepare(
-        graphdef, objective, config, params, batch, reference, frozen
-    )
+    batch, inputs, current, adv_n, metrics = _prepare(settings, m, params, batch, reference, frozen)
     if config.updates_per_batch == 1:
         params, opt_state, update_metrics = update(
             params, opt_state, batch, inputs, frozen, current
@@ -340,7 +348,7 @@ def _train_step(
             update, settings, (params, opt_state), batch, inputs, learner_version, frozen
         )
     if config.policy_change:
-        after = _batch_logp(graphdef, config, params, batch, frozen)
+        after = _batch_logp(graphdef, config, m, params, batch, frozen)
         metrics.update(_policy_change(after, batch, current))
     metrics = {**_batch_metrics(batch, learner_version, adv_n), **metrics, **update_metrics}
     return params, opt_state, metrics
@@ -356,8 +364,10 @@ def make_train_step(
     **settings,
 ):
     """The step function (not jitted: the learner adds shardings and donation):
-    ``step(params, opt_state, batch, learner_version, reference=None, *, frozen=None) ->
-    (params, opt_state, metrics)``.
+    ``step(params, opt_state, batch, learner_version, reference=None, *, frozen=None,
+    micro_batches=...) -> (params, opt_state, metrics)``; `micro_batches`, the count this
+    step splits a batch into, is bound to the config's least (`MicroBatching`), and a
+    learner binds the count it chooses for each batch.
 
     Args:
       graphdef: the model's graph definition.
@@ -378,7 +388,6 @@ def make_train_step(
     """
     objective = Objective(LossConfig() if loss is None else loss)
     config = dataclasses.replace(LearnerConfig() if config is None else config, **settings)
-    config = dataclasses.replace(config, micro_batches=config.micro_batches or 1)
     config.validate(objective.config)
     settings = _StepSettings(graphdef, tx, objective, config, row_sharding)
-    return functools.partial(_train_step, settings)
+    return functools.partial(_train_step, settings, micro_batches=MicroBatching.of(config).least)

@@ -13,7 +13,12 @@ from hypothesis import strategies as st
 from gac_jax import models
 from gac_jax.learner import GRPOLearner, LearnerConfig, LossConfig, TrainBatch, token_budget
 from gac_jax.learner import learner as learner_module
-from gac_jax.learner.token_budget import budget_micro_batches, trim_padding, used_columns
+from gac_jax.learner.token_budget import (
+    MicroBatching,
+    budget_micro_batches,
+    trim_padding,
+    used_columns,
+)
 from gac_jax.rollout import Rollout, collate
 from tests.conftest import USERS_COMPILE_OPTIONS
 
@@ -43,6 +48,38 @@ def test_the_fewest_micro_batches_that_fit(rows, width, max_tokens, minimum, dev
     assert fits(m) and m >= minimum or m == rows // devices
     # ...and no valid count from the minimum up to it would have fitted.
     assert not any(splits(k) and fits(k) for k in range(minimum, m))
+
+
+@given(
+    micro_batches=st.one_of(st.none(), st.integers(1, 4)),
+    max_tokens=st.one_of(st.none(), st.integers(1, 3000)),
+    mini_batches=st.sampled_from([1, 2]),
+    rows=st.sampled_from([8, 16, 32]),
+    width=st.integers(1, 200),
+)
+def test_one_rule_decides_the_count(micro_batches, max_tokens, mini_batches, rows, width):
+    """`MicroBatching.of` reads the three settings once: the configured count (1 unset)
+    without a budget; within the configured budget, else within the CPU model's where
+    both are unset; each count at least the configured one."""
+    settings = dict(micro_batches=micro_batches, max_tokens_per_micro_batch=max_tokens)
+    config = LearnerConfig(**settings, mini_batches=mini_batches)
+    cpu = models.get_config("tiny")
+    rule = MicroBatching.of(config, cpu_model=cpu, devices=2)
+    least = 1 if micro_batches is None else micro_batches
+    if max_tokens is not None:
+        budget, why = max_tokens, f"max_tokens_per_micro_batch={max_tokens}"
+    elif micro_batches is None:
+        budget, why = token_budget.cpu_tokens_per_micro_batch(cpu, width), "XLA:CPU"
+    else:
+        budget, why = None, f"micro_batches={micro_batches}"
+    want = least if budget is None else budget_micro_batches(
+        rows // mini_batches, width, budget, minimum=least, devices=2
+    )  # fmt: skip
+    assert rule.count(rows, width) == want and want >= least
+    assert why in str(rule)
+    assert MicroBatching.of(config, devices=2).count(rows, width) == (
+        want if max_tokens is not None else least
+    )
 
 
 @given(

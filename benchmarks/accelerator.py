@@ -36,6 +36,7 @@ one-GPU preset's own steps) with this tree on the path.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -63,7 +64,8 @@ from gac_jax.rollout import Rollout, collate
 from gac_jax.transforms import ESSConfig, GACConfig
 
 # Dense bf16 FLOP/s and memory bandwidth (bytes/s) by device kind, from the vendors' data
-# sheets (SXM parts; the first match in order wins).
+# sheets (SXM parts; the first match in order wins). JAX names TPU v5e "TPU v5 lite", v5p
+# "TPU v5" and v6e "TPU v6 lite".
 PEAKS = (
     ("H200", 989e12, 4.8e12),
     ("H100 PCIe", 756e12, 2.0e12),
@@ -71,8 +73,8 @@ PEAKS = (
     ("A100", 312e12, 2.0e12),
     ("L4", 121e12, 0.3e12),
     ("TPU v6", 918e12, 1.64e12),
-    ("TPU v5p", 459e12, 2.76e12),
-    ("TPU v5", 197e12, 0.82e12),  # v5e / v5 lite.
+    ("TPU v5 lite", 197e12, 0.82e12),
+    ("TPU v5", 459e12, 2.76e12),
     ("TPU v4", 275e12, 1.2e12),
 )
 FULL = dict(model="qwen3_0_6b", prompt=256, completion=512, rows=8, chunk=128, remat="full")
@@ -82,14 +84,18 @@ SMOKE = dict(model="tiny", prompt=16, completion=16, rows=4, chunk=16, remat="fu
 SMOKE_DECODE = dict(batches=(4, 8), prompt=16, new=8)
 
 
+@functools.cache
 def device_peaks() -> tuple[str, float, float, str]:
-    """(device kind, peak FLOP/s, bandwidth bytes/s, where they come from)."""
+    """(device kind, peak FLOP/s, bandwidth bytes/s, where they come from): the data sheet's
+    of a known kind, else timed here (once a process)."""
     device = jax.devices()[0]
     kind = getattr(device, "device_kind", device.platform)
     for name, flops, bandwidth in PEAKS:
         if name.lower() in kind.lower():
             return kind, flops, bandwidth, "data sheet (dense bf16)"
-    return kind, _measured_matmul_peak(), _measured_bandwidth(), "measured here (fp32 matmul, copy)"
+    unknown = "" if device.platform == "cpu" else f"unknown device kind {kind!r}: "
+    source = f"{unknown}measured here (fp32 matmul, copy)"
+    return kind, _measured_matmul_peak(), _measured_bandwidth(), source
 
 
 def _best_time(fn, repeats: int = 5) -> float:
@@ -175,7 +181,6 @@ def bench_learner(shape: dict, rounds: int, peak: float) -> dict:
 def bench_sampler(decode: dict, shape: dict, rounds: int, bandwidth: float) -> list[dict]:
     config = model_config(shape, "bfloat16")
     graphdef, state = nnx.split(models.create_model(config, seed=0))
-    weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state))
     rows = []
     for batch in decode["batches"]:
         prompts = np.random.default_rng(batch).integers(
@@ -201,10 +206,7 @@ def bench_sampler(decode: dict, shape: dict, rounds: int, bandwidth: float) -> l
             generated = int(np.sum(out.lengths))
         seconds = statistics.median(times)
         mean_context = decode["prompt"] + decode["new"] / 2
-        kv_bytes = (
-            2 * config.num_layers * config.num_kv_heads * config.head_dim * 2 * mean_context
-        ) * batch  # Keys and values, bf16, at the mean context length.
-        roofline = batch * bandwidth / (weight_bytes + kv_bytes)
+        roofline = decode_roofline(config, state, batch, mean_context, bandwidth)
         rate = generated / seconds
         rows.append(
             {
@@ -217,6 +219,14 @@ def bench_sampler(decode: dict, shape: dict, rounds: int, bandwidth: float) -> l
         )
         print(f"sampler row: {json.dumps(rows[-1])}", flush=True)
     return rows
+
+
+def decode_roofline(config, params, batch: int, context: float, bandwidth: float) -> float:
+    """Tokens/s of decoding `batch` rows at a mean `context` if each step read only the
+    weights `params` (as the sampler holds them) and the rows' KV caches (bf16), once."""
+    weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
+    kv_bytes = 2 * config.num_layers * config.num_kv_heads * config.head_dim * 2 * context
+    return batch * bandwidth / (weight_bytes + kv_bytes * batch)
 
 
 def bench_update(shape: dict, rounds: int) -> dict:
@@ -342,12 +352,13 @@ def main(argv=None) -> dict:
     return result
 
 
-def write_result(out: Path, result: dict, table: str) -> None:
-    """`out`.json (the figures) and `out`.md (their table), and the table printed."""
+def write_result(out: Path, result: dict, table: str, show: bool = True) -> None:
+    """`out`.json (the figures) and `out`.md (their table), and the table printed (`show`)."""
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(result, indent=2))
+    out.with_suffix(".json").write_text(json.dumps(result, indent=2, default=str))
     out.with_suffix(".md").write_text(table)
-    print(table)
+    if show:
+        print(table)
 
 
 if __name__ == "__main__":

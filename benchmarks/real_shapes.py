@@ -141,12 +141,14 @@ def peak_bytes_in_use() -> float | None:
     return None if peak is None else peak / GIB
 
 
-def measure(preset: str, steps: int, smoke: bool, work: Path, on_partial=print) -> dict:
+def prepare(preset: str, steps: int, smoke: bool, work: Path):
+    """(config, model config) of `preset` for `steps` + 1 steps, with GSM8K-shaped data and
+    a random checkpoint of its architecture written under `work`, and a compilation cache
+    of its own there (the preset's is the user's): every compile measured cold."""
     base = get_preset(preset, validate=False)
     data_dir = work / "tfds"
     rows = write_data(data_dir)
     overrides = [*QUIET, f"data_dir={data_dir}", f"steps={steps + 1}", *(SMOKE if smoke else ())]
-    # A cache of its own (the preset's is the user's): every compile measured cold.
     overrides.append(f"compilation_cache={work / 'xla'}")
     config = apply_overrides(base, overrides)
     texts = [r["question"] + " " + r["answer"] for r in rows] + [config.system_prompt or ""]
@@ -154,6 +156,11 @@ def measure(preset: str, steps: int, smoke: bool, work: Path, on_partial=print) 
     model_config = write_checkpoint(checkpoint, config.model, texts)
     config = apply_overrides(config, [f"init={checkpoint}"])
     config.validate()
+    return config, model_config
+
+
+def measure(preset: str, steps: int, smoke: bool, work: Path, on_partial=print) -> dict:
+    config, model_config = prepare(preset, steps, smoke, work)
     # The run first, then `plan`: on an accelerator both compile for minutes, and a call cut
     # off by its time limit keeps the run's figures (written before `plan` starts).
     started = time.perf_counter()
@@ -163,15 +170,20 @@ def measure(preset: str, steps: int, smoke: bool, work: Path, on_partial=print) 
     result = summarize(config, model_config, train_seconds, records)
     result["measured_peak_gib"] = peak_bytes_in_use()  # The run's, before plan compiles.
     on_partial(result)
+    result.update(plan_figures(config))
+    return result
+
+
+def plan_figures(config) -> dict:
+    """`plan` of `config` on this backend: its peaks, FLOPs and seconds."""
     started = time.perf_counter()
     predicted = plan(config)
-    result.update(
+    return dict(
         plan_learner_peak_gib=predicted["learner"]["peak_gib"],
         plan_sampler_peak_gib=predicted["sampler"]["peak_gib"],
         plan_tflops_per_step=predicted["learner"]["tflops_per_step"],
         plan_seconds=time.perf_counter() - started,
     )
-    return result
 
 
 def summarize(config, model_config, train_seconds, records) -> dict:

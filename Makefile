@@ -12,7 +12,7 @@ TEST_STAMP := $(VENV)/.test-stamp
 # the slowest files first (tests/conftest.py, SLOWEST_FILES_FIRST).
 PYTEST_ARGS ?= -n 2 --dist loadfile --no-loadscope-reorder --durations=20
 
-.PHONY: install demo test lint bench bench-sampler bench-async bench-tools bench-accelerator bench-tunix clean
+.PHONY: install demo test lint bench bench-sampler bench-async bench-tools bench-accelerator bench-gpu bench-tunix clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -67,6 +67,14 @@ ACCEL_PYTHON ?=
 bench-accelerator: $(if $(ACCEL_PYTHON),,$(STAMP))
 	PYTHONPATH=. $(or $(ACCEL_PYTHON),$(BIN)/python) benchmarks/real_shapes.py
 	PYTHONPATH=. $(or $(ACCEL_PYTHON),$(BIN)/python) benchmarks/accelerator.py
+
+# Issue 61's figures in one call within a time budget (benchmarks/gpu_check.py): the one-GPU
+# preset's profile, learner MFU, sampler against its roofline, step and compiles, each
+# against the issue's target. Writes $OUT/gpu_check.{json,md} where OUT is set, else
+# benchmarks/results/. The lent GPU's command: benchmarks/ACCELERATOR.md, issue 61's section.
+GPU_CHECK_ARGS ?=
+bench-gpu: $(if $(ACCEL_PYTHON),,$(STAMP))
+	PYTHONPATH=. $(or $(ACCEL_PYTHON),$(BIN)/python) benchmarks/gpu_check.py $(GPU_CHECK_ARGS)
 
 # Tunix goes into its own environment (.venv-bench), created by the script itself.
 bench-tunix:

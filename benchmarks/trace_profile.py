@@ -21,6 +21,12 @@ program's ops (fusions, dots, copies). Per call:
             with ``::``) left out.
 
 Nothing here is specific to a library: `vs_tunix.py --profile` runs it on both.
+
+On any backend, `read_device_ops` reads a trace's `.xplane.pb` with what JAX ships
+(`jax.profiler.ProfileData`, no TensorBoard plugin) into the device's ops (a GPU's kernels
+and copies on its streams, a TPU's "XLA Ops", XLA:CPU's thunks), each with its HLO op and
+program, and `summarise_ops` splits their time into `CATEGORIES` by program, with the host's
+gaps (`gpu_check.py`'s profile).
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ import dataclasses
 import glob
 import gzip
 import json
+import re
 import tempfile
 import time
 from collections.abc import Callable
@@ -122,3 +129,162 @@ TABLE_HEAD = (
     "| call | wall ms | device ms | host ms | launches | top ops (ms a call) |\n"
     "|---|---|---|---|---|---|"
 )
+
+
+# A device op's category, by substrings of its kernel and HLO op names (lower case), the
+# first that matches; everything else is "elementwise/fusions". Attention counts softmax
+# (the vocabulary head's log-softmax too, where XLA names it so); "ynn" is XLA:CPU's
+# YNNPACK fusions, its dots.
+CATEGORIES = (
+    ("collectives", ("nccl", "all-reduce", "all_reduce", "allreduce", "all-gather",
+                     "all_gather", "reduce-scatter", "reduce_scatter", "collective",
+                     "all-to-all", "alltoall")),
+    ("attention", ("fmha", "sdpa", "flash", "attention", "softmax")),
+    ("matmuls", ("gemm", "cublas", "nvjet", "xmma", "cutlass", "dot", "matmul",
+                 "convolution", "ynn")),
+    ("copies/transposes", ("copy", "transpose", "memcpy", "memset", "dynamic-update-slice",
+                           "dynamic_update_slice", "dynamic-slice", "dynamic_slice",
+                           "concatenate", "gather", "scatter")),
+)  # fmt: skip
+OTHER = "elementwise/fusions"
+CATEGORY_NAMES = (*(name for name, _ in CATEGORIES), OTHER)
+
+
+def categorise(*names: str) -> str:
+    text = " ".join(names).lower()
+    for category, keys in CATEGORIES:
+        if any(key in text for key in keys):
+            return category
+    return OTHER
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceOp:
+    name: str  # The kernel's (GPU), else the HLO op's.
+    hlo_op: str
+    program: str  # The HLO module, "unknown" where the trace does not say.
+    start_ns: float
+    duration_ns: float
+
+
+def _annotated(stats: dict, field: str) -> str:
+    """`field` of an event's stats, or of its XLA annotation ("...#hlo_op=x,hlo_module=y#")."""
+    if stats.get(field):
+        return str(stats[field])
+    found = re.search(rf"{field}=([^,#]+)", str(stats.get("annotation", "")))
+    return found.group(1) if found else ""
+
+
+def _op_lines(plane):
+    """A device plane's lines of ops: a GPU's streams (kernels, copies), else a TPU's
+    "XLA Ops"; the host's XLA threads on XLA:CPU."""
+    lines = list(plane.lines)
+    if plane.name.startswith("/device:"):
+        return [x for x in lines if x.name.startswith("Stream")] or [
+            x for x in lines if x.name == "XLA Ops"
+        ]
+    return [x for x in lines if x.name.startswith(XLA_THREAD_PREFIX)]
+
+
+def read_device_ops(trace_dir: str) -> tuple[list[DeviceOp], str]:
+    """The device ops of the `.xplane.pb` under `trace_dir`, and where they were read: the
+    device planes' where there are any (a GPU's host threads launch, they do not compute),
+    else XLA:CPU's thunks (the events with an HLO op: runtime wrappers have none)."""
+    (path,) = glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True)
+    data = jax.profiler.ProfileData.from_file(path)
+    by_kind: dict[bool, list[DeviceOp]] = {True: [], False: []}
+    planes: dict[bool, set[str]] = {True: set(), False: set()}
+    for plane in data.planes:
+        device = plane.name.startswith("/device:")
+        if not device and plane.name != "/host:CPU":
+            continue
+        for line in _op_lines(plane):
+            for e in line.events:
+                stats = dict(e.stats)
+                hlo_op = _annotated(stats, "hlo_op")
+                if device or hlo_op:
+                    program = _annotated(stats, "hlo_module") or "unknown"
+                    op = DeviceOp(e.name, hlo_op or e.name, program, e.start_ns, e.duration_ns)
+                    by_kind[device].append(op)
+                    stream = f" {line.name.split('(')[0]}" if device else " XLA threads"
+                    planes[device].add(plane.name + stream)
+    device = bool(by_kind[True])
+    return by_kind[device], ", ".join(sorted(planes[device])) or "no device op in the trace"
+
+
+def _busy_ms(ops: list[DeviceOp]) -> float:
+    return _union_length([(o.start_ns, o.start_ns + o.duration_ns) for o in ops]) * 1e-6
+
+
+def summarise_ops(ops: list[DeviceOp], wall_s: float, top: int = 12) -> dict:
+    """`ops` of a traced call that took `wall_s` seconds: per program its device time (the
+    union of its ops), its span (first op to last), the gaps inside it (span - device: on a
+    GPU, launches and host syncs between kernels) and its ops' ms by category; over all,
+    device ms, the host's gaps (wall - device), category shares of the ops' time, and the
+    ops that take most time (by HLO op, summed over a loop's iterations)."""
+    programs = {}
+    for program in sorted({o.program for o in ops}):
+        mine = [o for o in ops if o.program == program]
+        span = 1e-6 * (
+            max(o.start_ns + o.duration_ns for o in mine) - min(o.start_ns for o in mine)
+        )
+        busy = _busy_ms(mine)
+        programs[program] = {
+            "ops": len(mine),
+            "device_ms": busy,
+            "span_ms": span,
+            "gaps_inside_ms": span - busy,
+            "categories_ms": _by_category(mine),
+        }
+    device = _busy_ms(ops)
+    per_op, example = collections.Counter(), {}
+    for o in ops:
+        per_op[o.hlo_op] += o.duration_ns * 1e-6
+        example.setdefault(o.hlo_op, o.name)
+    categories = _by_category(ops)
+    total = sum(categories.values()) or 1.0
+    return {
+        "wall_ms": 1e3 * wall_s,
+        "device_ms": device,
+        "host_gaps_ms": 1e3 * wall_s - device,
+        "categories_ms": categories,
+        "categories_share": {k: v / total for k, v in categories.items()},
+        "programs": programs,
+        "top_ops": [
+            {"hlo_op": op, "kernel": example[op], "ms": ms, "category": categorise(example[op], op)}
+            for op, ms in per_op.most_common(top)
+        ],
+    }
+
+
+def _by_category(ops: list[DeviceOp]) -> dict[str, float]:
+    ms = dict.fromkeys(CATEGORY_NAMES, 0.0)
+    for o in ops:
+        ms[categorise(o.name, o.hlo_op)] += o.duration_ns * 1e-6
+    return ms
+
+
+def format_ops(summary: dict) -> str:
+    """`summarise_ops`' figures as Markdown: a row per program, the whole, the top ops."""
+    head = "| program | ops | device ms | span ms | gaps inside ms | " + " | ".join(CATEGORY_NAMES)
+    lines = [head + " |", "|---" * (5 + len(CATEGORY_NAMES)) + "|"]
+    for name, p in summary["programs"].items():
+        cells = [f"{p['categories_ms'][c]:.1f}" for c in CATEGORY_NAMES]
+        lines.append(
+            f"| {name} | {p['ops']} | {p['device_ms']:.1f} | {p['span_ms']:.1f} | "
+            f"{p['gaps_inside_ms']:.1f} | " + " | ".join(cells) + " |"
+        )
+    shares = summary["categories_share"]
+    cells = [f"{summary['categories_ms'][c]:.1f} ({100 * shares[c]:.0f}%)" for c in CATEGORY_NAMES]
+    lines.append(
+        f"| all (wall {summary['wall_ms']:.1f} ms; host gaps {summary['host_gaps_ms']:.1f} ms, "
+        f"{100 * summary['host_gaps_ms'] / max(summary['wall_ms'], 1e-9):.0f}% of wall) | "
+        f"{sum(p['ops'] for p in summary['programs'].values())} | {summary['device_ms']:.1f} "
+        "| | | " + " | ".join(cells) + " |"
+    )
+    tops = "; ".join(
+        f"{t['hlo_op']} {t['ms']:.1f} ms ({t['category']}"
+        + (f", {t['kernel'][:48]})" if t["kernel"] != t["hlo_op"] else ")")
+        for t in summary["top_ops"]
+    )
+    return "\n".join(lines) + f"\n\nTop ops: {tops}.\n"

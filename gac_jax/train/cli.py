@@ -321,7 +321,11 @@ def _add_checkpoint_commands(sub) -> None:
     _add_config_args(p, default=None)
 
     p = sub.add_parser(
-        "export-hf", help="write a checkpoint's policy as a Hugging Face model directory"
+        "export-hf",
+        help="write a checkpoint's policy as a Hugging Face model directory",
+        description="Write a checkpoint's policy as a Hugging Face model directory "
+        "(config.json and safetensors, a LoRA run's weights merged), with the tokenizer files "
+        "of the run's init directory, as transformers loads them.",
     )
     p.add_argument("run", metavar="RUN", help="a run directory, its checkpoints/ or one step's")
     p.add_argument("--step", type=int, help="the step to export (default: the newest)")
@@ -397,7 +401,15 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(p, default="demo")
 
     p = sub.add_parser(
-        "plan", help="compile the learner step and sampler from abstract arrays: will it fit?"
+        "plan",
+        help="compile the learner step and sampler from abstract arrays: will it fit?",
+        description="Will a run fit? Build the run `train` would build with abstract arrays "
+        "(no weights are made or loaded), compile its learner step and its sampler, and "
+        "print each program's memory per device (arguments, outputs, temporaries, peak) and "
+        "FLOPs as JSON, then a one-line verdict against --device-memory-gib. Each compile is "
+        "named on stderr as it starts, with its time when done. Exit status 1 when a "
+        "program does not fit.",
+        epilog="example: gac-jax plan --config qwen3_0_6b_gsm8k --fake-devices 8",
     )
     _add_config_args(p, default="demo")
     p.add_argument(

@@ -33,6 +33,10 @@ def export_checkpoint(
     model = nnx.merge(run.policy.graphdef, run.policy.params())  # A LoRA run's merged.
     out_dir = Path(out_dir)
     models.save_hf_checkpoint(model, out_dir, dtype=dtype)
+    umask = os.umask(0)  # Read it (and put it back): safetensors writes its files 0600.
+    os.umask(umask)
+    for path in out_dir.glob("model*.safetensors"):
+        path.chmod(0o666 & ~umask)  # Readable as the directory's other files are.
     source = Path(config.init)
     for name in TOKENIZER_FILES:
         if (source / name).is_file():

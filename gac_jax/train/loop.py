@@ -17,10 +17,12 @@ import contextlib
 import dataclasses
 import json
 import os
+import shlex
 import shutil
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -33,6 +35,16 @@ from gac_jax.train.config import TrainConfig
 from gac_jax.train.run import Run, build_run, evaluation_key
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
+# A SIGINT this soon after the first stop signal is the same request: `timeout -s INT`
+# signals the process and then its process group, and both may arrive.
+SAME_REQUEST_S = 1.0
+
+
+def _again(first: float | None, signum: int) -> bool:
+    """Whether `signum`, now, asks to stop at once: a SIGINT after an earlier request."""
+    return (
+        signum == signal.SIGINT and first is not None and time.monotonic() - first > SAME_REQUEST_S
+    )
 
 
 class RunInterrupted(RuntimeError):
@@ -43,7 +55,7 @@ class RunInterrupted(RuntimeError):
         name = signal.Signals(signum).name
         super().__init__(
             f"{name}: stopped after step {next_step} and saved a checkpoint; resume with "
-            f"`gac-jax train --out {self.out_dir} --resume`."
+            f"`{command()} train --out {shlex.quote(str(out_dir))} --resume`."
         )
 
     @property
@@ -52,24 +64,38 @@ class RunInterrupted(RuntimeError):
         return 128 + self.signum
 
 
+def command() -> str:
+    """The ``gac-jax`` command as a shell runs it again: the path of the running script
+    (a virtual environment's, say), else ``python -m``'s, else ``gac-jax``."""
+    script = os.path.abspath(sys.argv[0]) if sys.argv and sys.argv[0] else ""
+    if os.path.basename(script) == "gac-jax":
+        return shlex.quote(script)
+    if script.endswith(os.path.join("gac_jax", "train", "cli.py")):  # python -m
+        return f"{shlex.quote(sys.executable)} -m gac_jax.train.cli"
+    return "gac-jax"
+
+
 class InterruptedAtOnce(KeyboardInterrupt):
     """A second SIGINT while a step finished before its checkpoint: stop now, unsaved."""
 
 
 class StopSignals:
     """While active, the first SIGINT or SIGTERM is recorded in `signum` instead of
-    stopping the process; the previous handlers come back on exit. Outside the main
+    stopping the process, and a later SIGINT (`_again`) raises `InterruptedAtOnce`; the
+    previous handlers come back on exit. Outside the main
     thread (where Python cannot install handlers) it records nothing."""
 
     def __init__(self):
         self.signum: int | None = None
+        self._first: float | None = None  # When the first signal came.
         self._previous = {}
 
     def _handle(self, signum, frame):
         del frame
-        if self.signum is not None and signum == signal.SIGINT:
+        if _again(self._first, signum):
             raise InterruptedAtOnce  # Asked twice: stop now.
-        self.signum = signum
+        if self.signum is None:
+            self.signum, self._first = signum, time.monotonic()
 
     def __enter__(self) -> StopSignals:
         if threading.current_thread() is threading.main_thread():
@@ -90,7 +116,8 @@ class SignalNotice:
     call returns. A thread reads the signal numbers Python's C-level handler writes to the
     wakeup fd (`signal.set_wakeup_fd`); the previous fd comes back on exit. Only signals
     with a Python handler are written (SIGTERM's default ends the process at once). A
-    second SIGINT is said to stop at once (`StopSignals` raises on it). The exit never
+    second SIGINT is said to stop at once (`StopSignals` raises on it), unless it came
+    within `SAME_REQUEST_S` of the first. The exit never
     waits on the pipe's end (a process forked meanwhile holds a copy of it): it writes a
     stop byte and joins with a timeout; a forked child drops the wakeup fd. Outside the
     main thread it does nothing."""
@@ -116,16 +143,15 @@ class SignalNotice:
         return self
 
     def _watch(self, read: int) -> None:
-        interrupts = 0
+        first = None
         while data := os.read(read, 64):
             for signum in data:
                 if signum == self.STOP:
                     return
-                if signum in SIGNALS:
-                    interrupts += signum == signal.SIGINT
+                if signum in SIGNALS and (first is None or _again(first, signum)):
                     name = signal.Signals(signum).name
-                    again = signum == signal.SIGINT and interrupts > 1
-                    say(f"{name}: {'stopping at once' if again else self.message}")
+                    say(f"{name}: {self.message if first is None else 'stopping at once'}")
+                    first = first or time.monotonic()
 
     def __exit__(self, *exc_info) -> None:
         if self._fds is None:
@@ -260,7 +286,7 @@ def output_hooks(hooks: Hooks, run: Run, writer, samples, progress) -> None:
 
     hooks.add(evaluate, every=config.eval_every)
     hooks.add(record)
-    hooks.add(lambda info: samples.write(info.step, info.rollouts))
+    hooks.add(lambda info: samples.write(info.step, info.rollouts, info.last))
     hooks.add(lambda info: progress.update(info.step + 1, info.metrics))
 
 

@@ -1,10 +1,11 @@
 """Sampled completions of a run, to read what the policy writes as it trains.
 
-Every `samples_every` steps, `SampleLogger.write(step, rollouts)` turns the step's rollout
-groups into one record per completion (`sample_records`) and appends them to
-``out_dir/samples.jsonl`` (flushed at once) and, through the run's `MetricWriter`, as a
-table to TensorBoard's text tab (and W&B when on). A record answers "what does the policy
-write, how is it scored, and how stale was the policy that wrote it":
+Every `samples_every` steps, at step 0 and at the last step, `SampleLogger.write(step,
+rollouts, last)` turns the step's rollout groups into one record per completion
+(`sample_records`) and appends them to ``out_dir/samples.jsonl`` (flushed at once) and,
+through the run's `MetricWriter`, as a table to TensorBoard's text tab (and W&B when on). A
+record answers "what does the policy write, how is it scored, and how stale was the policy
+that wrote it":
 
 ``{"step", "group_id", "prompt_id", "policy_version", "version_gap", "reward", "length",
 "prompt", "completion"}`` (and, for a multi-turn episode, ``"turns"``: the transcript as
@@ -93,7 +94,7 @@ class SampleLogger(Closing):
       out_dir: the run directory.
       writer: the run's `MetricWriter` (it writes the tables).
       tokenizer: decodes the rollouts' tokens.
-      every: log at steps with ``(step + 1) % every == 0``; 0 never.
+      every: log at steps with ``(step + 1) % every == 0``, step 0 and the last; 0 never.
       limit: completions per log (None: the whole batch).
       stop: the run's stop strings (`generation.stop`).
       start_step: as `MetricWriter`'s: None starts a new file, an int keeps the records of
@@ -118,9 +119,10 @@ class SampleLogger(Closing):
             keep_before(self.path, start_step)
         self._file = self.path.open("a" if start_step is not None else "w", encoding="utf-8")
 
-    def write(self, step: int, rollouts: Sequence[Any]) -> list[dict[str, Any]]:
-        """Logs the completions of `step`'s rollouts if `step` is due; returns the records."""
-        if not self.every or (int(step) + 1) % self.every:
+    def write(self, step: int, rollouts: Sequence[Any], last: bool = False) -> list[dict[str, Any]]:
+        """Logs the completions of `step`'s rollouts if `step` is due (by `every`, step 0:
+        what the policy wrote first, or the run's `last` step); returns the records."""
+        if not self.every or ((int(step) + 1) % self.every and step and not last):
             return []
         records = sample_records(step, rollouts, self.tokenizer, limit=self.limit, stop=self.stop)
         for record in records:
@@ -139,8 +141,8 @@ class SampleLogger(Closing):
 class NullSampleLogger(Closing):
     """`SampleLogger`'s interface, writing nothing (sampling off, or not process 0)."""
 
-    def write(self, step: int, rollouts: Sequence[Any]) -> list[dict[str, Any]]:
-        del step, rollouts
+    def write(self, step: int, rollouts: Sequence[Any], last: bool = False) -> list[dict[str, Any]]:
+        del step, rollouts, last
         return []
 
     def close(self) -> None:

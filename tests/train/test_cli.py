@@ -329,3 +329,12 @@ def test_version_and_the_help_a_first_run_reads(capsys):
     with pytest.raises(SystemExit):
         main(["eval", "--help"])
     assert "JSON" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(("command", "says"), [("plan", "Will a run fit?"), ("export-hf", "LoRA")])
+def test_plan_and_export_help_describe_the_command(capsys, command, says):
+    with pytest.raises(SystemExit) as e:
+        main([command, "--help"])
+    assert e.value.code == 0
+    usage, description, *_ = capsys.readouterr().out.split("\n\n")
+    assert usage.startswith(f"usage: gac-jax {command}") and says in description

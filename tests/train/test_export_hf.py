@@ -1,12 +1,17 @@
 """`gac-jax export-hf`: a trained run's policy as a Hugging Face model that transformers
 loads, with the run's own logits."""
 
+import os
+import stat
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 from flax import nnx
 
+from gac_jax import models
 from gac_jax.rollout import GenerationConfig, RolloutConfig
-from gac_jax.train import config_io, loop
+from gac_jax.train import config_io, export, loop
 from gac_jax.train import run as run_lib
 from gac_jax.train.cli import main
 from gac_jax.train.config import TrainConfig
@@ -57,3 +62,22 @@ def test_export_of_a_missing_step_fails_in_one_line(tmp_path, capsys):
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert "no checkpoint of step 7" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077])
+def test_the_exported_weights_have_the_modes_of_the_other_files(tmp_path, monkeypatch, umask):
+    model = models.create_model(models.get_config("tiny"), seed=0)
+    graphdef, params = nnx.split(model)
+    policy = SimpleNamespace(graphdef=graphdef, params=lambda: params)
+    monkeypatch.setattr(
+        export, "load_checkpoint", lambda *a, **k: (SimpleNamespace(policy=policy), 1)
+    )
+    previous = os.umask(umask)
+    try:
+        out = export.export_checkpoint(
+            TrainConfig(init="random"), tmp_path / "run", tmp_path / "hf"
+        )
+    finally:
+        os.umask(previous)
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in out.iterdir()}
+    assert modes == {"model.safetensors": 0o666 & ~umask, "config.json": 0o666 & ~umask}

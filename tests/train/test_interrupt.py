@@ -3,6 +3,7 @@ the process exits with 128 + 15 and one line saying how to resume, and the resum
 continues exactly as the uninterrupted one (lagged mode is deterministic). Real processes."""
 
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -10,6 +11,7 @@ import time
 
 import pytest
 
+from gac_jax.train import loop
 from gac_jax.train.config import TrainConfig
 from gac_jax.train.config_io import apply_overrides, save_config
 from gac_jax.train.metrics import read_metrics
@@ -84,9 +86,24 @@ def test_sigterm_checkpoints_and_the_resumed_run_continues_exactly(config_file, 
     assert 2 <= stopped_at < STEPS
     assert (run / "checkpoints" / str(stopped_at)).is_dir()
 
-    resumed = subprocess.run(_cli("train", "--out", str(run), "--resume"))
+    resumed = subprocess.run(shlex.split(last.split("`")[1]))  # The command as printed.
     assert resumed.returncode == 0
     a = read_metrics(straight / "metrics.jsonl")
     b = read_metrics(run / "metrics.jsonl")
     assert [r["step"] for r in b] == list(range(STEPS))
     assert _comparable(a) == _comparable(b)
+
+
+@pytest.mark.parametrize(
+    ("argv0", "expected"),
+    [
+        ("/opt/my env/.venv/bin/gac-jax", "'/opt/my env/.venv/bin/gac-jax'"),
+        (".venv/bin/gac-jax", os.path.abspath(".venv/bin/gac-jax")),
+        (loop.__file__.replace("loop.py", "cli.py"), f"{sys.executable} -m gac_jax.train.cli"),
+        ("/usr/lib/python3/site-packages/pytest/__main__.py", "gac-jax"),  # Called from Python.
+    ],
+)
+def test_the_resume_command_is_the_command_that_ran(monkeypatch, argv0, expected):
+    monkeypatch.setattr(sys, "argv", [argv0, "train"])
+    stopped = loop.RunInterrupted("runs/my run", 3, signal.SIGINT)
+    assert str(stopped).endswith(f"resume with `{expected} train --out 'runs/my run' --resume`.")

@@ -237,13 +237,21 @@ def test_the_logger_writes_due_steps_and_truncates_on_resume(tmp_path, two_group
         for step in range(6):
             logger.write(step, rollouts)
     records = read_metrics(tmp_path / SAMPLES_FILE)
-    assert [r["step"] for r in records] == [1] * 4 + [3] * 4 + [5] * 4
-    assert [(c[0], c[1]) for c in tables.calls] == [(1, "samples"), (3, "samples"), (5, "samples")]
-    assert tables.calls[0][3][3] == [8, -4, 0.25, "2*2=", "2 2"]  # version gap 1 - 5
-    # A run resumed at step 3 writes steps 3 and 5 again: the old ones go, step 1 stays.
+    assert [r["step"] for r in records] == [0] * 4 + [1] * 4 + [3] * 4 + [5] * 4  # And step 0.
+    assert [(c[0], c[1]) for c in tables.calls] == [(s, "samples") for s in (0, 1, 3, 5)]
+    assert tables.calls[1][3][3] == [8, -4, 0.25, "2*2=", "2 2"]  # version gap 1 - 5
+    # A run resumed at step 3 writes steps 3 and 5 again: the old ones go, steps 0-1 stay.
     with SampleLogger(tmp_path, tables, tokenizer, every=2, limit=1, start_step=3) as logger:
         logger.write(3, rollouts)
-    assert [r["step"] for r in read_metrics(tmp_path / SAMPLES_FILE)] == [1] * 4 + [3]
+    assert [r["step"] for r in read_metrics(tmp_path / SAMPLES_FILE)] == [0] * 4 + [1] * 4 + [3]
+
+
+def test_a_run_shorter_than_the_cadence_writes_its_first_and_last_steps(tmp_path, two_groups):
+    tokenizer, rollouts = two_groups
+    with SampleLogger(tmp_path, _Tables(), tokenizer, every=25, limit=1) as logger:
+        for step in range(4):
+            logger.write(step, rollouts, last=step == 3)
+    assert [r["step"] for r in read_metrics(tmp_path / SAMPLES_FILE)] == [0, 3]
 
 
 def test_sampling_off_or_another_process_writes_nothing(tmp_path, two_groups):

@@ -7,6 +7,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from tests.conftest import process_env
 
 CHILD = """
@@ -69,3 +71,47 @@ def test_leaving_does_not_wait_on_a_forked_childs_copy_of_the_pipe():
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert float(done.stdout.split()[-1]) < 2.0  # Not the child's 60 s, nor the 5 s timeout.
+
+
+STEP = """
+import time
+from gac_jax.train.loop import InterruptedAtOnce, SignalNotice, StopSignals
+with SignalNotice("finishing the step") as notice, StopSignals() as stop:
+    print("ready", flush=True)
+    try:
+        while stop.signum is None:
+            time.sleep(0.001)
+        end = time.monotonic() + 3  # The rest of the step, in Python: handlers run at once.
+        while time.monotonic() < end:
+            time.sleep(0.001)
+        print("finished the step", flush=True)
+    except InterruptedAtOnce:
+        print("stopped at once", flush=True)
+"""
+
+
+@pytest.mark.parametrize(
+    ("gap", "out", "said"),
+    [
+        # `timeout -s INT` signals the process, then its group: one request, said once.
+        (0.05, "finished the step", ["SIGINT: finishing the step"]),
+        (1.5, "stopped at once", ["SIGINT: finishing the step", "SIGINT: stopping at once"]),
+    ],
+)
+def test_a_second_sigint_stops_at_once_only_when_it_is_a_second_request(gap, out, said):
+    child = subprocess.Popen(
+        [sys.executable, "-c", STEP],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=process_env(1),
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+    assert child.stdout.readline().strip() == "ready"
+    child.send_signal(signal.SIGINT)
+    time.sleep(gap)
+    child.send_signal(signal.SIGINT)
+    stdout, stderr = child.communicate(timeout=60)
+    assert child.returncode == 0, stderr
+    assert stdout.strip() == out
+    assert stderr.strip().splitlines() == said

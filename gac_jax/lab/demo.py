@@ -42,6 +42,7 @@ SIZE = ("steps=40", "eval_every=10", "checkpoint_every=0", "samples_every=0")
 ARMS = {"naive": (), "VCPO": ("ess={}", "loss.advantage=vcpo")}  # Name -> overrides.
 PLOT = "demo.png"
 KEYS = ("eval/pass@1", "reward", "ess_ratio")
+SMOOTHING = 0.8  # About 5 steps: the naive run's fall in batch reward stays steep.
 # A finished arm is kept whatever code made it (`provenance.STALE_RUNS`): the demo shows
 # a point, it is not a table that must not mix code versions.
 REUSE = "reuse"
@@ -77,14 +78,17 @@ def comparison(runs: Mapping[str, str | os.PathLike]) -> str:
 
 
 def progress(runs: Mapping[str, str | os.PathLike], steps: int) -> str:
-    """Where each run is: steps done and its held-out pass@1 so far."""
+    """Where each run is: starting (building, compiling, the first evaluation), or steps
+    done and its held-out pass@1 so far."""
     parts = []
     for name, directory in runs.items():
         path = Path(directory) / "metrics.jsonl"
         records = read_metrics(path) if path.is_file() else []
-        done = records[-1]["step"] + 1 if records else 0
+        if not records:
+            parts.append(f"{name} starting (compiling, evaluating the start)")
+            continue
         passes = " -> ".join(f"{p:.2f}" for p in series(records, "eval/pass@1")[1])
-        parts.append(f"{name} step {done}/{steps}" + (f", pass@1 {passes}" if passes else ""))
+        parts.append(f"{name} step {records[-1]['step'] + 1}/{steps}, pass@1 {passes}")
     return "; ".join(parts)
 
 
@@ -145,7 +149,7 @@ def run_demo(
         run_sweep(specs, base, out, processes=SweepProcesses("-m"), shard_arg="0/1", stale=REUSE)
     config = specs[0].config(base)
     title = f"{config.task}: {describe_config(config)}"
-    plot = plot_runs(runs, out / PLOT, KEYS, title=title)
+    plot = plot_runs(runs, out / PLOT, KEYS, title=title, smoothing=SMOOTHING)
     return DemoResult(comparison(runs), plot, runs, time.monotonic() - started)
 
 

@@ -202,6 +202,10 @@ def _cmd_show_config(args, parser) -> int:
 
 
 def _cmd_plan(args, parser) -> int:
+    def progress(text: str) -> None:
+        print(f"plan: {text}", file=sys.stderr, flush=True)
+
+    progress("starting JAX and the library (each compile is named as it starts)")
     from gac_jax.train.plan import plan, with_cheap_cpu_compiles
 
     os.environ["XLA_FLAGS"] = with_cheap_cpu_compiles(os.environ.get("XLA_FLAGS", ""))
@@ -215,7 +219,7 @@ def _cmd_plan(args, parser) -> int:
             _fail(parser, f"--fake-devices {args.fake_devices}: {error}")
     config = _resolve(parser, args.config, args.set)
     with _failing(parser):
-        report = plan(config, args.device_memory_gib, extrapolate=args.extrapolate)
+        report = plan(config, args.device_memory_gib, args.extrapolate, progress)
     print(json.dumps(report, indent=2))
     print(report["verdict"], file=sys.stderr)
     return 0 if report["fits"] else 1
@@ -247,6 +251,8 @@ def _cmd_demo(args, parser) -> int:
         except RuntimeError as error:  # A run failed: its process's log says why.
             print(f"gac-jax demo: error: {error}", file=sys.stderr)
             return 1
+        except KeyboardInterrupt:  # The runs stop at their step's end, as `train` does.
+            _fail(parser, "interrupted; the same command resumes the runs", 128 + 2)
     runs = ", ".join(map(str, result.runs.values()))
     print(f"{result.line}\nplot: {result.plot} (in {result.seconds:.0f} s; runs: {runs})")
     return 0

@@ -56,6 +56,9 @@ def test_the_demo_trains_both_arms_side_by_side_and_compares_them(tmp_path):
         f"naive step 2/2, pass@1 {a:.2f} -> {_eval(result, 'naive')} -> {b:.2f}; "
         f"VCPO step 2/2, pass@1 {c:.2f} -> {_eval(result, 'VCPO')} -> {d:.2f}"
     )
+    assert progress({"naive": tmp_path / "none"}, 2) == (
+        "naive starting (compiling, evaluating the start)"
+    )
     # Run again: the finished arms are kept, not retrained, in this process.
     before = [(run / "metrics.jsonl").read_bytes() for run in result.runs.values()]
     again = run_demo(tmp_path / "demo", overrides=tiny, jobs=1, stream=io.StringIO())

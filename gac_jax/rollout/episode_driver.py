@@ -84,16 +84,13 @@ class EpisodeSettings:
         known).
       max_turns: an episode whose turn count reaches this ends at that turn's end
         without asking `respond` (None: no limit).
-      chunk_steps: decode steps between two looks at `params_fn`.
     """
 
     turn_end_ids: Sequence[int | Sequence[int]]
     max_observation_tokens: int
     max_turns: int | None = None
-    chunk_steps: int = 16
 
     def __post_init__(self):
-        check_int("chunk_steps", self.chunk_steps, 1)
         check_int("max_observation_tokens", self.max_observation_tokens, 1)
         check_int("max_turns", self.max_turns, 1, allow_none=True)
 
@@ -106,7 +103,7 @@ class EpisodeSampler:
         episodes = EpisodeSampler(sampler)
         settings = EpisodeSettings([tok.id(">")], max_observation_tokens=16)
         out = episodes.sample(graphdef, lambda: (state, 0), prompts, mask, key,
-                              respond=respond, settings=settings)
+                              respond=respond, settings=settings, chunk_steps=16)
     """
 
     def __init__(self, sampler: Sampler):
@@ -122,6 +119,7 @@ class EpisodeSampler:
         *,
         respond: Respond,
         settings: EpisodeSettings,
+        chunk_steps: int,
         sampling: Mapping[str, Any] | None = None,
     ) -> EpisodeOutput:
         """Samples one episode per prompt.
@@ -129,9 +127,11 @@ class EpisodeSampler:
         Args:
           graphdef, prompt_tokens, prompt_mask, key: as for `Sampler.__call__`.
           params_fn: `() -> (state, version)`, asked before the first prefill and every
-            `settings.chunk_steps` decode steps (`lambda: (state, 0)` for fixed params).
+            `chunk_steps` decode steps (`lambda: (state, 0)` for fixed params).
           respond: see `Respond`; called from this thread, it must not block.
           settings: see `EpisodeSettings`.
+          chunk_steps: decode steps between two looks at `params_fn` and at the
+            environments' answers, >= 1 (`gac_jax.rollout.sampling.SampleSettings`).
           sampling: the sampler's keywords (`temperature`, `top_k`, `top_p`,
             `max_new_tokens`) as for `Sampler.__call__`, as `SampleSettings.sampling`
             holds them; `max_new_tokens` (scalar or [R]) is each episode's token budget,
@@ -144,7 +144,7 @@ class EpisodeSampler:
         prompts = self.sampler.prepare(prompt_tokens, prompt_mask, key, **(sampling or {}))
         loop = _HostLoop(self.sampler, graphdef, params_fn, prompts, respond)
         loop.k, loop.max_turns = settings.max_observation_tokens, settings.max_turns
-        return loop.run(settings.chunk_steps, turn_ids)
+        return loop.run(chunk_steps, turn_ids)
 
     def sample_inflight(
         self,
@@ -208,7 +208,6 @@ class EpisodeSampler:
         Returns:
           An `InflightSampleOutput`: `Sampler.__call__`'s fields and `token_versions`.
         """
-        check_int("chunk_steps", chunk_steps, 1)
         prompts = self.sampler.prepare(prompt_tokens, prompt_mask, key, **sampling)
         return _HostLoop(self.sampler, graphdef, params_fn, prompts, None).run(chunk_steps)
 
@@ -228,6 +227,7 @@ class _HostLoop:
 
     def run(self, chunk_steps: int, turn_ids=None) -> InflightSampleOutput:
         """Runs every row to its end; a turn-end table `turn_ids` makes them episodes."""
+        check_int("chunk_steps", chunk_steps, 1)
         sampler, graphdef = self.sampler, self.graphdef
         state, version = _published(self.params_fn)
         st, progress = sampler.start(graphdef, state, self.prompts, turn_ids)

@@ -93,7 +93,7 @@ def evaluate_policy(
                 rows[chunk],
                 row_examples[chunk],
                 sub,
-                SampleSettings(prompt_length, {"temperature": temperature}, chunk_steps=64),
+                SampleSettings(prompt_length, {"temperature": temperature}),
             )
             items += runner.items(out)
         # Each problem's samples scored together, as training scores a group (a run's

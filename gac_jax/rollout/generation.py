@@ -88,7 +88,7 @@ class DecodeSetup:
 
     placement: RolloutPlacement | None = None
     latest_params: Callable[[], tuple[Any, int]] | None = None
-    chunk_steps: int = 16
+    chunk_steps: int = SampleSettings.chunk_steps
 
 
 class TaskGroupGenerator:

@@ -35,8 +35,9 @@ class SampleSettings:
     Attributes:
       prompt_length: the prompts are left-padded to this many tokens.
       sampling: the sampler's keywords (`temperature`, `top_k`, `top_p`, `max_new_tokens`).
-      chunk_steps: decode steps between two looks at `params_fn` (in flight, and at every
-        turn's end in an episode).
+      chunk_steps: decode steps between two looks at `params_fn` (in flight) and at the
+        environments' answers (in an episode). This default is the library's one: the
+        run's `RolloutConfig.inflight_chunk_steps` and `DecodeSetup` take it from here.
       place_inputs: puts the prompts on the sampler's mesh (`RolloutPlacement.place_inputs`);
         None leaves them to the jit.
       inflight: in-flight updates: the sampler asks `params_fn` before its first chunk and
@@ -45,7 +46,7 @@ class SampleSettings:
 
     prompt_length: int
     sampling: Mapping[str, Any] = dataclasses.field(default_factory=dict)
-    chunk_steps: int = 64
+    chunk_steps: int = 16
     place_inputs: Callable | None = None
     inflight: bool = False
 

@@ -30,6 +30,7 @@ from gac_jax._validation import check_bool, check_choice, check_int
 from gac_jax.rollout.buffer import BufferConfig, BufferStats, RolloutBuffer, buffer_capacity
 from gac_jax.rollout.param_store import ParamStore
 from gac_jax.rollout.record import Rollout
+from gac_jax.rollout.sampling import SampleSettings
 from gac_jax.rollout.worker import (
     GenerateGroups,
     GroupNumbering,
@@ -82,7 +83,7 @@ class RolloutConfig:
     version_choice: str = "latest"
     backend: str = "threads"
     inflight_updates: bool = False
-    inflight_chunk_steps: int = 16
+    inflight_chunk_steps: int = SampleSettings.chunk_steps
     dynamic_sampling: bool = False
     max_draws: int = 4
 

@@ -48,7 +48,8 @@ def _prompts(seed=0):
     return np.asarray(tokens), np.asarray(mask)
 
 
-def _sample(episodes, model, seed, key, respond, params_fn=None, sampling=None, **kwargs):
+def _sample(episodes, model, seed, key, respond, params_fn=None, sampling=None, chunk_steps=16,
+            **kwargs):  # fmt: skip
     """`episodes.sample` of `_prompts(seed)` with the model's params (or `params_fn`), the
     module's turn ends and K unless `kwargs` (`EpisodeSettings` fields) say otherwise."""
     prompt_tokens, prompt_mask = _prompts(seed)
@@ -62,6 +63,7 @@ def _sample(episodes, model, seed, key, respond, params_fn=None, sampling=None, 
         jax.random.key(key),
         respond=respond,
         settings=settings,
+        chunk_steps=chunk_steps,
         sampling=sampling,
     )
 

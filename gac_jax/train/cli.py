@@ -202,10 +202,6 @@ def _cmd_show_config(args, parser) -> int:
 
 
 def _cmd_plan(args, parser) -> int:
-    def progress(text: str) -> None:
-        print(f"plan: {text}", file=sys.stderr, flush=True)
-
-    progress("starting JAX and the library (each compile is named as it starts)")
     from gac_jax.train.plan import plan, with_cheap_cpu_compiles
 
     os.environ["XLA_FLAGS"] = with_cheap_cpu_compiles(os.environ.get("XLA_FLAGS", ""))
@@ -219,7 +215,7 @@ def _cmd_plan(args, parser) -> int:
             _fail(parser, f"--fake-devices {args.fake_devices}: {error}")
     config = _resolve(parser, args.config, args.set)
     with _failing(parser):
-        report = plan(config, args.device_memory_gib, args.extrapolate, progress)
+        report = plan(config, args.device_memory_gib, extrapolate=args.extrapolate)
     print(json.dumps(report, indent=2))
     print(report["verdict"], file=sys.stderr)
     return 0 if report["fits"] else 1

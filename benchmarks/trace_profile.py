@@ -199,17 +199,30 @@ def read_device_ops(trace_dir: str) -> tuple[list[DeviceOp], str]:
         if not device and plane.name != "/host:CPU":
             continue
         for line in _op_lines(plane):
-            for e in line.events:
-                stats = dict(e.stats)
-                hlo_op = _annotated(stats, "hlo_op")
-                if device or hlo_op:
-                    program = _annotated(stats, "hlo_module") or "unknown"
-                    op = DeviceOp(e.name, hlo_op or e.name, program, e.start_ns, e.duration_ns)
-                    by_kind[device].append(op)
-                    stream = f" {line.name.split('(')[0]}" if device else " XLA threads"
-                    planes[device].add(plane.name + stream)
+            ops = _leaf_ops(line, device)
+            by_kind[device] += ops
+            where = f" {line.name.split('(')[0]}" if device else " XLA threads"
+            planes[device].update([plane.name + where] if ops else [])
     device = bool(by_kind[True])
     return by_kind[device], ", ".join(sorted(planes[device])) or "no device op in the trace"
+
+
+def _leaf_ops(line, device: bool) -> list[DeviceOp]:
+    """A line's ops; on the host, less those that hold the next one (XLA:CPU's `while`
+    around its body's ops: their time is their ops'). A GPU stream's kernels may overlap a
+    little (programmatic dependent launch), and none holds another."""
+    ops = []
+    for e in line.events:
+        stats = dict(e.stats)
+        hlo_op = _annotated(stats, "hlo_op")
+        if device or hlo_op:
+            program = _annotated(stats, "hlo_module") or "unknown"
+            ops.append(DeviceOp(e.name, hlo_op or e.name, program, e.start_ns, e.duration_ns))
+    if device or not ops:
+        return ops
+    ops.sort(key=lambda o: o.start_ns)
+    starts = [o.start_ns for o in ops[1:]] + [float("inf")]
+    return [o for o, start in zip(ops, starts, strict=True) if start >= o.start_ns + o.duration_ns]
 
 
 def _busy_ms(ops: list[DeviceOp]) -> float:

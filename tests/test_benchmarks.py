@@ -141,7 +141,8 @@ def test_a_profile_splits_device_time_by_program_and_category_and_the_rest_is_ho
 def test_a_real_trace_is_read_back_into_its_programs_ops_without_tensorboard():
     @jax.jit
     def f(x):
-        return jnp.tanh(x @ x.T).T.sum()
+        y = jax.lax.fori_loop(0, 3, lambda i, y: jnp.tanh(y @ x), x)
+        return y.T.sum()
 
     x = jnp.ones((256, 256))
     f(x).block_until_ready()
@@ -152,8 +153,10 @@ def test_a_real_trace_is_read_back_into_its_programs_ops_without_tensorboard():
             wall = time.perf_counter() - start
         ops, where = trace_profile.read_device_ops(trace_dir)
     assert where == "/host:CPU XLA threads" and {o.program for o in ops} == {"jit_f"}
+    assert not [o.hlo_op for o in ops if o.hlo_op.startswith("while")]  # Its body's ops count.
     s = trace_profile.summarise_ops(ops, wall)
     assert 0 < s["device_ms"] <= s["wall_ms"] and s["categories_ms"]["matmuls"] > 0
+    assert sum(s["categories_ms"].values()) <= 1.01 * s["device_ms"]  # One thread, no overlap.
 
 
 def _run(script: str, *args: str, timeout: int = 600, env=None) -> str:

@@ -128,21 +128,19 @@ def test_a_misbehaving_tool_never_stops_the_run(tmp_path, monkeypatch):
 @pytest.mark.slow
 def test_the_readmes_multiturn_commands_run(tmp_path):
     """Every command of the README's "Multi-turn and tools" block, shortened to two steps
-    from random weights, with the README's own `Echo` environment as `my_tools.py`."""
+    from random weights, with the repository's examples/ (`my_tools.Echo`) beside them."""
     import re
     import shlex
+    import shutil
     import subprocess
     import sys
     from pathlib import Path
 
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    repo = Path(__file__).resolve().parents[2]
+    readme = (repo / "README.md").read_text()
     section = readme[readme.index("### Multi-turn and tools") :]
     bash = re.search(r"```bash\n(.*?)```", section, re.S)[1]
-    python = re.search(r"```python\n(.*?)```", section, re.S)[1]
-    echo = re.search(r"^class Echo:.*?(?=\n\n\n)", python, re.S | re.M)[0]
-    (tmp_path / "my_tools.py").write_text(
-        "from gac_jax.tasks.environments import Observation\n\n\n" + echo + "\n"
-    )
+    shutil.copytree(repo / "examples", tmp_path / "examples")  # PYTHONPATH=examples
     commands = [
         c for c in bash.replace("\\\n", " ").splitlines() if c.strip() and not c.startswith("#")
     ]

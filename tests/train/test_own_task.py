@@ -7,8 +7,8 @@ import json
 import pathlib
 import re
 import shlex
+import shutil
 import sys
-import textwrap
 
 import numpy as np
 import pytest
@@ -150,26 +150,9 @@ def test_the_readme_commands_run(tmp_path, monkeypatch):
     block, commands = _readme_commands()
     assert len(commands) == 2, block
     monkeypatch.chdir(tmp_path)
-    (tmp_path / "data").mkdir()
-    for split, n in (("train", 8), ("test", 2)):
-        # The README's own row shape, a system message included.
-        rows = [
-            {"prompt": f"What is {i}+1?", "answer": str(i + 1), "system": "Reply with a number."}
-            for i in range(n)
-        ]
-        (tmp_path / "data" / f"{split}.jsonl").write_text(
-            "".join(json.dumps(r) + "\n" for r in rows)
-        )
-    # The reward module the README describes.
-    (tmp_path / "my_rewards.py").write_text(
-        textwrap.dedent(
-            """
-            def score(completion, example):
-                return float(example["answer"] in completion)
-            """
-        )
-    )
-    monkeypatch.syspath_prepend(str(tmp_path))
+    # The repository's examples/ (its JSONL files and my_rewards.py), as the commands name them.
+    shutil.copytree(README.parent / "examples", tmp_path / "examples")
+    monkeypatch.syspath_prepend(str(tmp_path / "examples"))  # PYTHONPATH=examples
     # The README's own prompt length stands (SMALL's would override it).
     small = [x for x in SMALL if not x.startswith("generation.prompt_length=")]
     small += ["eval_every=3", "eval_size=2", "eval_samples=2"]

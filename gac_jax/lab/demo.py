@@ -129,28 +129,31 @@ def run_demo(
     """
     out, started = Path(out), time.monotonic()
     specs = demo_specs(seed, overrides)
-    base = get_preset(BASE, validate=False)
     runs = {name: spec.directory(out) for name, spec in zip(ARMS, specs, strict=True)}
-    steps = specs[0].config(base).steps
+    config = specs[0].config(get_preset(BASE, validate=False))
     if jobs > 1:
-        print(
-            f"Training {', '.join(runs)} side by side ({steps} steps each; logs in "
-            f"{out}/process*.log)",
-            file=stream,
-            flush=True,
-        )
-        argv = ["gac_jax.lab.demo", str(out), "--seed", str(seed), "--set", *overrides]
-        try:  # `-m` as the script: the children run this module's `main`.
-            with _reporting(runs, steps, stream, every):
-                run_sweep(specs, base, out, processes=SweepProcesses("-m", jobs, argv), stale=REUSE)
+        logs = f"logs in {out}/process*.log"
+        print(f"Training {', '.join(runs)} side by side, {logs}", file=stream, flush=True)
+        try:
+            with _reporting(runs, config.steps, stream, every):
+                _sweep(out, seed, overrides, jobs)
         except RuntimeError as error:
-            raise RuntimeError(f"{error} See {out}/process*.log.") from None
+            raise RuntimeError(f"{error} See the {logs}.") from None
     else:
-        run_sweep(specs, base, out, processes=SweepProcesses("-m"), shard_arg="0/1", stale=REUSE)
-    config = specs[0].config(base)
+        _sweep(out, seed, overrides, shard="0/1")
     title = f"{config.task}: {describe_config(config)}"
     plot = plot_runs(runs, out / PLOT, KEYS, title=title, smoothing=SMOOTHING)
     return DemoResult(comparison(runs), plot, runs, time.monotonic() - started)
+
+
+def _sweep(out, seed: int, overrides: Sequence[str], jobs: int = 1, shard=None) -> None:
+    """`run_sweep` of the arms: in `jobs` children (``python -m gac_jax.lab.demo ...
+    --shard i/jobs``, `main`), or only shard `shard` ("i/n") in this process."""
+    argv = ["gac_jax.lab.demo", str(out), "--seed", str(seed), "--set", *overrides]
+    processes = SweepProcesses("-m", jobs, argv)  # `-m` as the script: runs the module.
+    base = get_preset(BASE, validate=False)
+    specs = demo_specs(seed, overrides)
+    run_sweep(specs, base, out, processes=processes, shard_arg=shard, stale=REUSE)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -167,10 +170,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     with open(log, "a") as file:  # Two progress bars on one terminal would be unreadable.
         os.dup2(file.fileno(), 1)
         os.dup2(file.fileno(), 2)
-    specs = demo_specs(args.seed, args.set)
-    base = get_preset(BASE, validate=False)
-    processes = SweepProcesses("-m")
-    run_sweep(specs, base, args.out, processes=processes, shard_arg=args.shard, stale=REUSE)
+    _sweep(args.out, args.seed, args.set, shard=args.shard)
 
 
 if __name__ == "__main__":

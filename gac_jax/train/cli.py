@@ -349,19 +349,10 @@ def _add_plot_and_demo(sub) -> None:
         "--key eval/pass@1 --key reward --smooth 10",
     )
     p.add_argument("runs", nargs="+", metavar="RUN", help="run directory or metrics.jsonl")
-    p.add_argument(
-        "--key",
-        action="append",
-        help="a metric, one panel each (repeatable; default: "
-        f"{' '.join(plots.DEFAULT_KEYS)} for one run, {' '.join(plots.COMPARE_KEYS)} for several)",
-    )
-    p.add_argument(
-        "--smooth",
-        type=float,
-        default=10.0,
-        metavar="STEPS",
-        help="moving-average window of the training metrics, in steps (default 10; 1: raw)",
-    )
+    keys = f"{' '.join(plots.DEFAULT_KEYS)}; of several runs: {' '.join(plots.COMPARE_KEYS)}"
+    p.add_argument("--key", action="append", help=f"a metric, a panel each (default: {keys})")
+    smooth = "the training metrics' moving-average window (default 10; 1: none)"
+    p.add_argument("--smooth", type=float, default=10.0, metavar="STEPS", help=smooth)
     p.add_argument("--out", metavar="PNG", help="default: RUN/plot.png or compare.png")
     p = sub.add_parser(
         "demo",

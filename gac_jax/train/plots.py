@@ -118,13 +118,12 @@ def _eval_points(records, key: str) -> dict[str, tuple[list[int], list[float]]]:
     return {name: points for name, points in points.items() if points[0]}
 
 
-def _finish(ax, key: str, legend: bool = True) -> None:
-    """Labels, a light grid, plain numbers on the y axis (no "1e-7+1" offset for a metric
-    that barely moves, such as an ESS ratio of 1) and whole steps on the x axis."""
+def _finish(ax, key: str) -> None:
+    """A legend, labels, a light grid, plain numbers on the y axis (no "1e-7+1" offset for
+    a metric that barely moves, such as an ESS ratio of 1) and whole steps on the x axis."""
     from matplotlib.ticker import MaxNLocator
 
-    if legend:
-        ax.legend(fontsize="small")
+    ax.legend(fontsize="small")
     ax.set_ylabel(readable(key))
     ax.grid(True, alpha=0.3)
     ax.ticklabel_format(axis="y", useOffset=False, style="plain")

@@ -51,7 +51,9 @@ def test_the_demo_trains_both_arms_side_by_side_and_compares_them(tmp_path):
         "process1.log",
     }
     lines = shown.getvalue().splitlines()
-    assert lines[0].startswith("Training naive, VCPO side by side (2 steps each")
+    logs = tmp_path / "demo" / "process*.log"
+    assert lines[0] == f"Training naive, VCPO side by side, logs in {logs}"
+    assert all(line.startswith("  naive ") for line in lines[1:])  # `progress`, indented.
     assert progress(result.runs, 2) == (
         f"naive step 2/2, pass@1 {a:.2f} -> {_eval(result, 'naive')} -> {b:.2f}; "
         f"VCPO step 2/2, pass@1 {c:.2f} -> {_eval(result, 'VCPO')} -> {d:.2f}"

@@ -423,7 +423,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="compile the learner step at 2, 3 and 4 layers and extend the line to the "
         "model's (checked on the third; about a quarter of the time); the sampler whole",
     )
-
     _add_plot_and_demo(sub)
     for name, p in sub.choices.items():  # `gac-jax NAME` runs `_cmd_NAME(args, its parser)`.
         p.set_defaults(func=globals()[f"_cmd_{name.replace('-', '_')}"], parser=p)

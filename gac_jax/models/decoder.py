@@ -4,14 +4,24 @@ Inputs follow Hugging Face semantics for padded batches: `input_mask` marks real
 and positions count from each row's first real token (`positions_from_mask`), so a
 left-padded prompt is encoded exactly as the unpadded one.
 
-The KV cache is a plain dict of arrays (`init_cache`)::
+The layers are one `DecoderLayer` whose parameters are stacked on a leading axis of
+`num_layers` (logical axis "layers", never sharded), run by `jax.lax.scan` as MaxText's
+`scan_layers` and levanter's stacked blocks run theirs: a program traces and compiles one
+layer, so its compile time does not grow with depth. The layers are built one by one and
+then stacked (`_stacked`), so they draw the random numbers separate layers drew.
+Parameters saved per layer (`layers/0/attn/q_dnh`, before the scan) are stacked as they
+are read (`stack_layers`, in `gac_jax.train.checkpoint`'s restore).
+
+The KV cache is a plain dict of arrays (`init_cache`), stacked like the parameters::
 
     {"index": int32 [] or [B],           # next slot to write (one for all rows, or per row)
      "key_mask": bool [B, S],            # slots holding real tokens
-     "layers": ({"k": [B, K, H, S], "v": [B, K, S, H]}, ...)}  # one dict per layer
+     "layers": {"k": [L, B, K, H, S], "v": [L, B, K, S, H]}}
 
 Keys are stored with the slot axis last and values with it second to last, so both
-attention products of a decode step are batched matmuls that read the cache in place.
+attention products of a decode step are batched matmuls that read the cache in place. The
+scan carries the whole cache and each layer writes its new tokens into its own slice (a
+cache passed as the scan's xs and ys would be copied whole at every call).
 
 Every call with a cache writes its T tokens at `index` with `jax.lax.dynamic_update_slice`
 and advances `index` by T. The caller keeps `index + T <= S`. A per-row `index` [B] (set
@@ -22,11 +32,12 @@ refilling sampler's decode slots do.
 
 from __future__ import annotations
 
-import operator
+from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 
 from gac_jax._validation import check_int
 from gac_jax.models.chunked_logprobs import head_logits
@@ -38,7 +49,7 @@ from gac_jax.models.layers import (
     rope_inverse_frequencies,
     rope_tables,
 )
-from gac_jax.models.sharding import ShardingRules, constrain
+from gac_jax.models.sharding import ShardingRules, constrain, logical_axes_of
 
 Cache = dict
 
@@ -63,37 +74,96 @@ def init_cache(config: ModelConfig, batch_size: int, max_length: int, dtype=None
         check_int(name, value, 1)
     dtype = config.compute_dtype if dtype is None else jnp.dtype(dtype)
     k, h = config.num_kv_heads, config.head_dim
+    shape = (config.num_layers, batch_size, k)
     return {
         "index": jnp.zeros((), jnp.int32),
         "key_mask": jnp.zeros((batch_size, max_length), bool),
-        "layers": tuple(
-            {
-                "k": jnp.zeros((batch_size, k, h, max_length), dtype),
-                "v": jnp.zeros((batch_size, k, max_length, h), dtype),
-            }
-            for _ in range(config.num_layers)
-        ),
+        "layers": {
+            "k": jnp.zeros((*shape, h, max_length), dtype),
+            "v": jnp.zeros((*shape, max_length, h), dtype),
+        },
     }
 
 
-def _rematerialized(policy_name: str):
-    """`run(layer, *args)`, the layer's call, its activations recomputed in the backward
-    pass (`jax.checkpoint` over the layer's state). Not `nnx.remat`: it writes the state
-    back into the layer's variables afterwards, which fails ("Cannot mutate Param from a
-    different trace level") when some come from another trace, as a LoRA run's frozen base
-    weights do; a training forward pass changes no variable, so nothing needs writing back."""
-    saveable = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
-    policy = saveable if policy_name == "dots" else None  # "full": recompute everything.
+def map_rows(fn, cache: Cache) -> Cache:
+    """`cache` (its `index` per row, [B]) with `fn(array, axis)` applied to each array,
+    `axis` being the array's row axis: 1 in the layers' stacked keys and values, else 0."""
+    return {
+        name: jax.tree.map(lambda x, axis=int(name == "layers"): fn(x, axis), arrays)
+        for name, arrays in cache.items()
+    }
 
-    def run(layer, *args):
-        graphdef, state = nnx.split(layer)
 
-        def pure(state, *args):
-            return nnx.merge(graphdef, state)(*args)
+def _per_layer(layers) -> bool:
+    return isinstance(layers, Mapping) and bool(layers) and all(str(k).isdigit() for k in layers)
 
-        return jax.checkpoint(pure, policy=policy)(state, *args)
 
-    return run
+def _map_layers(fn, tree):
+    """`tree` with each mapping holding "layers" (a decoder's params) a dict, its "layers"
+    entry replaced by `fn` of it."""
+
+    def visit(node):
+        if isinstance(node, Mapping) and "layers" in node:
+            return {**node, "layers": fn(node["layers"])}
+        return node
+
+    return jax.tree.map(visit, tree, is_leaf=lambda x: isinstance(x, Mapping) and "layers" in x)
+
+
+def saved_per_layer(tree) -> bool:
+    """Whether `tree` holds a decoder's params per layer (`{"layers": {"0": ..., "1": ...}}`,
+    as checkpoints saved before the scan hold them)."""
+    found = []
+    _map_layers(lambda layers: found.append(_per_layer(layers)), tree)
+    return any(found)
+
+
+def stack_layers(tree):
+    """`tree` with each decoder's per-layer params (`saved_per_layer`) stacked on a new
+    leading axis, as the decoder holds them; `unstack_layers` undoes it."""
+
+    def stack(layers):
+        if not _per_layer(layers):
+            return layers
+        per_layer = [layers[key] for key in sorted(layers, key=int)]
+        return jax.tree.map(lambda *xs: jnp.stack(xs), *per_layer)
+
+    return _map_layers(stack, tree)
+
+
+def unstack_layers(tree):
+    """`tree` with each decoder's stacked layers split into `{0: ..., L - 1: ...}`; abstract
+    leaves (`jax.ShapeDtypeStruct`) lose the leading axis and its (unsharded) spec entry."""
+
+    def layer(x, i):
+        if not isinstance(x, jax.ShapeDtypeStruct):
+            return x[i]
+        sharding = x.sharding
+        if isinstance(sharding, NamedSharding):
+            sharding = NamedSharding(sharding.mesh, PartitionSpec(*sharding.spec[1:]))
+        return jax.ShapeDtypeStruct(x.shape[1:], x.dtype, sharding=sharding)
+
+    def unstack(layers):
+        if _per_layer(layers):
+            return layers
+        count = jax.tree.leaves(layers)[0].shape[0]
+        return {i: jax.tree.map(lambda x, i=i: layer(x, i), layers) for i in range(count)}
+
+    return _map_layers(unstack, tree)
+
+
+def _stacked(layers: list[nnx.Module]) -> nnx.Module:
+    """One module of `layers`' structure (all alike), each variable holding theirs stacked
+    on a new leading axis, named "layers"."""
+    graphdef, _ = nnx.split(layers[0])
+
+    def stack(*variables):
+        axes = ("layers", *logical_axes_of(variables[0]))
+        return variables[0].replace(jnp.stack([v[...] for v in variables]), out_sharding=axes)
+
+    states = [nnx.state(layer) for layer in layers]
+    is_variable = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
+    return nnx.merge(graphdef, jax.tree.map(stack, *states, is_leaf=is_variable))
 
 
 def _checked_inputs(
@@ -173,7 +243,7 @@ class Decoder(nnx.Module):
         self.embedding_vd = param(
             rngs, (config.vocab_size, config.embed_dim), ("vocab", "embed"), pdt, 0.02
         )
-        self.layers = nnx.List(
+        self.layers = _stacked(
             [DecoderLayer(config, self.rules, rngs=rngs) for _ in range(config.num_layers)]
         )
         self.final_norm = RMSNorm(
@@ -216,7 +286,7 @@ class Decoder(nnx.Module):
         )
         if cache is None:
             mask_bts = _causal_mask(input_mask_bt)
-            cache_index, layer_caches, key_mask = None, (None,) * cfg.num_layers, None
+            cache_index, layer_caches, key_mask = None, None, None
         else:
             cache_index = cache["index"]
             mask_bts, key_mask = _cached_mask(cache, input_mask_bt)
@@ -225,20 +295,30 @@ class Decoder(nnx.Module):
         embedding = self.embedding_vd[...].astype(cfg.compute_dtype)
         x_btd = constrain(jnp.take(embedding, tokens_bt, axis=0), rules.act_btd)
 
-        run = operator.call
-        if cfg.remat != "none" and cache is None:  # Decoding has no backward pass.
-            run = _rematerialized(cfg.remat)
         if rope is None:
             rope = self.rope_tables(positions_bt, max_position)  # Shared by every layer.
-        new_layer_caches = []
-        for layer, layer_cache in zip(self.layers, layer_caches, strict=True):
-            x_btd, new_layer_cache = run(layer, x_btd, rope, mask_bts, layer_cache, cache_index)
-            new_layer_caches.append(new_layer_cache)
+        graphdef, stacked = nnx.split(self.layers)
+
+        def layer(carry, state):
+            x_btd, caches, i = carry
+            x_btd, caches = nnx.merge(graphdef, state)(
+                x_btd, rope, mask_bts, caches, cache_index, i
+            )
+            return (x_btd, caches, i + 1), None
+
+        if cfg.remat != "none" and cache is None:  # Decoding has no backward pass.
+            # Not `nnx.remat`: it writes the state back into the layer's variables, which
+            # fails when some come from another trace, as a LoRA run's frozen weights do.
+            saveable = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+            policy = saveable if cfg.remat == "dots" else None  # "full": recompute all.
+            layer = jax.checkpoint(layer, policy=policy, prevent_cse=False)
+        carry = (x_btd, layer_caches, jnp.zeros((), jnp.int32))
+        (x_btd, layer_caches, _), _ = jax.lax.scan(layer, carry, stacked)
         x_btd = self.final_norm(x_btd)
         if cache is None:
             return x_btd, None
         index = cache_index + tokens_bt.shape[1]
-        return x_btd, {"index": index, "key_mask": key_mask, "layers": tuple(new_layer_caches)}
+        return x_btd, {"index": index, "key_mask": key_mask, "layers": layer_caches}
 
     def rope_tables(
         self, positions_bt: jax.Array, max_position: int | None = None

@@ -61,12 +61,19 @@ def _safetensors():
 
 
 class TensorMapping(NamedTuple):
-    """How one parameter is stored in a Hugging Face checkpoint."""
+    """How one parameter is stored in a Hugging Face checkpoint: a layer's parameter
+    (stacked here, [L, ...]) as one tensor per layer, its name a template of the index."""
 
-    path: tuple  # The parameter's path in `nnx.state(decoder)`, e.g. ("layers", 0, ...).
-    hf_name: str  # The safetensors key, e.g. "model.layers.0.self_attn.q_proj.weight".
-    to_ours: Callable[[np.ndarray], np.ndarray]  # HF layout -> this package's layout.
+    path: tuple  # The parameter's path in `nnx.state(decoder)`, e.g. ("layers", "attn", ...).
+    hf_name: str  # The safetensors key, e.g. "model.layers.{}.self_attn.q_proj.weight".
+    to_ours: Callable[[np.ndarray], np.ndarray]  # HF layout -> this package's (one layer).
     to_hf: Callable[[np.ndarray], np.ndarray]  # This package's layout -> HF layout.
+
+    def hf_names(self, num_layers: int) -> list[str]:
+        """The tensors' names: one, or one per layer."""
+        if "{}" not in self.hf_name:
+            return [self.hf_name]
+        return [self.hf_name.format(i) for i in range(num_layers)]
 
 
 def _same(path, hf_name) -> TensorMapping:
@@ -93,24 +100,23 @@ def parameter_mapping(config: ModelConfig) -> list[TensorMapping]:
     ]
     if not config.tie_word_embeddings:
         mapping.append(_linear(("lm_head_dv",), "lm_head.weight", (d,), (v,)))
-    for i in range(config.num_layers):
-        hf, attn, mlp = f"model.layers.{i}.", ("layers", i, "attn"), ("layers", i, "mlp")
+    hf, attn, mlp = "model.layers.{}.", ("layers", "attn"), ("layers", "mlp")
+    mapping += [
+        _same(("layers", "attn_norm", "scale"), hf + "input_layernorm.weight"),
+        _same(("layers", "mlp_norm", "scale"), hf + "post_attention_layernorm.weight"),
+        _linear((*attn, "q_dnh"), hf + "self_attn.q_proj.weight", (d,), (n, h)),
+        _linear((*attn, "k_dkh"), hf + "self_attn.k_proj.weight", (d,), (k, h)),
+        _linear((*attn, "v_dkh"), hf + "self_attn.v_proj.weight", (d,), (k, h)),
+        _linear((*attn, "o_nhd"), hf + "self_attn.o_proj.weight", (n, h), (d,)),
+        _linear((*mlp, "gate_df"), hf + "mlp.gate_proj.weight", (d,), (f,)),
+        _linear((*mlp, "up_df"), hf + "mlp.up_proj.weight", (d,), (f,)),
+        _linear((*mlp, "down_fd"), hf + "mlp.down_proj.weight", (f,), (d,)),
+    ]
+    if config.qk_norm:
         mapping += [
-            _same(("layers", i, "attn_norm", "scale"), hf + "input_layernorm.weight"),
-            _same(("layers", i, "mlp_norm", "scale"), hf + "post_attention_layernorm.weight"),
-            _linear((*attn, "q_dnh"), hf + "self_attn.q_proj.weight", (d,), (n, h)),
-            _linear((*attn, "k_dkh"), hf + "self_attn.k_proj.weight", (d,), (k, h)),
-            _linear((*attn, "v_dkh"), hf + "self_attn.v_proj.weight", (d,), (k, h)),
-            _linear((*attn, "o_nhd"), hf + "self_attn.o_proj.weight", (n, h), (d,)),
-            _linear((*mlp, "gate_df"), hf + "mlp.gate_proj.weight", (d,), (f,)),
-            _linear((*mlp, "up_df"), hf + "mlp.up_proj.weight", (d,), (f,)),
-            _linear((*mlp, "down_fd"), hf + "mlp.down_proj.weight", (f,), (d,)),
+            _same((*attn, "q_norm", "scale"), hf + "self_attn.q_norm.weight"),
+            _same((*attn, "k_norm", "scale"), hf + "self_attn.k_norm.weight"),
         ]
-        if config.qk_norm:
-            mapping += [
-                _same((*attn, "q_norm", "scale"), hf + "self_attn.q_norm.weight"),
-                _same((*attn, "k_norm", "scale"), hf + "self_attn.k_norm.weight"),
-            ]
     return mapping
 
 
@@ -275,7 +281,7 @@ def load_hf_checkpoint(
 
     files = _weight_files(path)
     mapping = parameter_mapping(config)
-    used = {hf_name for _, hf_name, _, _ in mapping}
+    used = {name for m in mapping for name in m.hf_names(config.num_layers)}
     if config.tie_word_embeddings:
         used.add("lm_head.weight")  # Tied checkpoints may still store a copy.
     unknown = sorted(n for n in files if n not in used and not n.endswith(_IGNORED_SUFFIXES))
@@ -287,40 +293,48 @@ def load_hf_checkpoint(
 
     values = {}
     with _TensorReader(files) as reader:
-        for our_path, hf_name, to_ours, _ in mapping:
-            if hf_name not in files:
-                raise ValueError(f"Checkpoint {str(path)!r} has no tensor {hf_name!r}.")
-            array = _converted(reader.read(hf_name), hf_name, expected[our_path], to_ours)
-            values[our_path] = _place(array, shardings.get(our_path))
+        for m in mapping:
+            names, target = m.hf_names(config.num_layers), expected[m.path]
+            arrays = []
+            for name in names:
+                if name not in files:
+                    raise ValueError(f"Checkpoint {str(path)!r} has no tensor {name!r}.")
+                arrays.append(_converted(reader.read(name), name, target, m.to_ours, len(names)))
+            array = arrays[0] if len(names) == 1 else np.stack(arrays)
+            values[m.path] = _place(array, shardings.get(m.path))
     nnx.replace_by_pure_dict(abstract_state, traverse_util.unflatten_dict(values))
     return nnx.merge(graphdef, abstract_state)
 
 
-def _converted(hf_array, hf_name, target, to_ours) -> np.ndarray:
+def _converted(hf_array, hf_name, target, to_ours, num_tensors: int) -> np.ndarray:
+    """One tensor in this package's layout; `target` is the parameter, of `num_tensors`
+    tensors stacked if more than one."""
+    shape = tuple(target.shape)[1:] if num_tensors > 1 else tuple(target.shape)
     try:
         array = np.asarray(to_ours(hf_array))
     except ValueError:  # The sizes do not even reshape.
         array = None
-    if array is None or array.shape != tuple(target.shape):
+    if array is None or array.shape != shape:
         raise ValueError(
             f"Tensor {hf_name!r} has shape {tuple(hf_array.shape)}, which does not fit the "
-            f"expected parameter shape {tuple(target.shape)} for this config."
+            f"expected parameter shape {shape} for this config."
         )
     return array.astype(target.dtype, copy=False)
 
 
 def _flat(state: nnx.State) -> dict[tuple, Any]:
-    """`state`'s leaves by their paths, e.g. `("layers", 0, "attn", "q_dnh")`."""
+    """`state`'s leaves by their paths, e.g. `("layers", "attn", "q_dnh")`."""
     return traverse_util.flatten_dict(nnx.to_pure_dict(state))
 
 
 def _hf_tensors(model: Decoder, dtype) -> Iterator[tuple[str, np.ndarray]]:
-    params = _flat(nnx.state(model, nnx.Param))
-    for our_path, hf_name, _, to_hf in parameter_mapping(model.config):
-        array = host_array(params[our_path])
-        if dtype is not None:
-            array = array.astype(dtype)
-        yield hf_name, to_hf(array)
+    params, layers = _flat(nnx.state(model, nnx.Param)), model.config.num_layers
+    for m in parameter_mapping(model.config):
+        array = host_array(params[m.path])
+        array = array if dtype is None else array.astype(dtype)
+        names = m.hf_names(layers)
+        for i, name in enumerate(names):
+            yield name, m.to_hf(array if len(names) == 1 else array[i])
 
 
 def save_hf_checkpoint(

@@ -186,6 +186,7 @@ class Attention(nnx.Module):
         mask_bts: jax.Array,
         cache: dict[str, jax.Array] | None = None,
         cache_index: jax.Array | None = None,
+        layer: jax.Array | int = 0,
     ) -> tuple[jax.Array, dict[str, jax.Array] | None]:
         """Attends from the T new tokens to the S visible keys.
 
@@ -194,12 +195,14 @@ class Attention(nnx.Module):
           rope: `rope_tables(...)` of the new tokens' rotary positions [B, T].
           mask_bts: bool [B, T, S], True where query t may attend to key s. Without a
             cache S = T; with one S is the cache length.
-          cache: this layer's cache `{"k": [B, K, H, S], "v": [B, K, S, H]}`, or None.
+          cache: the decoder's stacked caches `{"k": [L, B, K, H, S], "v": [L, B, K, S,
+            H]}`, this layer's at index `layer`, or None.
           cache_index: int32 [] slot where the new keys are written (with `cache`), or
             [B], one slot per row.
+          layer: int32 [], this layer's index in `cache`.
 
         Returns:
-          `(out_btd, new_cache)`; `new_cache` is None when `cache` is None.
+          `(out_btd, new_cache)`, `new_cache` (all layers) None when `cache` is None.
         """
         cfg, rules = self.config, self.rules
         dtype = cfg.compute_dtype
@@ -209,8 +212,9 @@ class Attention(nnx.Module):
         kv, g, h = cfg.num_kv_heads, cfg.group_size, cfg.head_dim
         q_btkgh = jnp.reshape(q_btnh, (b, t, kv, g, h))
         if cache is not None:
-            new_cache = _write_kv_cache(cache, cache_index, k_btkh, v_btkh, rules)
-            scores = _cached_scores(q_btkgh, new_cache["k"], dtype)
+            new_cache = _write_kv_cache(cache, layer, cache_index, k_btkh, v_btkh, rules)
+            k_bkhs = jax.lax.dynamic_index_in_dim(new_cache["k"], layer, keepdims=False)
+            scores = _cached_scores(q_btkgh, k_bkhs, dtype)
         else:
             new_cache = None
             scores = jnp.einsum(
@@ -218,7 +222,8 @@ class Attention(nnx.Module):
             )
         probs = _attention_probs(scores, mask_bts, h, dtype)
         if new_cache is not None:
-            out_btkgh = _cached_values(probs, new_cache["v"], dtype)
+            v_bksh = jax.lax.dynamic_index_in_dim(new_cache["v"], layer, keepdims=False)
+            out_btkgh = _cached_values(probs, v_bksh, dtype)
         else:
             out_btkgh = jnp.einsum("BKGTS,BSKH->BTKGH", probs, v_btkh)
         out_btnh = constrain(jnp.reshape(out_btkgh, (b, t, kv * g, h)), rules.act_btnh)
@@ -246,36 +251,39 @@ class Attention(nnx.Module):
 
 def _write_kv_cache(
     cache: dict[str, jax.Array],
+    layer: jax.Array | int,
     cache_index: jax.Array,
     k_btkh: jax.Array,
     v_btkh: jax.Array,
     rules: ShardingRules,
 ) -> dict[str, jax.Array]:
-    """The layer's cache with the T new keys and values written at slot `cache_index`
-    (int32 [], or [B]: each row at its own slot).
+    """The stacked caches with layer `layer`'s T new keys and values written in place at
+    slot `cache_index` (int32 [], or [B]: each row at its own slot).
 
-    The cache keeps keys as [B, K, H, S] and values as [B, K, S, H]: the layouts in which
-    both attention products are plain batched matmuls over (B, K), so a decode step reads
-    the cache once instead of first copying it transposed.
+    The cache keeps keys as [L, B, K, H, S] and values as [L, B, K, S, H]: the layouts in
+    which both attention products are plain batched matmuls over (B, K), so a decode step
+    reads a layer's cache once instead of first copying it transposed.
     """
     index = cache_index.astype(jnp.int32)
+    k_new, v_new = k_btkh.astype(cache["k"].dtype), v_btkh.astype(cache["v"].dtype)
     if index.ndim == 1:
         b, t = k_btkh.shape[:2]
         rows_b1 = jnp.arange(b, dtype=jnp.int32)[:, None]
         slots_bt = index[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
         # Advanced indices split by slices put their [B, T] shape first: [B, T, K, H].
-        k_bkhs = cache["k"].at[rows_b1, :, :, slots_bt].set(k_btkh.astype(cache["k"].dtype))
-        v_bksh = cache["v"].at[rows_b1, :, slots_bt, :].set(v_btkh.astype(cache["v"].dtype))
+        k_lbkhs = cache["k"].at[layer, rows_b1, :, :, slots_bt].set(k_new)
+        v_lbksh = cache["v"].at[layer, rows_b1, :, slots_bt, :].set(v_new)
     else:
-        k_bkhs = jax.lax.dynamic_update_slice_in_dim(
-            cache["k"], jnp.transpose(k_btkh, (0, 2, 3, 1)).astype(cache["k"].dtype), index, 3
+        zero = jnp.zeros((), jnp.int32)
+        k_lbkhs = jax.lax.dynamic_update_slice(
+            cache["k"], jnp.transpose(k_new, (0, 2, 3, 1))[None], (layer, zero, zero, zero, index)
         )
-        v_bksh = jax.lax.dynamic_update_slice_in_dim(
-            cache["v"], jnp.transpose(v_btkh, (0, 2, 1, 3)).astype(cache["v"].dtype), index, 2
+        v_lbksh = jax.lax.dynamic_update_slice(
+            cache["v"], jnp.transpose(v_new, (0, 2, 1, 3))[None], (layer, zero, zero, index, zero)
         )
-    k_bkhs = constrain(k_bkhs, rules.spec("batch", "kv_heads", "head_dim", "sequence"))
-    v_bksh = constrain(v_bksh, rules.spec("batch", "kv_heads", "sequence", "head_dim"))
-    return {"k": k_bkhs, "v": v_bksh}
+    k_lbkhs = constrain(k_lbkhs, rules.spec("layers", "batch", "kv_heads", "head_dim", "sequence"))
+    v_lbksh = constrain(v_lbksh, rules.spec("layers", "batch", "kv_heads", "sequence", "head_dim"))
+    return {"k": k_lbkhs, "v": v_lbksh}
 
 
 def _cached_scores(q_btkgh: jax.Array, k_bkhs: jax.Array, dtype) -> jax.Array:
@@ -343,9 +351,10 @@ class DecoderLayer(nnx.Module):
         self.mlp_norm = RMSNorm(config.embed_dim, eps=eps, param_dtype=pdt, rngs=rngs)
         self.mlp = MLP(config, rules, rngs=rngs)
 
-    def __call__(self, x_btd, rope, mask_bts, cache=None, cache_index=None):
+    def __call__(self, x_btd, rope, mask_bts, cache=None, cache_index=None, layer=0):
         """See `Attention.__call__`; returns `(x_btd, new_cache)`."""
-        attn_out, new_cache = self.attn(self.attn_norm(x_btd), rope, mask_bts, cache, cache_index)
+        normed_btd = self.attn_norm(x_btd)
+        attn_out, new_cache = self.attn(normed_btd, rope, mask_bts, cache, cache_index, layer)
         x_btd = x_btd + attn_out
         x_btd = x_btd + self.mlp(self.mlp_norm(x_btd))
         return x_btd, new_cache

@@ -82,38 +82,43 @@ class LoraConfig:
 
 
 class LoraWeight(nnx.Module):
-    """A weight plus its low-rank delta, read as ``w[...]`` like the `nnx.Param` it
-    replaces.
+    """A stacked weight plus its low-rank delta, read as ``w[...]`` like the `nnx.Param`
+    it replaces (inside the decoder's scan, one layer's slice of each, without the L axis).
 
     Attributes:
-      base: the original weight [*in, *out] (frozen in a LoRA run).
-      lora_a: A [*in, r], he-uniform at init.
-      lora_b: B [r, *out], zero at init.
+      base: the original weight [L, *in, *out] (frozen in a LoRA run).
+      lora_a: A [L, *in, r], he-uniform at init, each layer from its own key.
+      lora_b: B [L, r, *out], zero at init.
       scale: alpha / r.
+      num_in: how many axes `in` has.
     """
 
-    def __init__(self, base: nnx.Param, num_in: int, rank: int, alpha: float, *, rngs: nnx.Rngs):
+    def __init__(self, base: nnx.Param, num_in: int, rank: int, alpha: float, *, keys):
         shape, axes = base.shape, logical_axes_of(base) or (None,) * base.ndim
-        in_shape, out_shape = shape[:num_in], shape[num_in:]
+        in_shape, out_shape = shape[1 : 1 + num_in], shape[1 + num_in :]
         # Adapters train in at least float32 whatever the base's storage dtype.
         dtype = jnp.promote_types(base.dtype, jnp.float32)
         init_a = nnx.initializers.he_uniform(in_axis=tuple(range(num_in)), out_axis=-1)
         self.base = base
         self.scale = float(alpha) / rank
+        self.num_in = num_in
+        a = jnp.stack([init_a(key, (*in_shape, rank), jnp.float32) for key in keys])
         self.lora_a = nnx.LoRAParam(
-            init_a(rngs.params(), (*in_shape, rank), jnp.float32).astype(dtype),
-            out_sharding=(*axes[:num_in], None),
-            eager_sharding=False,
+            a.astype(dtype), out_sharding=(*axes[: 1 + num_in], None), eager_sharding=False
         )
         self.lora_b = nnx.LoRAParam(
-            jnp.zeros((rank, *out_shape), dtype),
-            out_sharding=(None, *axes[num_in:]),
+            jnp.zeros((shape[0], rank, *out_shape), dtype),
+            out_sharding=(axes[0], None, *axes[1 + num_in :]),
             eager_sharding=False,
         )
 
     def delta(self) -> jax.Array:
         """(alpha / r) A @ B, the base weight's shape, in the adapters' dtype."""
-        return self.scale * jnp.tensordot(self.lora_a[...], self.lora_b[...], axes=1)
+        a, b = self.lora_a[...], self.lora_b[...]
+        lead = a.shape[: a.ndim - self.num_in - 1]  # (L,), or () inside the scan.
+        rank = a.shape[-1]
+        ab = jnp.reshape(a, (*lead, -1, rank)) @ jnp.reshape(b, (*lead, rank, -1))
+        return self.scale * jnp.reshape(ab, (*a.shape[:-1], *b.shape[len(lead) + 1 :]))
 
     def __getitem__(self, index) -> jax.Array:
         """The adapted weight W + (alpha / r) A @ B (float32 or wider), indexed."""
@@ -122,10 +127,9 @@ class LoraWeight(nnx.Module):
 
 def _adapted(model, config: LoraConfig):
     """(module, attribute, num_in) of every projection `config.targets` names."""
-    for layer in model.layers:
-        for name in config.targets:
-            module_name, attribute, num_in = PROJECTIONS[name]
-            yield getattr(layer, module_name), attribute, num_in
+    for name in config.targets:
+        module_name, attribute, num_in = PROJECTIONS[name]
+        yield getattr(model.layers, module_name), attribute, num_in
 
 
 def apply_lora(model: nnx.Module, config: LoraConfig, *, rngs: nnx.Rngs) -> nnx.Module:
@@ -145,9 +149,14 @@ def apply_lora(model: nnx.Module, config: LoraConfig, *, rngs: nnx.Rngs) -> nnx.
     for module, attribute, _ in _adapted(model, LoraConfig(targets=tuple(PROJECTIONS))):
         if isinstance(getattr(module, attribute), LoraWeight):
             raise ValueError("the model already has LoRA adapters; apply_lora it once.")
-    for module, attribute, num_in in _adapted(model, config):
-        base = getattr(module, attribute)
-        setattr(module, attribute, LoraWeight(base, num_in, config.rank, config.alpha, rngs=rngs))
+    # Each layer's A from its own key, drawn in the order separate layers drew them.
+    targets = list(_adapted(model, config))
+    keys = [[rngs.params() for _ in targets] for _ in range(model.config.num_layers)]
+    for j, (module, attribute, num_in) in enumerate(targets):
+        weight = LoraWeight(
+            getattr(module, attribute), num_in, config.rank, config.alpha, keys=[k[j] for k in keys]
+        )
+        setattr(module, attribute, weight)
     return model
 
 

@@ -74,7 +74,7 @@ from flax import nnx
 
 from gac_jax._validation import check_int
 from gac_jax.models.config import ModelConfig
-from gac_jax.models.decoder import init_cache
+from gac_jax.models.decoder import init_cache, map_rows
 from gac_jax.models.scoring import logps_of_tokens
 
 # Tail compaction stops halving the decode width here: narrower steps cost about the same
@@ -697,7 +697,7 @@ class Sampler:
         k = block_k.shape[0]
         real_1k = (jnp.arange(k) < length)[None, :]
         tokens_1k = block_k[None, :]
-        one = jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, slot, 1, axis=0), s.cache)
+        one = map_rows(lambda x, axis: jax.lax.dynamic_slice_in_dim(x, slot, 1, axis), s.cache)
         positions_1k = s.positions_b[slot] + jnp.arange(k, dtype=jnp.int32)[None, :]
         rope = model.rope_tables(positions_1k, one["key_mask"].shape[1])
         hidden, one = model.hidden_states(tokens_1k, positions_1k, real_1k, one, rope)
@@ -849,7 +849,9 @@ def _cache_with_row(cache: dict, slot, one: dict, index: jax.Array) -> dict:
         "index": index,
         "key_mask": _put_row(cache["key_mask"], one["key_mask"], slot),
         "layers": jax.tree.map(
-            lambda big, small: _put_row(big, small, slot), cache["layers"], one["layers"]
+            lambda big, small: jax.lax.dynamic_update_slice_in_dim(big, small, slot, 1),
+            cache["layers"],
+            one["layers"],
         ),
     }
 
@@ -866,12 +868,12 @@ def _compacted(s: SlotState, width: int) -> SlotState:
     rows = s.tokens_rn.shape[0]
     keep = jnp.argsort(s.row_b >= rows, stable=True)[:width]
 
-    def take(x):
-        return jnp.take(x, keep, axis=0)
+    def take(x, axis=0):
+        return jnp.take(x, keep, axis=axis)
 
     return dataclasses.replace(
         s,
-        cache=jax.tree.map(take, s.cache),
+        cache=map_rows(take, s.cache),
         logits_bv=take(s.logits_bv),
         row_b=take(s.row_b),
         step_b=take(s.step_b),

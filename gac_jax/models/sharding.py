@@ -16,6 +16,7 @@ logical name          default mesh axes  meaning
 ``head_dim``          None               H
 ``mlp``               tensor             F
 ``norm``              None               RMSNorm scales
+``layers``            None               the decoder's stacked layers (scanned over)
 ====================  =================  ======================================
 
 A mesh axis missing from the mesh, or one whose size does not divide the dimension, is
@@ -55,6 +56,7 @@ class ShardingRules:
     head_dim: MeshAxes = None
     mlp: MeshAxes = "tensor"
     norm: MeshAxes = None
+    layers: MeshAxes = None
 
     def mesh_axes(self, logical: str | None) -> MeshAxes:
         """The mesh axes of one logical axis name (None: replicated)."""
@@ -271,7 +273,7 @@ def create_sharded(init_fn, mesh: Mesh, rules: ShardingRules | None = None):
 
 
 def describe_shardings(model: nnx.Module) -> dict[str, PartitionSpec]:
-    """`{"layers.0.attn.q_dnh": PartitionSpec(...), ...}` for every placed parameter."""
+    """`{"layers.attn.q_dnh": PartitionSpec(...), ...}` for every placed parameter."""
     out = {}
     for path, variable in nnx.to_flat_state(nnx.state(model)):
         sharding = getattr(variable.get_value(), "sharding", None)

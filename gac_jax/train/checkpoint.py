@@ -52,6 +52,7 @@ from flax import nnx
 from gac_jax._closing import Closing
 from gac_jax._quiet import absl_records_dropped
 from gac_jax._validation import check_int
+from gac_jax.models.decoder import saved_per_layer, stack_layers, unstack_layers
 from gac_jax.models.sharding import abstract_with_shardings
 from gac_jax.train.checkpoint_faults import (
     DamagedCheckpointError,
@@ -359,14 +360,20 @@ class CheckpointManager(Closing):
 
     def _restore(self, step: int, metadata: dict[str, Any], target, shardings) -> Checkpoint:
         """`restore` of a step whose metadata is already read."""
-        if target is None:
-            target = self.state_metadata(step)
-        target = abstract_tree(target, shardings)
+        saved = self.state_metadata(step)
+        target = abstract_tree(saved if target is None else target, shardings)
+        # A decoder's params saved per layer, before its scan: read so, then stacked.
+        per_layer = saved_per_layer(saved) and not saved_per_layer(target)
+        read = unstack_layers(target) if per_layer else target
         with self._reading(step):
-            restored = self._manager.restore(
-                step, args=ocp.args.Composite(**{STATE_ITEM: ocp.args.StandardRestore(target)})
-            )
-        return Checkpoint(step=step, state=restored[STATE_ITEM], metadata=metadata)
+            state = self._manager.restore(
+                step, args=ocp.args.Composite(**{STATE_ITEM: ocp.args.StandardRestore(read)})
+            )[STATE_ITEM]
+        if per_layer:  # Both trees' leaves in the order of their sorted keys.
+            leaves = jax.tree.leaves(stack_layers(state))
+            state = jax.tree.unflatten(jax.tree.structure(target), leaves)
+            state = jax.device_put(state, jax.tree.map(lambda x: x.sharding, target))
+        return Checkpoint(step=step, state=state, metadata=metadata)
 
     def restore_newest(
         self,

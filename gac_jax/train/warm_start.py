@@ -63,6 +63,7 @@ from gac_jax.models import (
     make_mesh,
     state_shardings,
 )
+from gac_jax.models.decoder import unstack_layers
 from gac_jax.rollout.answers import AnswerRunner
 from gac_jax.rollout.episodes import EpisodeConfig, EpisodeRunner
 from gac_jax.rollout.evaluation import EvalSettings, evaluate_policy
@@ -504,9 +505,11 @@ def load_warm_start(
 def weights_digest(directory: str | os.PathLike | None = None, step: int | None = None) -> str:
     """A SHA-256 of a warm start's parameters (each one's path, dtype, shape and bytes, in
     path order): two runs started from weights with the same digest started from the same
-    policy, on whatever machine. `directory` and `step` as `load_warm_start`."""
+    policy, on whatever machine. `directory` and `step` as `load_warm_start`. Of the layers
+    one by one, as they were saved before the decoder's scan: the digests stay those runs
+    recorded."""
     model, _, _ = load_warm_start(directory, step=step)
-    flat = jax.tree_util.tree_flatten_with_path(model_params(model))
+    flat = jax.tree_util.tree_flatten_with_path(unstack_layers(model_params(model)))
     digest = hashlib.sha256()
     for path, leaf in sorted(flat[0], key=lambda item: jax.tree_util.keystr(item[0])):
         array = np.asarray(leaf)

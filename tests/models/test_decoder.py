@@ -205,7 +205,7 @@ def test_bfloat16_compute_stays_close_to_float32():
     bf16_model = create_model(cfg.replace(dtype="bfloat16"), seed=5)
     bf16 = _forward(bf16_model, tokens)
     assert bf16.dtype == jnp.float32  # Logits are always float32.
-    assert bf16_model.layers[0].attn.q_dnh[...].dtype == jnp.float32  # param_dtype
+    assert bf16_model.layers.attn.q_dnh[...].dtype == jnp.float32  # param_dtype
     rel = np.abs(np.asarray(bf16) - np.asarray(f32)).max() / np.abs(np.asarray(f32)).max()
     assert 0 < rel < 3e-2
 
@@ -215,8 +215,8 @@ def test_tied_and_untied_parameters():
     untied = create_model(get_config("tiny_llama"))
     assert tied.lm_head_dv is None
     assert untied.lm_head_dv[...].shape == (64, 128)
-    assert untied.layers[0].attn.q_norm is None  # Llama has no q/k norm.
-    assert tied.layers[0].attn.q_norm.scale[...].shape == (16,)
+    assert untied.layers.attn.q_norm is None  # Llama has no q/k norm.
+    assert tied.layers.attn.q_norm.scale[...].shape == (tied.config.num_layers, 16)
 
 
 def test_bad_inputs_raise():

@@ -41,15 +41,15 @@ def _adapted_with_random_b(seed=1, config=CONFIG):
 def _reference_model(adapted):
     """A plain tiny decoder whose adapted weights are W + (alpha/r) A@B in NumPy float64."""
     plain = models.create_model(CONFIG, seed=0)
-    for layer, adapted_layer in zip(plain.layers, adapted.layers, strict=True):
-        for name in LORA.targets:
-            module_name, attribute, _ = PROJECTIONS[name]
-            weight = getattr(getattr(adapted_layer, module_name), attribute)
-            a = np.asarray(weight.lora_a[...], np.float64)
-            b = np.asarray(weight.lora_b[...], np.float64)
-            w = np.asarray(weight.base[...], np.float64)
-            merged = w + LORA.alpha / LORA.rank * np.tensordot(a, b, axes=1)
-            getattr(getattr(layer, module_name), attribute)[...] = jnp.asarray(merged, jnp.float32)
+    for name in LORA.targets:  # Each weight stacked over the layers, [L, ...].
+        module_name, attribute, _ = PROJECTIONS[name]
+        weight = getattr(getattr(adapted.layers, module_name), attribute)
+        a = np.asarray(weight.lora_a[...], np.float64)
+        b = np.asarray(weight.lora_b[...], np.float64)
+        delta = np.stack([np.tensordot(a_i, b_i, axes=1) for a_i, b_i in zip(a, b, strict=True)])
+        merged = np.asarray(weight.base[...], np.float64) + LORA.alpha / LORA.rank * delta
+        target = getattr(getattr(plain.layers, module_name), attribute)
+        target[...] = jnp.asarray(merged, jnp.float32)
     return plain
 
 
@@ -60,12 +60,12 @@ def test_adapted_model_starts_as_the_base():
     assert np.array_equal(_logits(adapted, tokens), _logits(base, tokens))
     adapters = nnx.state(adapted, models.lora_filter)
     shapes = {jax.tree_util.keystr(p): x.shape for p, x in jax.tree.leaves_with_path(adapters)}
-    d, n, h = CONFIG.embed_dim, CONFIG.num_heads, CONFIG.head_dim
-    assert shapes["['layers'][0]['attn']['q_dnh']['lora_a'].value"] == (d, 4)
-    assert shapes["['layers'][0]['attn']['q_dnh']['lora_b'].value"] == (4, n, h)
-    assert shapes["['layers'][0]['attn']['o_nhd']['lora_a'].value"] == (n, h, 4)
-    assert shapes["['layers'][0]['mlp']['down_fd']['lora_b'].value"] == (4, d)
-    assert len(shapes) == 2 * len(LORA.targets) * CONFIG.num_layers
+    d, n, h, layers = CONFIG.embed_dim, CONFIG.num_heads, CONFIG.head_dim, CONFIG.num_layers
+    assert shapes["['layers']['attn']['q_dnh']['lora_a'].value"] == (layers, d, 4)
+    assert shapes["['layers']['attn']['q_dnh']['lora_b'].value"] == (layers, 4, n, h)
+    assert shapes["['layers']['attn']['o_nhd']['lora_a'].value"] == (layers, n, h, 4)
+    assert shapes["['layers']['mlp']['down_fd']['lora_b'].value"] == (layers, 4, d)
+    assert len(shapes) == 2 * len(LORA.targets)
 
 
 def test_adapted_and_merged_models_equal_the_reference_weights():
@@ -83,7 +83,7 @@ def test_adapted_and_merged_models_equal_the_reference_weights():
     assert nnx.graphdef(merged) == nnx.graphdef(models.create_model(CONFIG, seed=0))
     assert np.abs(_logits(merged, tokens) - ours).max() <= 1e-5 * scale
     # The adapted model is left as it was.
-    assert isinstance(adapted.layers[0].attn.q_dnh, LoraWeight)
+    assert isinstance(adapted.layers.attn.q_dnh, LoraWeight)
     assert np.array_equal(_logits(adapted, tokens), ours)
 
 

@@ -28,14 +28,15 @@ EXPECTED_SPECS = {
     "embedding_vd": P("tensor", "fsdp"),
     "lm_head_dv": P("fsdp", "tensor"),
     "final_norm.scale": P(),
-    "layers.0.attn_norm.scale": P(),
-    "layers.0.attn.q_dnh": P("fsdp", "tensor"),
-    "layers.0.attn.k_dkh": P("fsdp", "tensor"),
-    "layers.0.attn.v_dkh": P("fsdp", "tensor"),
-    "layers.0.attn.o_nhd": P("tensor", None, "fsdp"),
-    "layers.1.mlp.gate_df": P("fsdp", "tensor"),
-    "layers.1.mlp.up_df": P("fsdp", "tensor"),
-    "layers.1.mlp.down_fd": P("tensor", "fsdp"),
+    # The layers' stacked axis first, never sharded.
+    "layers.attn_norm.scale": P(),
+    "layers.attn.q_dnh": P(None, "fsdp", "tensor"),
+    "layers.attn.k_dkh": P(None, "fsdp", "tensor"),
+    "layers.attn.v_dkh": P(None, "fsdp", "tensor"),
+    "layers.attn.o_nhd": P(None, "tensor", None, "fsdp"),
+    "layers.mlp.gate_df": P(None, "fsdp", "tensor"),
+    "layers.mlp.up_df": P(None, "fsdp", "tensor"),
+    "layers.mlp.down_fd": P(None, "tensor", "fsdp"),
 }
 
 
@@ -85,8 +86,8 @@ def test_sharded_forward_equals_single_device(mesh, config, reference, tokens):
     shard_model(sharded, mesh)
     _check_specs(sharded)
     # A weight really is split: each device holds a quarter of q (fsdp x tensor).
-    q = sharded.layers[0].attn.q_dnh[...]
-    assert q.addressable_shards[0].data.shape == (32, 2, 16)
+    q = sharded.layers.attn.q_dnh[...]
+    assert q.addressable_shards[0].data.shape == (config.num_layers, 32, 2, 16)
 
     with jax.set_mesh(mesh):
         got = _logits(*nnx.split(sharded), tokens)

@@ -164,6 +164,7 @@ def make_optimizer(
     ess: ESSConfig | None = None,
     *,
     steps: int | None = None,
+    seed: int = 0,
 ) -> optax.GradientTransformationExtraArgs:
     """Builds the chain every run uses, so every run reports the same statistics.
 
@@ -184,6 +185,7 @@ def make_optimizer(
         needs the extra arg `log_importance_weights`.
       steps: the run's length: the schedule's when `config.decay_steps` is None (a
         schedule other than "constant" then needs it).
+      seed: the seed of `gac`'s random skips (`GACConfig.random_skip_rate`), if any.
     """
     config = OptimizerConfig() if config is None else config
     schedule = make_schedule(config, steps)
@@ -197,7 +199,8 @@ def make_optimizer(
     if config.clip_norm is not None:
         parts.append(optax.clip_by_global_norm(config.clip_norm))
     gac = GACConfig(monitor_only=True) if gac is None else gac
-    parts.append(gac.wrap(optax.inject_hyperparams(optimizer)(learning_rate=schedule)))
+    inner = optax.inject_hyperparams(optimizer)(learning_rate=schedule)
+    parts.append(gac.wrap(inner, seed=seed))
     if ess is not None:
         parts.append(ess.build())
     return optax.chain(*parts)

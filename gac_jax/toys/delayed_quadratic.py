@@ -55,6 +55,13 @@ class DelayedQuadratic:
         low, high = self.curvature
         return np.geomspace(low, high, self.dim).astype(np.float32)
 
+    def start(self) -> jax.Array:
+        """x_0, f32 [dim]: standard normal from `seed`."""
+        return jax.random.normal(jax.random.key(self.seed), (self.dim,), jnp.float32)
+
+    def initial_loss(self) -> float:
+        return 0.5 * float(np.sum(self.eigenvalues() * np.asarray(self.start()) ** 2))
+
 
 def sgd_stability_limit(lag: int, curvature: float) -> float:
     """The largest stable SGD step for `x_{t+1} = x_t - eta h x_{t-lag}` (exclusive)."""
@@ -73,12 +80,9 @@ def delayed_losses(
     learning rates share one compiled program (`jax.vmap`). A non-finite loss stays
     non-finite.
     """
-    h = jnp.asarray(problem.eigenvalues())
-    key = jax.random.key(problem.seed)
-    x0 = jax.random.normal(key, (problem.dim,), jnp.float32)
-    noise = problem.noise * jax.random.normal(
-        jax.random.fold_in(key, 1), (problem.steps, problem.dim), jnp.float32
-    )
+    h, x0 = jnp.asarray(problem.eigenvalues()), problem.start()
+    key = jax.random.fold_in(jax.random.key(problem.seed), 1)
+    noise = problem.noise * jax.random.normal(key, (problem.steps, problem.dim), jnp.float32)
 
     def run(lr):
         tx = make_tx(lr)
@@ -103,8 +107,7 @@ def delayed_losses(
 def converged(losses: np.ndarray, problem: DelayedQuadratic = DelayedQuadratic()) -> np.ndarray:
     """bool [runs]: the mean loss of each run's last quarter is finite and below
     `problem.converged_below` times the initial loss."""
-    x0 = jax.random.normal(jax.random.key(problem.seed), (problem.dim,), jnp.float32)
-    initial = 0.5 * float(np.sum(problem.eigenvalues() * np.asarray(x0) ** 2))
+    initial = problem.initial_loss()
     # In float64: a diverging run's float32 losses would overflow the sum (with a warning).
     tail = losses[:, -max(1, losses.shape[1] // 4) :].astype(np.float64).mean(axis=1)
     return np.isfinite(tail) & (tail < problem.converged_below * initial)

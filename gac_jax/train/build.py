@@ -138,7 +138,9 @@ def add_lora(config: TrainConfig, model):
 def build_learner(config: TrainConfig, model, mesh) -> GRPOLearner:
     """The sharded learner of `config`: its optax chain, objective and settings (with
     `config.lora.rank`, the model's LoRA adapters train and the rest is frozen)."""
-    tx = make_optimizer(config.optimizer, config.gac, config.ess, steps=config.optimizer_steps)
+    tx = make_optimizer(
+        config.optimizer, config.gac, config.ess, steps=config.optimizer_steps, seed=config.seed
+    )
     trainable = models.lora_filter if config.lora.rank else None
     return GRPOLearner(
         model, tx, mesh, loss=config.loss, config=config.learner, trainable=trainable

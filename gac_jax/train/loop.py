@@ -32,6 +32,7 @@ import jax
 from gac_jax.train import config_io, processes
 from gac_jax.train.checkpoint import CheckpointManager
 from gac_jax.train.config import TrainConfig
+from gac_jax.train.metrics import skip_streak_warning
 from gac_jax.train.run import Run, build_run, evaluation_key
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -285,6 +286,8 @@ def output_hooks(hooks: Hooks, run: Run, writer, samples, progress) -> None:
             writer.write(info.step, update)
 
     hooks.add(evaluate, every=config.eval_every)
+    warn = skip_streak_warning(config.gac, say)
+    hooks.add(lambda info: warn(info.step, info.metrics))
     hooks.add(record)
     hooks.add(lambda info: samples.write(info.step, info.rollouts, info.last))
     hooks.add(lambda info: progress.update(info.step + 1, info.metrics))

@@ -16,11 +16,12 @@ import math
 import os
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
 from gac_jax._closing import Closing
+from gac_jax.transforms.alignment import MAX_CONSECUTIVE_SKIPS
 
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
@@ -381,3 +382,22 @@ class ProgressLine(Closing):
         if self._bar is not None:
             self._bar.close()
             self._bar = None
+
+
+def skip_streak_warning(gac, say: Callable[[str], None]) -> Callable[[int, Mapping], None]:
+    """`warn(step, metrics)`, which `say`s once when GAC's skips first streak to
+    `gac.max_consecutive_skips` (the default where None): a skip repeats itself, and a run
+    that skips on does not train."""
+    said = [gac.monitor_only]  # A monitor never skips.
+
+    def warn(step: int, metrics: Mapping[str, Any]) -> None:
+        longest = int(metrics.get("gac_skip_streak_longest", 0))
+        if not said[0] and longest >= (gac.max_consecutive_skips or MAX_CONSECUTIVE_SKIPS):
+            said[0] = True
+            say(
+                f"warning: GAC skipped {longest} steps in a row by step {step} (gac."
+                f"max_consecutive_skips={gac.max_consecutive_skips}); thresholds below the "
+                "run's own cosines (gac_cosine, gac_update_cosine) skip most steps."
+            )
+
+    return warn

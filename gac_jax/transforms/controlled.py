@@ -20,7 +20,7 @@ reference is always the last applied update (a skipped step applied none). Wheth
 gradient level's reference after a skip is the skipped gradient ("observed", the default:
 the next step is compared with the latest direction seen) or the last applied one
 ("held") is `reference_after_skip`; a held reference can lock a persistently aligned run
-into skipping, since nothing moves it.
+into skipping, since nothing moves it (until `max_consecutive_skips`).
 
     tx = optax.chain(
         optax.clip_by_global_norm(1.0),
@@ -30,8 +30,10 @@ into skipping, since nothing moves it.
 
 Its measured effect, in a collapsing GRPO cell and on a noisy quadratic with delayed
 gradients (`gac_jax.toys.delayed_quadratic`), is in experiments/RESULTS.md (laboratory v4).
-A skip at thresholds below a problem's own synchronous cosine skips every step and stalls:
-choose them from a synchronous run's `gac_cosine` / `gac_update_cosine`.
+A skip at thresholds below a problem's own synchronous cosine skips nearly every step
+(all but one in `max_consecutive_skips + 1`, projected): choose them from a synchronous
+run's `gac_cosine` / `gac_update_cosine`. `random_skip`, in GAC's place, skips at random
+at a chosen rate and streak length: the control of the skip.
 
 Cost over the bare optimizer: the two alignment passes (inner products, and one reference
 copy each), and a select over the optimizer state when the control can skip.
@@ -48,14 +50,15 @@ import optax
 from optax import GradientTransformationExtraArgs
 
 from gac_jax._configs import arguments
-from gac_jax._validation import check_choice
+from gac_jax._validation import check_choice, check_range, concrete_number
 from gac_jax.transforms import alignment
-from gac_jax.transforms.alignment import REGIME_SKIP
+from gac_jax.transforms.alignment import MAX_CONSECUTIVE_SKIPS, REGIME_SKIP
 
 ACTS_ON = ("gradient", "update")
 REFERENCES_AFTER_SKIP = ("observed", "held")
 # The statistics `alignment_statistics` reads from each level's state.
 _LEVEL_FIELDS = ("gac_cosine", "gac_cosine_after", "gac_regime", "gac_removed_fraction")
+_STREAK_FIELDS = ("gac_skip_streak", "gac_skip_streak_longest")
 
 
 class AlignmentControlledState(NamedTuple):
@@ -96,7 +99,7 @@ def alignment_controlled(
     Args:
       inner: the optimizer, e.g. `optax.adamw(...)` or an `optax.inject_hyperparams` one;
         it receives the extra args.
-      control: a `gradient_alignment_control`; None: monitors only.
+      control: a `gradient_alignment_control` (or `random_skip`); None: monitors only.
       acts_on: where `control` acts: "gradient" (the raw gradient, before `inner`) or
         "update" (`inner`'s update, against the previous applied update: give `control`
         ``reference="update"`` for the update the params got, "gradient" for the
@@ -162,29 +165,106 @@ def alignment_controlled(
     return GradientTransformationExtraArgs(init_fn, update_fn)
 
 
+class RandomSkipState(NamedTuple):
+    """State of `random_skip`."""
+
+    gac_random_skip_key: jax.Array  # uint32 [2]: the PRNG key of the next draw.
+    # The monitor's GradientAlignmentControlState: its cosines, and the draws' regime,
+    # counts and skip streaks.
+    gac_random_skip_monitor: Any
+
+
+def _check_random_skip(rate, mean_streak, names=("rate", "mean_streak")) -> None:
+    check_range(names[0], rate, 0.0, 1.0, high_open=True)
+    p, streak = concrete_number(rate), concrete_number(mean_streak)
+    shortest = None if p is None else max(1.0, p / (1.0 - p))
+    if streak is not None and shortest is not None and not streak >= shortest:
+        raise ValueError(
+            f"{names[1]}={mean_streak!r} must be >= max(1, rate / (1 - rate)) = {shortest:.4g} "
+            f"at {names[0]}={rate!r} (an applied step between streaks)."
+        )
+
+
+def random_skip(
+    rate, mean_streak=None, *, seed=0, monitor: optax.GradientTransformation | None = None
+) -> GradientTransformationExtraArgs:
+    r"""Skips steps at random, whatever the gradient: the control of GAC's skip.
+
+    In GAC's place, `alignment_controlled(inner, random_skip(0.44, 3.7))` skips as GAC does
+    (params and the inner optimizer's whole state kept), at a chosen rate and streak length.
+    Whether step t is skipped is a two-state Markov chain on whether step t-1 was:
+
+    .. math::
+
+        P(\text{skip} \mid \text{skipped}) = 1 - 1/L, \qquad
+        P(\text{skip} \mid \text{applied}) = \frac{p}{L (1 - p)},
+
+    whose stationary skip rate is `p` and whose streaks are geometric with mean `L`;
+    `L = 1 / (1 - p)` makes the draws i.i.d. The first step follows an applied one. A
+    skipped step emits zeros, as GAC's does.
+
+    Args:
+      rate: p, the fraction of steps skipped, in [0, 1).
+      mean_streak: L, the mean length of a streak of skips, >= max(1, p / (1 - p));
+        None: i.i.d. draws.
+      seed: the draws' PRNG seed (the state carries the key: same seed, same skips).
+      monitor: the `gradient_alignment_monitor` the gradient passes through, whose cosines
+        are recorded as GAC's are and whose regime, counts and streaks are the draws'.
+        None: a monitor of raw gradients.
+    """
+    _check_random_skip(rate, mean_streak)
+    monitor = alignment.gradient_alignment_monitor() if monitor is None else monitor
+
+    def init_fn(params):
+        return RandomSkipState(jax.random.PRNGKey(seed), monitor.init(params))
+
+    def update_fn(updates, state, params=None, **extra_args):
+        del extra_args
+        old = state.gac_random_skip_monitor
+        updates, watched = monitor.update(updates, old, params)
+        chance = jnp.asarray(rate, jnp.float32)
+        if mean_streak is not None:
+            enter = rate / (mean_streak * (1.0 - rate))
+            chance = jnp.where(old.gac_skip_streak > 0, 1.0 - 1.0 / mean_streak, enter)
+        key, draw = jax.random.split(state.gac_random_skip_key)
+        skipped = jax.random.uniform(draw) < chance
+        watched = watched._replace(
+            **alignment.regime_counters(old, jnp.where(skipped, REGIME_SKIP, watched.gac_regime)),
+            gac_cosine_after=jnp.where(skipped, 0.0, watched.gac_cosine_after),
+            gac_removed_fraction=jnp.where(skipped, 1.0, watched.gac_removed_fraction),
+        )
+        updates = jax.tree.map(lambda u: jnp.where(skipped, jnp.zeros_like(u), u), updates)
+        return updates, RandomSkipState(key, watched)
+
+    return GradientTransformationExtraArgs(init_fn, update_fn)
+
+
 def alignment_statistics(opt_state) -> dict[str, jax.Array]:
     """The alignment statistics of a chain's state, by the learner's metric names.
 
     With an `alignment_controlled` in the chain: ``gac_cosine``, ``gac_cosine_after``,
     ``gac_regime``, ``gac_removed_fraction`` and ``gac_tau_low`` of the raw gradients, the
-    same four with a ``gac_update_`` prefix for the applied updates, and ``gac_skipped``
-    (1.0 if the step was skipped). A chain with a bare `gradient_alignment_control` gives
-    its own four; a chain without either, nothing.
+    same four with a ``gac_update_`` prefix for the applied updates, ``gac_skipped`` (1.0
+    if the step was skipped), ``gac_skip_streak`` (skipped steps in a row up to this one)
+    and ``gac_skip_streak_longest``. A chain with a bare `gradient_alignment_control` gives
+    its own four, its threshold and streaks; a chain without either, nothing.
     """
-    wrapped = optax.tree.get(opt_state, "gac_gradient_alignment", None)
+    get = optax.tree.get
+    wrapped = get(opt_state, "gac_gradient_alignment", None)
     if wrapped is None:
-        found = {
-            name: optax.tree.get(opt_state, name, None) for name in (*_LEVEL_FIELDS, "gac_tau_low")
-        }
+        names = (*_LEVEL_FIELDS, "gac_tau_low", *_STREAK_FIELDS)
+        found = {name: get(opt_state, name, None) for name in names}
         return {name: value for name, value in found.items() if value is not None}
-    levels = (("gac_", wrapped), ("gac_update_", optax.tree.get(opt_state, "gac_update_alignment")))
+    levels = (("gac_", wrapped), ("gac_update_", get(opt_state, "gac_update_alignment")))
     metrics = {
-        prefix + name[len("gac_") :]: optax.tree.get(level, name)
+        prefix + name[len("gac_") :]: get(level, name)
         for prefix, level in levels
         for name in _LEVEL_FIELDS
     }
-    metrics["gac_tau_low"] = optax.tree.get(wrapped, "gac_tau_low")
-    metrics["gac_skipped"] = optax.tree.get(opt_state, "gac_skipped").astype(jnp.float32)
+    metrics["gac_tau_low"] = get(wrapped, "gac_tau_low")
+    metrics["gac_skipped"] = get(opt_state, "gac_skipped").astype(jnp.float32)
+    for name in _STREAK_FIELDS:  # One level at most can skip: the other's streaks are 0.
+        metrics[name] = jnp.maximum(*(get(level, name) for _, level in levels))
     return metrics
 
 
@@ -197,8 +277,13 @@ class GACConfig:
     of a comparison use it, so every run reports the same cosines).
 
     Attributes:
+      max_consecutive_skips: 8 by default, on either level: after 8 skips in a row the next
+        step that would skip is projected (the evidence: `gradient_alignment_control`).
       acts_on, reference_after_skip: `alignment_controlled`'s ("gradient", the raw gradient
         before the optimizer, is the paper's signal).
+      random_skip_rate, random_skip_streak: `random_skip`'s `rate` and `mean_streak`: with
+        a rate above 0 (and ``monitor_only=True``), steps are skipped at random in GAC's
+        place, where `acts_on` says, seeded by the run's seed.
     """
 
     tau_low: float = 0.2
@@ -214,20 +299,31 @@ class GACConfig:
     adaptive_warmup: int = 10
     monitor_only: bool = False
     reference_dtype: str | None = None
+    max_consecutive_skips: int | None = MAX_CONSECUTIVE_SKIPS
     acts_on: str = "gradient"
     reference_after_skip: str = "observed"
+    random_skip_rate: float = 0.0
+    random_skip_streak: float | None = None
 
     def build(self) -> GradientTransformationExtraArgs:
         """`gradient_alignment_control` with these arguments (which it validates)."""
-        own = {k: v for k, v in arguments(self).items() if k not in WRAPPER_FIELDS}
+        others = (*WRAPPER_FIELDS, *RANDOM_SKIP_FIELDS)
+        own = {k: v for k, v in arguments(self).items() if k not in others}
         return alignment.gradient_alignment_control(**own)
 
-    def wrap(self, inner: optax.GradientTransformation) -> GradientTransformationExtraArgs:
+    def wrap(
+        self, inner: optax.GradientTransformation, *, seed: int = 0
+    ) -> GradientTransformationExtraArgs:
         """`inner` under `alignment_controlled`, with this control where `acts_on` says
-        (monitors in this `reference_dtype` on the other level)."""
+        (monitors in this `reference_dtype` on the other level); a random skip there,
+        seeded by `seed`, when `random_skip_rate` is above 0."""
+        control = self.build()
+        if self.random_skip_rate:
+            rate, streak = self.random_skip_rate, self.random_skip_streak
+            control = random_skip(rate, streak, seed=seed, monitor=control)
         return alignment_controlled(
             inner,
-            self.build(),
+            control,
             acts_on=self.acts_on,
             reference_after_skip=self.reference_after_skip,
             monitor_dtype=self.reference_dtype,
@@ -235,8 +331,20 @@ class GACConfig:
 
     def validate(self) -> None:
         """Raises ValueError naming a bad field: the factories' own checks."""
+        _check_random_skip(self.random_skip_rate, self.random_skip_streak, RANDOM_SKIP_FIELDS)
+        if self.random_skip_rate and not self.monitor_only:
+            raise ValueError(
+                f"random_skip_rate={self.random_skip_rate!r} skips in GAC's place: it needs "
+                "monitor_only=true."
+            )
+        if not self.random_skip_rate and self.random_skip_streak is not None:
+            raise ValueError(
+                f"random_skip_streak={self.random_skip_streak!r} is not used with "
+                "random_skip_rate=0; leave it at None."
+            )
         self.wrap(optax.identity())
 
 
 # GACConfig's fields that are not `gradient_alignment_control`'s arguments.
-WRAPPER_FIELDS = ("acts_on", "reference_after_skip")
+WRAPPER_FIELDS = ("acts_on", "reference_after_skip")  # `alignment_controlled`'s.
+RANDOM_SKIP_FIELDS = ("random_skip_rate", "random_skip_streak")  # `random_skip`'s two.

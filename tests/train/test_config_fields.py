@@ -21,6 +21,7 @@ from flax import nnx
 
 from gac_jax import models
 from gac_jax.learner.optimizer import injected_learning_rate
+from gac_jax.rollout import OverlongConfig
 from gac_jax.train import loop
 from gac_jax.train.cli import main
 from gac_jax.train.config import TrainConfig, get_preset
@@ -50,8 +51,8 @@ def _model(built):
 
 
 def _step_arguments(built):
-    """The settings the learner's train step factory receives (its `LearnerConfig`)."""
-    return dataclasses.asdict(built["run"].learner._make_step.keywords["config"])
+    """The settings the learner's train step is made with (its `LearnerConfig`)."""
+    return dataclasses.asdict(built["run"].learner._train_step.args[0].config)
 
 
 def _guard(built):
@@ -145,6 +146,19 @@ FIELDS = {
     "gac.reference_dtype": ("bfloat16", _gac("reference_dtype"), "bfloat16", "float7"),
     "gac.acts_on": ("update", _gac_wrap("acts_on"), "update", "params"),
     "gac.reference_after_skip": ("held", _gac_wrap("reference_after_skip"), "held", "never"),
+    "gac.max_consecutive_skips": ("3", _gac("max_consecutive_skips"), 3, "0"),
+    "gac.random_skip_rate": (
+        "0.3",
+        lambda b, _: b["calls"].get("random_skip", {}).get("rate"),
+        0.3,
+        "1.5",
+    ),
+    "gac.random_skip_streak": (
+        "2.5",
+        lambda b, _: b["calls"].get("random_skip", {}).get("mean_streak"),
+        2.5,
+        "0.5",
+    ),
     "ess.rho_base": ("0.5", _ess("rho_base"), 0.5, "2.0"),
     "ess.power": ("linear", _ess("power"), "linear", "cubic"),
     "ess.ema_decay": ("0.5", _ess("ema_decay"), 0.5, "1.0"),
@@ -255,6 +269,12 @@ FIELDS = {
     ),
     "generation.slots": ("4", lambda b, _: getattr(b["run"].sampler, "slots", None), 4, "0"),
     "generation.stop": ('["</a>"]', lambda b, _: b["run"].generator.stop, ("</a>",), '[""]'),
+    "generation.overlong": (
+        "{filter: true, buffer: 4, penalty: 0.5}",
+        lambda b, _: b["run"].generator.overlong,
+        OverlongConfig(filter=True, buffer=4, penalty=0.5),
+        "{buffer: -1}",
+    ),
     "rollout.mode": ("async", lambda b, _: type(b["source"]).__name__, "AsyncRollouts", "never"),
     "rollout.lag": ("3", lambda b, _: b["source"].lag, 3, "-1"),
     "rollout.groups_per_batch": ("4", lambda b, _: b["source"].buffer.groups_per_batch, 4, "0"),
@@ -347,6 +367,7 @@ CONTEXT = {
     "loss.correction": ["loss.policy_loss=reinforce"],
     "loss.correction_kwargs": ["loss.policy_loss=reinforce", "loss.correction=mis"],
     "rollout.num_workers": ["rollout.mode=async"],
+    "gac.random_skip_streak": ["gac.random_skip_rate=0.3"],
     "rollout.groups_per_call": ["rollout.mode=async"],
     "rollout.version_choice": ["rollout.mode=async"],
     "placement.tensor_parallel": ["placement.devices=4"],
@@ -395,6 +416,7 @@ SPIED = {
     "clip": (optax, "clip_by_global_norm"),
     "gac": (alignment, "gradient_alignment_control"),
     "gac_wrap": (controlled, "alignment_controlled"),
+    "random_skip": (controlled, "random_skip"),
     "ess": (ess_scaling, "scale_by_ess"),
 }
 ORIGINALS = {name: getattr(owner, attribute) for name, (owner, attribute) in SPIED.items()}
@@ -493,7 +515,11 @@ def test_transform_configs_mirror_their_factories_one_to_one(config_type, factor
     if config_type is controlled.GACConfig:  # And where the wrapper puts it.
         wrapper = inspect.signature(ORIGINALS["gac_wrap"]).parameters
         params.update({name: wrapper[name] for name in controlled.WRAPPER_FIELDS})
+        # And `random_skip`'s rate and mean streak, off (0, None) by default.
+        skipper = inspect.signature(ORIGINALS["random_skip"]).parameters
+        assert {"rate", "mean_streak"} <= set(skipper)
     fields = {f.name: f.default for f in dataclasses.fields(config_type)}
+    fields = {k: v for k, v in fields.items() if k not in controlled.RANDOM_SKIP_FIELDS}
     assert fields == {name: p.default for name, p in params.items()}
 
 

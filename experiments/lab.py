@@ -271,7 +271,12 @@ V5_CELL = {  # label -> overrides on v4's regime (naive_pg, lag 16 unless they s
     ),  # fmt: skip
 }
 # The harsher cell, where PPO itself degrades: chosen by `v5pilot` (PPO at k=64, and at
-# lr 1e-3 with k=16, beside sync at lr 1e-3), seed 0; V5_HARSH names the one taken.
+# lr 1e-3 with k=16, beside sync at lr 1e-3), seed 0; V5_HARSH names the one taken. The
+# pilot (2026-11-29, commit 852437f, held-out pass@1 after 0/25/.../150 updates): PPO k=64
+# 0.062, 0.082, 0.088, 0.091, 0.100, 0.118, 0.101 (score 0.106; v4's PPO k=16 scored about
+# 0.115, sync about 0.18); at lr 1e-3 sync itself swings (0.106, 0.120, 0.081, 0.126,
+# 0.077, 0.137: score 0.113) and PPO read 0.079, 0.091, 0.092 by 75 updates (stopped
+# there). At lr 1e-3 the bar (sync) degrades too; at k=64 it does not, so k=64 it is.
 V5_HARSH_CELLS = {"k64": ("rollout.lag=64",), "lr0.001": ("optimizer.learning_rate=0.001",)}
 V5_HARSH = "k64"
 V5_HARSH_ARMS = ("sync", "ppo", "ppo_gac_update", "vcpo", "vespo", "dppo_binary_tv")

@@ -515,6 +515,26 @@ def _preset_qwen3_gsm8k_one_device(model: str, init: str, lora: bool) -> TrainCo
 LORA_ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
+def _preset_qwen3_gsm8k_one_device_stale(cure: str) -> TrainConfig:
+    # The one-GPU 0.6B preset on stale rollouts, as the project studies them (issue 61):
+    # lagged k=8 (step t trains on the rollouts of version t - 8, reproducibly), with a cure.
+    # "vcpo": ESS step scaling and the off-policy optimal baseline, its per-sequence gradient
+    # norms by the length proxy (exact per-example gradients of 0.6B are too dear). "gac":
+    # GAC on applied updates, projecting above 0.92 and skipping above 0.96 (PPO's own median
+    # and 90th percentile in laboratory v4, a tiny model: a starting point, not a tuning).
+    base = _preset_qwen3_gsm8k_one_device("qwen3_0_6b", "checkpoints/Qwen3-0.6B", lora=False)
+    stale = dataclasses.replace(
+        base, rollout=dataclasses.replace(base.rollout, mode="lagged", lag=8)
+    )
+    if cure == "vcpo":
+        loss = dataclasses.replace(base.loss, advantage="vcpo", grad_norm="length")
+        return dataclasses.replace(stale, ess=ESSConfig(), loss=loss)
+    gac = GACConfig(
+        monitor_only=False, acts_on="update", reference="update", tau_low=0.92, tau_high=0.96
+    )
+    return dataclasses.replace(stale, gac=gac)
+
+
 def _preset_calculator() -> TrainConfig:
     # Multi-turn tool use (issue #35): the calculator task from a 300-step supervised warm
     # start on worked tool-using transcripts (greedy 0.52, pass@1 0.21 on 200 test problems).
@@ -569,6 +589,9 @@ PRESETS: dict[str, Any] = {
     "qwen3_1_7b_gsm8k_1gpu_lora": lambda: _preset_qwen3_gsm8k_one_device(
         "qwen3_1_7b", "checkpoints/Qwen3-1.7B", lora=True
     ),
+    # The same 0.6B run on rollouts 8 versions stale, with a stabilizer (issue 61).
+    "qwen3_0_6b_gsm8k_1gpu_lagged8_vcpo": lambda: _preset_qwen3_gsm8k_one_device_stale("vcpo"),
+    "qwen3_0_6b_gsm8k_1gpu_lagged8_gac": lambda: _preset_qwen3_gsm8k_one_device_stale("gac"),
 }
 
 
@@ -584,6 +607,8 @@ PRESET_DESCRIPTIONS = {
     "qwen3_1_7b_gsm8k": "Qwen3-1.7B on GSM8K, FSDP over all devices (needs the HF checkpoint)",
     "qwen3_0_6b_gsm8k_1gpu": "Qwen3-0.6B on GSM8K, one 80 GB accelerator, sync (HF checkpoint)",
     "qwen3_1_7b_gsm8k_1gpu_lora": "Qwen3-1.7B, LoRA, GSM8K, one 80 GB accelerator (HF checkpoint)",
+    "qwen3_0_6b_gsm8k_1gpu_lagged8_vcpo": "the 0.6B one-GPU run, rollouts 8 versions stale, VCPO",
+    "qwen3_0_6b_gsm8k_1gpu_lagged8_gac": "the 0.6B one-GPU run, rollouts 8 versions stale, GAC",
 }
 
 

@@ -74,15 +74,13 @@ class GRPOLearner(ShardedLearner):
         # Learner versions of the last finite step and of the first of the skipped run.
         self._last_finite_step: int | None = None
         self._first_nonfinite_step: int | None = None
-        self._make_step = functools.partial(
-            make_train_step,
+        self._train_step = make_train_step(  # Validates the config before any array is placed.
             nnx.graphdef(model),
             tx,
             self.objective.config,
             config=self.config,
             row_sharding=NamedSharding(mesh, P(BATCH_AXES)),
         )
-        self.config.validate(self.objective.config)  # Before any array is placed.
         super().__init__(model, tx, mesh, rules=rules, trainable=trainable)
         self.micro_batching = self._micro_batching(getattr(model, "config", None))
         self._steps = {}  # The compiled steps by micro-batch count.
@@ -108,7 +106,7 @@ class GRPOLearner(ShardedLearner):
     def step_for(self, micro_batches: int):
         """The jitted step that splits a batch into `micro_batches` (compiled once)."""
         if micro_batches not in self._steps:
-            step = self._make_step(micro_batches=micro_batches)
+            step = functools.partial(self._train_step, micro_batches=micro_batches)
             self._steps[micro_batches] = self.compile_step(step, num_extra=2)
         return self._steps[micro_batches]
 

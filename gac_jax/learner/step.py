@@ -131,22 +131,22 @@ class LearnerConfig:
                 "noise_scale=true compares micro-batch gradients with the whole one: it needs "
                 f"micro_batches >= 2, got {self.micro_batches}."
             )
-        spec = None if loss is None else objectives.get_policy_loss_spec(loss.policy_loss)
-        if spec is not None and spec.needs_reference and m * k * e > 1:
-            raise ValueError(
-                f"micro_batches={m}, mini_batches={k}, epochs={e}: policy_loss="
-                f"{loss.policy_loss!r} estimates each group's partition function from the "
-                "rows it is given; set all three to 1."
-            )
-        if rows is not None:
-            _check_split(rows, m, k)
+        _check_split(loss, m, k, e, rows)
 
 
-def _check_split(rows: int, micro_batches: int, mini_batches: int) -> None:
-    if rows % (micro_batches * mini_batches):
+def _check_split(loss: LossConfig | None, m: int, k: int, e: int, rows: int | None) -> None:
+    """The rules of `m` micro-batches x `k` mini-batches x `e` epochs, for the configured
+    counts (`LearnerConfig.validate`) and for each step's (the learner may split more)."""
+    spec = None if loss is None else objectives.get_policy_loss_spec(loss.policy_loss)
+    if spec is not None and spec.needs_reference and m * k * e > 1:
         raise ValueError(
-            f"micro_batches={micro_batches} x mini_batches={mini_batches} must divide the "
-            f"batch of {rows} sequences."
+            f"micro_batches={m}, mini_batches={k}, epochs={e}: policy_loss="
+            f"{loss.policy_loss!r} estimates each group's partition function from the "
+            "rows it is given; set all three to 1."
+        )
+    if rows is not None and rows % (m * k):
+        raise ValueError(
+            f"micro_batches={m} x mini_batches={k} must divide the batch of {rows} sequences."
         )
 
 
@@ -336,7 +336,7 @@ def _train_step(
     """`make_train_step`'s step, its settings bound first."""
     graphdef, objective, config = settings.graphdef, settings.objective, settings.config
     m, c = micro_batches, config.logits_chunk_size
-    _check_split(batch.tokens.shape[0], m, config.mini_batches)
+    _check_split(objective.config, m, config.mini_batches, config.epochs, batch.tokens.shape[0])
     update = make_update(graphdef, settings.tx, objective, m, c, config.noise_scale)
     batch, inputs, current, adv_n, metrics = _prepare(settings, m, params, batch, reference, frozen)
     if config.updates_per_batch == 1:

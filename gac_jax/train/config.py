@@ -152,11 +152,13 @@ class TrainConfig:
 
     def validate(self) -> None:
         """Raises ValueError naming the first bad field (as ``section.field``)."""
-        for field in dataclasses.fields(self):
+        # The learner's rules read the loss and the batch: it goes last, once, with them.
+        for field in sorted(dataclasses.fields(self), key=lambda f: f.name == "learner"):
             section = getattr(self, field.name)
+            context = (self.loss, self.batch_size) if field.name == "learner" else ()
             if dataclasses.is_dataclass(section):
                 try:
-                    section.validate()
+                    section.validate(*context)
                 except ValueError as error:
                     raise ValueError(_in_section(field.name, section, error)) from None
         _validate_run_fields(self)
@@ -366,10 +368,6 @@ def _validate_across_sections(config: TrainConfig) -> None:
             "steps (steps x learner.mini_batches x learner.epochs; optimizer.decay_steps=null: "
             "the schedule lasts the run)."
         )
-    try:  # The batch is rollout.groups_per_batch x generation.group_size sequences.
-        config.learner.validate(config.loss, config.batch_size)
-    except ValueError as error:
-        raise ValueError(_in_section("learner", config.learner, error)) from None
     rollout = config.rollout
     try:
         check_version_choice(rollout.version_choice, config.buffer.stale_policy)

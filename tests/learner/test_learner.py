@@ -10,6 +10,7 @@ from flax import nnx
 from gac_jax import models
 from gac_jax.learner import (
     GRPOLearner,
+    LearnerConfig,
     LossConfig,
     OptimizerConfig,
     TrainBatch,
@@ -19,6 +20,7 @@ from gac_jax.learner import (
 )
 from gac_jax.learner import learner as learner_module
 from gac_jax.rollout import Rollout, collate
+from gac_jax.train.config import TrainConfig
 from gac_jax.transforms import ESSConfig, GACConfig
 from tests.conftest import USERS_COMPILE_OPTIONS
 
@@ -163,6 +165,26 @@ def test_step_rejects_unknown_names():
         make_train_step(graphdef, tx, LossConfig(advantage="vcpo", grad_norm="l2"))
 
 
+def test_a_learner_config_is_validated_once_where_it_is_built(monkeypatch):
+    """`LearnerConfig.validate` runs when the learner is built, not again for each
+    micro-batch count's step nor when a step is traced; a run's config runs it once too."""
+    calls = []
+    validate = LearnerConfig.validate
+
+    def counted(config, *args, **kwargs):
+        calls.append(config)
+        return validate(config, *args, **kwargs)
+
+    monkeypatch.setattr(LearnerConfig, "validate", counted)
+    learner = _learner((1, 1, 1))
+    batch = learner.place_batch(_batch(_rollouts(2)))
+    for m in (1, 2):
+        learner.lower(batch, np.int32(0), learner.reference, step=learner.step_for(m))
+    assert calls == [learner.config]
+    TrainConfig().validate()
+    assert len(calls) == 2
+
+
 def test_step_donates_the_state_but_not_gacs_reference():
     learner = _learner((1, 1, 1))
     before = learner.opt_state
@@ -186,7 +208,7 @@ def test_on_cpu_a_running_step_is_scheduled_for_memory_with_the_same_bits(monkey
     batch = _batch(_rollouts(4))
 
     def temp_bytes(learner, placed):
-        step = learner.step_for(learner.config.micro_batches)
+        step = learner.step_for(learner.micro_batching.least)
         lowered = learner.lower(placed, np.int32(3), learner.reference, step=step)
         return lowered.compile().memory_analysis().temp_size_in_bytes
 

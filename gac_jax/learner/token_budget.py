@@ -85,33 +85,25 @@ def budget_micro_batches(
 
 @dataclasses.dataclass(frozen=True)
 class MicroBatching:
-    """How many micro-batches a step splits a batch into, decided here and only here.
+    """How many micro-batches a step splits a batch into, decided here and only here."""
 
-    Attributes:
-      least: every batch is split into at least this many (`micro_batches`, 1 when unset).
-      max_tokens: a token budget per device and micro-batch (`max_tokens_per_micro_batch`).
-      cpu_model: a model whose XLA:CPU budget applies (`cpu_tokens_per_micro_batch`).
-      mini_batches: optimizer steps per batch; a micro-batch splits one of them.
-      devices: the devices a batch's rows are split over.
-    """
-
-    least: int = 1
-    max_tokens: int | None = None
-    cpu_model: ModelConfig | None = None
-    mini_batches: int = 1
-    devices: int = 1
+    least: int = 1  # Every batch is split into at least this many (`micro_batches`).
+    max_tokens: int | None = None  # Per device and micro-batch (`max_tokens_per_micro_batch`).
+    cpu_model: ModelConfig | None = None  # Whose XLA:CPU budget applies, if any.
+    mini_batches: int = 1  # Optimizer steps per batch: a micro-batch splits one of them.
+    devices: int = 1  # The devices a batch's rows are split over.
 
     @classmethod
     def of(cls, config, *, cpu_model: ModelConfig | None = None, devices: int = 1):
-        """The rule of a `LearnerConfig`: at least its `micro_batches`, within its token
-        budget; with neither set, within `cpu_model`'s budget on XLA:CPU, if given."""
+        """The rule of a `LearnerConfig`: at least its `micro_batches` (1 unset), within its
+        token budget; with neither set, within `cpu_model`'s XLA:CPU budget, if given."""
         unset = config.micro_batches is None and not config.max_tokens_per_micro_batch
         return cls(
-            least=config.micro_batches or 1,
-            max_tokens=config.max_tokens_per_micro_batch,
-            cpu_model=cpu_model if unset else None,
-            mini_batches=config.mini_batches,
-            devices=devices,
+            config.micro_batches or 1,
+            config.max_tokens_per_micro_batch,
+            cpu_model if unset else None,
+            config.mini_batches,
+            devices,
         )
 
     def count(self, rows: int, width: int) -> int:
@@ -121,17 +113,14 @@ class MicroBatching:
             budget = cpu_tokens_per_micro_batch(self.cpu_model, width)
         if not budget:
             return self.least
-        rows_per_step = rows // self.mini_batches
-        return budget_micro_batches(
-            rows_per_step, width, budget, minimum=self.least, devices=self.devices
-        )
+        rows = rows // self.mini_batches  # One optimizer step's.
+        return budget_micro_batches(rows, width, budget, minimum=self.least, devices=self.devices)
 
     def __str__(self) -> str:
-        """Why a count is what it is, in one line."""
-        if self.cpu_model is not None:
-            budget = f"XLA:CPU's budget of {CPU_ACTIVATION_BYTES >> 20} MiB of temporaries"
-        elif self.max_tokens:
-            budget = f"max_tokens_per_micro_batch={self.max_tokens} a device"
-        else:
+        """The rule that gives the count, in one line."""
+        if self.cpu_model is None and not self.max_tokens:
             return f"micro_batches={self.least}"
-        return f"the fewest micro-batches (at least {self.least}) within {budget}"
+        budget = f"max_tokens_per_micro_batch={self.max_tokens}"
+        if self.cpu_model is not None:
+            budget = f"XLA:CPU's {CPU_ACTIVATION_BYTES >> 20} MiB of temporaries"
+        return f"the fewest micro-batches (at least {self.least}) within {budget} a device"

@@ -12,6 +12,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from gac_jax.learner.optimizer import replaced_leaves
 from gac_jax.models.sharding import ShardingRules, abstract_with_shardings, state_shardings
 
 # The batch dimension is split over every axis that does not shard the weights' width.
@@ -76,6 +77,8 @@ class ShardedLearner:
         (`gac_jax.models.lora.lora_filter`): `params` (what the optimizer, GAC and ESS
         see) are those; the rest are `frozen`, sharded alike, never donated, and passed
         to the step as ``step(..., frozen=frozen)``.
+      kept: ``opt_state -> a bool per leaf``: the optimizer-state leaves not donated, as the
+        chain's builder declares them (`replaced_leaves`: GAC's references).
     """
 
     def __init__(
@@ -86,6 +89,7 @@ class ShardedLearner:
         *,
         rules: ShardingRules | None = None,
         trainable=None,
+        kept=replaced_leaves,
     ):
         self.mesh = mesh
         self.tx = tx
@@ -106,15 +110,10 @@ class ShardedLearner:
         self.batch_sharding = NamedSharding(mesh, P(BATCH_AXES))
         self.replicated = NamedSharding(mesh, P())
         self.batch_divisor = int(np.prod([mesh.shape[a] for a in BATCH_AXES]))
-        # Params and optimizer state are donated, except the leaves a transform replaces
-        # wholesale while still reading the old value (GAC's reference: the new one is
-        # this step's gradient). Donating those makes XLA copy the old value out of the
-        # way first, a full extra pass; not donating them lets the gradient's own buffer
-        # become the new reference, at no extra peak memory.
-        paths, self._opt_treedef = jax.tree_util.tree_flatten_with_path(self.opt_state)
-        kept = [any(getattr(k, "name", None) == "gac_reference" for k in path) for path, _ in paths]
-        self._kept = tuple(i for i, keep in enumerate(kept) if keep)
-        self._donated = tuple(i for i, keep in enumerate(kept) if not keep)
+        self._opt_treedef = jax.tree.structure(self.opt_state)
+        keep = self._opt_treedef.flatten_up_to(kept(self.opt_state))
+        self._kept = tuple(i for i, k in enumerate(keep) if k)
+        self._donated = tuple(i for i, k in enumerate(keep) if not k)
 
     def compile_step(self, step, num_extra: int = 0):
         """`step` jitted with this learner's shardings and donation (see the class doc):

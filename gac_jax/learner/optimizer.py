@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import optax
 
 from gac_jax._validation import check_choice, check_int, check_range
-from gac_jax.transforms import ESSConfig, GACConfig
+from gac_jax.transforms import ESSConfig, GACConfig, GradientAlignmentControlState
 
 # The optimizers, by their names in optax (looked up there when the chain is built).
 OPTIMIZERS = ("adamw", "adafactor", "lion", "sgd")
@@ -214,3 +215,19 @@ def injected_learning_rate(opt_state):
         return any(getattr(key, "name", None) == "hyperparams" for key in path)
 
     return optax.tree.get(opt_state, "learning_rate", None, filtering=in_hyperparams)
+
+
+def replaced_leaves(opt_state):
+    """A bool per leaf of a chain's state (an optax mask): True for GAC's references, which
+    each update replaces wholesale while still reading the old value (the new one is the
+    step's gradient). The learner donates the other leaves; donating these would make XLA
+    copy the old value out of the way first, where the gradient's own buffer can become it."""
+    gac = GradientAlignmentControlState
+
+    def mark(node):
+        flags = jax.tree.map(lambda _: False, node)
+        if isinstance(node, gac):
+            flags = flags._replace(gac_reference=jax.tree.map(lambda _: True, node.gac_reference))
+        return flags
+
+    return jax.tree.map(mark, opt_state, is_leaf=lambda node: isinstance(node, gac))

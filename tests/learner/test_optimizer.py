@@ -12,7 +12,7 @@ import pytest
 
 from gac_jax import models
 from gac_jax.learner import GRPOLearner, OptimizerConfig, TrainBatch, make_optimizer
-from gac_jax.learner.optimizer import OPTIMIZERS, injected_learning_rate
+from gac_jax.learner.optimizer import OPTIMIZERS, injected_learning_rate, replaced_leaves
 from gac_jax.rollout import Rollout, collate
 from gac_jax.train.config import TrainConfig
 from gac_jax.transforms import (
@@ -228,3 +228,18 @@ def test_the_run_checks_warmup_against_its_steps():
     message = r"^optimizer\.warmup_steps=10 must be < the run.s 10 optimizer steps"
     with pytest.raises(ValueError, match=message):
         config.validate()
+
+
+@pytest.mark.parametrize("acts_on", ["gradient", "update"])
+def test_replaced_leaves_are_exactly_gacs_references(acts_on):
+    """The chain's builder declares which state leaves each update replaces wholesale (the
+    learner does not donate them): every leaf of a `gac_reference` field, at both levels
+    of the run's chain, and nothing else; a chain without GAC has none."""
+    params = {"w": jnp.zeros((3, 2)), "b": jnp.zeros(2)}
+    tx = make_optimizer(gac=GACConfig(acts_on=acts_on), ess=ESSConfig())
+    state = tx.init(params)
+    paths, _ = jax.tree_util.tree_flatten_with_path(state)
+    want = [any(getattr(k, "name", None) == "gac_reference" for k in p) for p, _ in paths]
+    assert jax.tree.leaves(replaced_leaves(state)) == want and sum(want) == 2 * len(params)
+    plain = optax.adam(1e-3).init(params)
+    assert not any(jax.tree.leaves(replaced_leaves(plain)))

@@ -451,7 +451,6 @@ class Sampler:
         per_row = self._per_row_arrays(
             prompt_tokens.shape[0], temperature, top_k, top_p, max_new_tokens
         )
-        self._check_sampling(*per_row, self.max_new_tokens)
         return Prompts(prompt_tokens.astype(jnp.int32), prompt_mask.astype(bool), key, per_row)
 
     # ------------------------------------------------------------------- the slot API
@@ -517,14 +516,21 @@ class Sampler:
         )
 
     def _per_row_arrays(self, rows, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=None):
-        """The [R] arrays `(temperature, top_k, top_p, max_new_tokens)` of a call."""
-        limit = self.max_new_tokens if max_new_tokens is None else max_new_tokens
-        return (
-            _per_row("temperature", temperature, rows, jnp.float32),
-            _per_row("top_k", top_k, rows, jnp.int32),
-            _per_row("top_p", top_p, rows, jnp.float32),
-            _per_row("max_new_tokens", limit, rows, jnp.int32),
+        """The [R] arrays `(temperature, top_k, top_p, max_new_tokens)` of a call, each
+        checked where it is concrete (ValueError in one line)."""
+        n = self.max_new_tokens
+        limit = n if max_new_tokens is None else max_new_tokens
+        settings = (
+            ("temperature", temperature, jnp.float32, lambda v: v >= 0, ">= 0"),
+            ("top_k", top_k, jnp.int32, lambda v: v >= 0, ">= 0"),
+            ("top_p", top_p, jnp.float32, lambda v: (v > 0) & (v <= 1), "in (0, 1]"),
+            ("max_new_tokens", limit, jnp.int32, lambda v: (v >= 1) & (v <= n), f"in [1, {n}]"),
         )
+        arrays = tuple(_per_row(name, value, rows, dtype) for name, value, dtype, *_ in settings)
+        for (name, _, _, ok, expected), array in zip(settings, arrays, strict=True):
+            if _is_concrete(array) and not np.all(ok(np.asarray(array))):
+                raise ValueError(f"{name}={np.asarray(array).tolist()} must be {expected}.")
+        return arrays
 
     def _check_prompts(self, tokens, mask):
         if tokens.ndim != 2:
@@ -553,20 +559,6 @@ class Sampler:
                 f"prompt_tokens[{row}, {col}]={tokens_np[row, col]} is outside "
                 f"[0, vocab_size={vocab})."
             )
-
-    @staticmethod
-    def _check_sampling(temperature, top_k, top_p, limit, most):
-        checks = (
-            ("temperature", temperature, lambda v: v >= 0, ">= 0"),
-            ("top_k", top_k, lambda v: v >= 0, ">= 0"),
-            ("top_p", top_p, lambda v: (v > 0) & (v <= 1), "in (0, 1]"),
-            ("max_new_tokens", limit, lambda v: (v >= 1) & (v <= most), f"in [1, {most}]"),
-        )
-        for name, value, ok, expected in checks:
-            if _is_concrete(value):
-                value = np.asarray(value)
-                if not np.all(ok(value)):
-                    raise ValueError(f"{name}={value.tolist()} must be {expected}.")
 
     def _width(self, rows: int) -> int:
         """B for a call of `rows` rows: the slots that start decoding (and refill)."""

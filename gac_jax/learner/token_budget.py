@@ -97,14 +97,8 @@ class MicroBatching:
     def of(cls, config, *, cpu_model: ModelConfig | None = None, devices: int = 1):
         """The rule of a `LearnerConfig`: at least its `micro_batches` (1 unset), within its
         token budget; with neither set, within `cpu_model`'s XLA:CPU budget, if given."""
-        unset = config.micro_batches is None and not config.max_tokens_per_micro_batch
-        return cls(
-            config.micro_batches or 1,
-            config.max_tokens_per_micro_batch,
-            cpu_model if unset else None,
-            config.mini_batches,
-            devices,
-        )
+        m, budget = config.micro_batches, config.max_tokens_per_micro_batch
+        return cls(m or 1, budget, None if m or budget else cpu_model, config.mini_batches, devices)
 
     def count(self, rows: int, width: int) -> int:
         """Micro-batches for a batch of `rows` x `width` tokens (`budget_micro_batches`)."""

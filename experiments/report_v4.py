@@ -16,10 +16,12 @@
 - ``v4_map``: naive asynchrony at each batch size and lag, with the gradient noise scale:
   the final pass@1 against its sync's, and the three candidate signals (`c_t`, the
   per-step KL, the ESS ratio) over the run and over its first 40 steps, before the loss.
-- ``v4_theory`` (with ``--theory``; computed, no runs): the stability boundary of delayed
-  gradient descent on a noisy quadratic (`gac_jax.toys.delayed_quadratic`), the largest
-  step that still converges at each staleness, for SGD, Adam, Adam with less momentum and
-  each GAC variant. Figure: ``v4_theory.png``.
+- ``v4_theory`` (``--theory`` alone: computed, no runs; the run blocks are left as they
+  are): delayed gradient descent on a noisy quadratic (`gac_jax.toys.delayed_quadratic`),
+  the steps of a 48-point grid that converge at each staleness, as ``low-high`` (pieces
+  joined by `` / `` where the converging steps have gaps), for SGD, Adam, Adam with less
+  momentum and each GAC variant (as v4 ran them, skips unbounded, and with the default
+  bound of 8). Figure: ``v4_theory.png``.
 """
 
 from __future__ import annotations
@@ -35,11 +37,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import lab
 import optax
 from report import by_label, publish
-from report_tables import ci_cell, eval_curves_figure, figure, median_cell, values_of
+from report_tables import ci_cell, eval_curves_figure, median_cell, values_of
 from report_v3 import _evals_at, _separation, comparisons, runs_by_method
 
 from gac_jax.lab.sweeps import load_summaries
-from gac_jax.toys.delayed_quadratic import DelayedQuadratic, sgd_stability_limit, stability_boundary
+from gac_jax.toys.delayed_quadratic import (
+    DelayedQuadratic,
+    converged,
+    delayed_losses,
+    sgd_stability_limit,
+)
 from gac_jax.train.metrics import markdown_table, read_metrics
 from gac_jax.transforms import alignment_controlled, gradient_alignment_control
 
@@ -186,64 +193,103 @@ THEORY_LAGS = (0, 1, 2, 4, 8, 16)
 THEORY_RATES = np.geomspace(1e-3, 3.0, 48)
 
 
-def _gac(control, acts_on="gradient"):
-    return lambda lr: alignment_controlled(optax.adam(lr), control, acts_on=acts_on)
+def _gac(acts_on="gradient", **control):
+    """Adam under GAC; `control`: `gradient_alignment_control`'s arguments."""
+    return lambda lr: alignment_controlled(
+        optax.adam(lr), gradient_alignment_control(**control), acts_on=acts_on
+    )
 
 
-THEORY_CHAINS = {  # name -> (make_tx(lr), what it is)
+_UPDATE = dict(tau_low=0.9, tau_high=0.97, reference="update", acts_on="update")
+THEORY_CHAINS = {  # name -> (make_tx(lr), what it is); v4's GAC rows skip without bound.
     "sgd": (lambda lr: optax.sgd(lr), "SGD"),
     "sgd_momentum": (lambda lr: optax.sgd(lr, momentum=0.9), "SGD, momentum 0.9"),
     "adam": (lambda lr: optax.adam(lr), "Adam (b1 0.9)"),
     "adam_b1_0.5": (lambda lr: optax.adam(lr, b1=0.5), "Adam, b1 0.5"),
     "adam_b1_0": (lambda lr: optax.adam(lr, b1=0.0), "Adam, b1 0 (RMSProp-like)"),
-    "gac": (_gac(gradient_alignment_control(0.2, 0.8)), "Adam + GAC on gradients, 0.2 / 0.8"),
+    "gac": (
+        _gac(tau_low=0.2, tau_high=0.8, max_consecutive_skips=None),
+        "Adam + GAC on gradients, 0.2 / 0.8, skips unbounded (as v4 ran)",
+    ),
     "gac_project": (
-        _gac(gradient_alignment_control(0.2, 1.0, projection="full", skip=False)),
+        _gac(tau_low=0.2, tau_high=1.0, projection="full", skip=False),
         "Adam + GAC on gradients, full projection above 0.2, no skip",
     ),
     "gac_update": (
-        _gac(gradient_alignment_control(0.9, 0.97, reference="update"), "update"),
-        "Adam + GAC on applied updates, 0.9 / 0.97",
+        _gac(**_UPDATE, max_consecutive_skips=None),
+        "Adam + GAC on applied updates, 0.9 / 0.97, skips unbounded (as v4 ran)",
+    ),
+    "gac, skips <= 8": (
+        _gac(tau_low=0.2, tau_high=0.8),
+        "`gac` with at most 8 skips in a row (the default now)",
+    ),
+    "gac_update, skips <= 8": (
+        _gac(**_UPDATE),
+        "`gac_update` with at most 8 skips in a row (the default now)",
     ),
 }
 
 
+def step_ranges(ok: np.ndarray, rates: np.ndarray = THEORY_RATES) -> str:
+    """The converging steps of a grid (`ok`, bool per rate) as ``low-high``; where they are
+    not contiguous, one ``low-high`` per run of converging grid points, joined by `` / ``
+    (the steps between two runs fail); "none" where no step converges."""
+    hits = np.flatnonzero(ok)
+    runs = np.split(hits, np.flatnonzero(np.diff(hits) > 1) + 1) if hits.size else []
+    cell = lambda run: "-".join(dict.fromkeys(f"{rates[i]:.3g}" for i in run[[0, -1]]))  # noqa: E731
+    return " / ".join(map(cell, runs)) or "none"
+
+
 def theory(out: Path, problem: DelayedQuadratic | None = None) -> dict[str, str]:
-    """The largest converging step at each staleness for every chain of `THEORY_CHAINS`."""
+    """Every chain of `THEORY_CHAINS`' converging steps of `THEORY_RATES` at each staleness."""
     problem = DelayedQuadratic() if problem is None else problem
-    bounds = {
-        name: stability_boundary(make, THEORY_LAGS, THEORY_RATES, problem)
+    lags, rates = THEORY_LAGS, THEORY_RATES
+    ok = {  # name -> bool [lags, rates]: each grid run once, for the table and the figure.
+        name: np.stack([converged(delayed_losses(make, k, rates, problem), problem) for k in lags])
         for name, (make, _) in THEORY_CHAINS.items()
     }
-    fmt = lambda x: "none" if np.isnan(x) else f"{x:.3g}"  # noqa: E731
     rows = [
-        (name, what, *(fmt(bounds[name][k]) for k in THEORY_LAGS))
-        for name, (_, what) in THEORY_CHAINS.items()
+        (n, what, *(step_ranges(o, rates) for o in ok[n])) for n, (_, what) in THEORY_CHAINS.items()
     ]
     h_max = problem.curvature[1]
+    limits = [sgd_stability_limit(k, h_max) for k in lags]
     rows.append(
         (
             "sgd, closed form",
-            "2 sin(pi / (2 (2k + 1))) / h_max",
-            *(f"{sgd_stability_limit(k, h_max):.3g}" for k in THEORY_LAGS),
+            "stable below 2 sin(pi / (2 (2k + 1))) / h_max",
+            *(f"< {x:.3g}" for x in limits),
         )
     )
-    header = ("chain", "what", *(f"k={k}" for k in THEORY_LAGS))
-    fig, (ax,) = figure(1, width=8.0)
-    lags = np.asarray(THEORY_LAGS[1:])
-    for name in THEORY_CHAINS:
-        ax.plot(lags, [bounds[name][k] for k in lags], "-o", label=name)
-    ax.plot(lags, [sgd_stability_limit(k, h_max) for k in lags], "k--", label="sgd, closed form")
-    ax.set(
-        xscale="log",
-        yscale="log",
-        xlabel="staleness k",
-        ylabel="largest step that converges",
-        title="Delayed gradient descent on a noisy quadratic",
-    )
-    ax.legend(fontsize="small", ncol=2)
-    fig.savefig(out / "v4_theory.png", dpi=100)
+    header = ("chain", "what", *(f"k={k}" for k in lags))
+    _theory_figure(ok, lags, rates, limits, out / "v4_theory.png")
     return {"v4_theory": markdown_table(header, rows, escape=False)}
+
+
+def _theory_figure(ok: dict, lags: tuple, rates: np.ndarray, limits: list, path: Path) -> None:
+    """One panel a chain: its converging (k, step) points of the grid over Adam's (grey),
+    and SGD's stability limit."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(12.0, 5.6), layout="constrained")
+    axes = fig.subplots(2, (len(ok) + 1) // 2, sharex=True, sharey=True).ravel()
+    xs = np.arange(len(lags))
+    for ax, (name, grid) in zip(axes, ok.items(), strict=False):
+        for points, style in ((ok["adam"], "0.8"), (grid, "tab:blue")):
+            k, r = np.nonzero(points)
+            ax.plot(xs[k], rates[r], "s", ms=3.5, color=style)
+        ax.plot(xs, limits, "k--", lw=1)
+        ax.set(title=name, yscale="log", ylim=rates[[0, -1]], xticks=xs)
+        ax.set_xticklabels(lags)
+        ax.title.set_fontsize("small")
+    for ax in axes[len(ok) :]:
+        ax.set_axis_off()
+    fig.supxlabel("staleness k")
+    fig.supylabel("steps that converge")
+    fig.suptitle(
+        "Delayed gradient descent on a noisy quadratic: the steps of the grid that converge"
+        " (blue; grey: Adam's; dashed: SGD's stability limit)"
+    )
+    fig.savefig(path, dpi=100)
 
 
 def main(argv=None) -> dict[str, str]:
@@ -252,17 +298,16 @@ def main(argv=None) -> dict[str, str]:
     parser.add_argument("--out", default="experiments/results", type=Path)
     parser.add_argument("--results-md", default="experiments/RESULTS.md")
     parser.add_argument(
-        "--theory", action="store_true", help="also compute the delayed quadratic's boundaries"
+        "--theory", action="store_true", help="only the delayed quadratic's block (no runs)"
     )
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    runs = {}
-    if args.root.exists():
-        found = [s for s in load_summaries(args.root) if s["label"].startswith("v4")]
-        runs = by_label(found)
-    blocks = {**cell(runs, args.root, args.out), **gac(runs), **alignment_map(runs, args.root)}
-    if args.theory:
-        blocks.update(theory(args.out))
+    if args.theory:  # Alone, so that it never overwrites the run blocks with "no run yet".
+        blocks = theory(args.out)
+    else:
+        found = load_summaries(args.root) if args.root.exists() else []
+        runs = by_label([s for s in found if s["label"].startswith("v4")])
+        blocks = {**cell(runs, args.root, args.out), **gac(runs), **alignment_map(runs, args.root)}
     publish(blocks, args.results_md)
     return blocks
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -36,12 +36,14 @@ class EvalSettings:
       num_problems: how many problems (the first of the split).
       num_samples: n samples per problem at temperature 1; pass@k for k = 1 and n.
       batch_rows: most rows per sampler call.
+      progress: told each sampler call as it starts (a long evaluation says where it is).
     """
 
     prompt_length: int
     num_problems: int
     num_samples: int = 8
     batch_rows: int = 256
+    progress: Callable[[str], None] | None = None
 
 
 def evaluate_policy(
@@ -86,6 +88,10 @@ def evaluate_policy(
         items = []
         for start in range(0, len(rows), settings.batch_rows):
             chunk = slice(start, start + settings.batch_rows)
+            if settings.progress is not None:
+                what = "greedy answers" if temperature == 0 else f"{r} samples a problem"
+                end = min(start + settings.batch_rows, len(rows))
+                settings.progress(f"{what}: rows {start + 1}-{end} of {len(rows)}")
             call_key, sub = jax.random.split(call_key)
             out = runner.sample(
                 graphdef,

@@ -184,7 +184,12 @@ def _cmd_eval(args, parser) -> int:
         return 2
     with _failing(parser, (ValueError, FileNotFoundError)):
         run = importlib.import_module("gac_jax.train.run")  # As `loop` in `_cmd_train`.
-        metrics = run.evaluate_checkpoint(config, checkpoint, step=args.step)
+        metrics = run.evaluate_checkpoint(
+            config,
+            checkpoint,
+            step=args.step,
+            progress=lambda text: print(f"eval: {text}", file=sys.stderr, flush=True),
+        )
     print(json.dumps({k: _json_value(v) for k, v in dict(metrics).items()}, indent=2))
     return 0
 
@@ -202,6 +207,10 @@ def _cmd_show_config(args, parser) -> int:
 
 
 def _cmd_plan(args, parser) -> int:
+    def progress(text: str) -> None:
+        print(f"plan: {text}", file=sys.stderr, flush=True)
+
+    progress("starting JAX and the library (each compile is named as it starts)")
     from gac_jax.train.plan import plan, with_cheap_cpu_compiles
 
     os.environ["XLA_FLAGS"] = with_cheap_cpu_compiles(os.environ.get("XLA_FLAGS", ""))
@@ -215,7 +224,7 @@ def _cmd_plan(args, parser) -> int:
             _fail(parser, f"--fake-devices {args.fake_devices}: {error}")
     config = _resolve(parser, args.config, args.set)
     with _failing(parser):
-        report = plan(config, args.device_memory_gib, extrapolate=args.extrapolate)
+        report = plan(config, args.device_memory_gib, args.extrapolate, progress)
     print(json.dumps(report, indent=2))
     print(report["verdict"], file=sys.stderr)
     return 0 if report["fits"] else 1

@@ -392,7 +392,7 @@ def _train_into(run: Run, config: TrainConfig, out_dir: Path, resume: bool, step
             checkpoint_hooks(hooks, checkpoints, config.checkpoint_every, stop, out_dir)
             if primary:
                 hooks.add(lambda _: _plot(config, out_dir), every=0, at_end=True)
-            _drive(run, hooks, start_step)
+            _drive(run, hooks, start_step, progress.note)
     finally:
         notice.message = CLOSING_NOTICE  # StopSignals is gone: a signal now stops at once.
         run.close()
@@ -417,15 +417,17 @@ def say(message: str) -> None:
         print(message, file=sys.stderr, flush=True)
 
 
-def _drive(run: Run, hooks: Hooks, start_step: int) -> None:
+def _drive(run: Run, hooks: Hooks, start_step: int, note: Callable[[str], None]) -> None:
     """The loop itself: a step, then the hooks due. The policy before any update is
-    evaluated first when `eval_at_start` (under `eval_start/`, in step 0's record)."""
+    evaluated first when `eval_at_start` (under `eval_start/`, in step 0's record). What
+    the first step compiles is told to `note` as it starts."""
     config = run.config
     for step in range(start_step, config.steps):
         initial = {}
         if step == 0 and config.eval_at_start:
+            note("evaluating the initial policy (compiling the sampler for evaluation)")
             initial = run.evaluate(jax.random.key(config.seed + 3), prefix="eval_start/")
             show_evaluation("before the first step", initial)
-        metrics, rollouts = run.step(step)
+        metrics, rollouts = run.step(step, note if step == start_step else None)
         info = StepInfo(run, step, {**initial, **metrics}, rollouts, step + 1 == config.steps)
         hooks(info)

@@ -361,6 +361,17 @@ class ProgressLine(Closing):
                     break
         return " ".join(parts)
 
+    def note(self, text: str) -> None:
+        """Says at once what the run does before a step ends (a compile): on a terminal the
+        bar's description until the next `update`, elsewhere a line."""
+        if self.quiet:
+            return
+        if self._bar is not None:
+            self._bar.set_description_str(text)
+        else:
+            self.stream.write(text + "\n")
+            self.stream.flush()
+
     def update(self, step: int, metrics: Mapping[str, Any]) -> None:
         """Shows `step` (the number of steps done, up to `total`) and its metrics."""
         step = int(step)
@@ -369,6 +380,7 @@ class ProgressLine(Closing):
         if self.quiet:
             return
         if self._bar is not None:
+            self._bar.set_description_str("", refresh=False)
             self._bar.set_postfix_str(postfix, refresh=False)
             self._bar.update(max(0, min(step, self.total) - self._bar.n))
             return

@@ -27,7 +27,10 @@ measurement of the accelerator).
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import time
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -57,6 +60,22 @@ def with_cheap_cpu_compiles(xla_flags: str) -> str:
     named = {flag.split("=", 1)[0] for flag in flags}
     flags += [f for f in CHEAP_CPU_COMPILE_FLAGS if f.split("=", 1)[0] not in named]
     return " ".join(flags)
+
+
+Progress = Callable[[str], None]  # Says what `plan` does as it goes (one line each).
+
+
+def _quiet(text: str) -> None:
+    del text
+
+
+@contextlib.contextmanager
+def _said(progress: Progress, what: str, detail: str = ""):
+    """Says `what` starts (with `detail`), and its time once done."""
+    progress(f"{what}{detail}...")
+    started = time.monotonic()
+    yield
+    progress(f"{what}: done in {time.monotonic() - started:.1f} s")
 
 
 def _memory(compiled) -> dict[str, Any]:
@@ -93,15 +112,20 @@ def _abstract_batch(learner: GRPOLearner, rows: int, width: int) -> TrainBatch:
     )
 
 
-def plan_learner(config: TrainConfig, learner: GRPOLearner) -> dict[str, Any]:
-    """The learner step at the run's batch and full width (the widest batch it can get)."""
+def plan_learner(
+    config: TrainConfig, learner: GRPOLearner, progress: Progress = _quiet, name: str = ""
+) -> dict[str, Any]:
+    """The learner step at the run's batch and full width (the widest batch it can get);
+    `name` tells `progress` which model it is."""
     rows = config.batch_size
     width = config.generation.prompt_length + config.generation.max_new_tokens
     micro_batches = learner.budget_micro_batches(rows, width)
     batch = _abstract_batch(learner, rows, width)
     step = learner.step_for(micro_batches)
-    lowered = learner.lower(batch, np.int32(0), learner.reference, step=step)
-    memory = _memory(lowered.compile())
+    detail = f" ({rows} x {width} tokens in {micro_batches} micro-batch(es))"
+    with _said(progress, f"compiling the learner step{name}", detail):
+        lowered = learner.lower(batch, np.int32(0), learner.reference, step=step)
+        memory = _memory(lowered.compile())
     # One micro-batch's FLOPs (the loop's body) times the micro-batches and the optimizer
     # steps per batch: the whole step (the batch's reference and proximal passes aside).
     updates = learner.config.updates_per_batch
@@ -116,7 +140,7 @@ def plan_learner(config: TrainConfig, learner: GRPOLearner) -> dict[str, Any]:
     }
 
 
-def plan_sampler(config: TrainConfig, run: Run) -> dict[str, Any]:
+def plan_sampler(config: TrainConfig, run: Run, progress: Progress = _quiet) -> dict[str, Any]:
     """One rollout call: `groups_per_call` groups of `group_size` rows (async mode), or a
     step's groups (sync and lagged), on the sampler's devices."""
     g, rollout = config.generation, config.rollout
@@ -127,14 +151,17 @@ def plan_sampler(config: TrainConfig, run: Run) -> dict[str, Any]:
     # prompts uncommitted and the compiler places them with the params.
     spec = functools.partial(jax.ShapeDtypeStruct, sharding=run.placement.input_sharding(rows))
     key = jax.eval_shape(lambda: jax.random.key(0))
-    lowered = run.sampler.lower(
-        run.policy.graphdef,
-        params,
-        spec((rows, g.prompt_length), jnp.int32),
-        spec((rows, g.prompt_length), bool),
-        key,
-    )
-    return {"rows": rows, "slots": g.slots, **_memory(lowered.compile())}
+    detail = f" ({rows} rows of {g.prompt_length} + {g.max_new_tokens} tokens)"
+    with _said(progress, "compiling the sampler", detail):
+        lowered = run.sampler.lower(
+            run.policy.graphdef,
+            params,
+            spec((rows, g.prompt_length), jnp.int32),
+            spec((rows, g.prompt_length), bool),
+            key,
+        )
+        memory = _memory(lowered.compile())
+    return {"rows": rows, "slots": g.slots, **memory}
 
 
 # The layer counts at which `extrapolate` compiles the learner step: the line through the
@@ -171,24 +198,34 @@ def extrapolate_layers(probes: list[dict[str, Any]], layers: int) -> dict[str, A
 
 
 def plan(
-    config: TrainConfig, device_memory_gib: float = 80.0, extrapolate: bool = False
+    config: TrainConfig,
+    device_memory_gib: float = 80.0,
+    extrapolate: bool = False,
+    progress: Progress = _quiet,
 ) -> dict[str, Any]:
     """Compiles the run's learner step and sampler from abstract arrays; returns their
     per-device memory and FLOPs and whether both fit in `device_memory_gib`.
     `extrapolate`: the learner step from compiles at 2, 3 and 4 layers (see above); a
-    model of at most 4 layers is compiled whole."""
-    run = build_run(config, abstract=True)
+    model of at most 4 layers is compiled whole. `progress` is told each part as it starts
+    and its time when done."""
+    with _said(progress, "building the run", " from abstract arrays (no weights)"):
+        run = build_run(config, abstract=True)
     learner = run.learner
     mesh = learner.mesh
     layers = model_config(config).num_layers
     if extrapolate and layers > PROBE_LAYERS[-1]:
         probes = [
-            plan_learner(config, build_run(config, abstract=True, num_layers=n).learner)
+            plan_learner(
+                config,
+                build_run(config, abstract=True, num_layers=n).learner,
+                progress,
+                f" of {n} layers",
+            )
             for n in PROBE_LAYERS
         ]
         learner_report = extrapolate_layers(probes, layers)
     else:
-        learner_report = plan_learner(config, learner)
+        learner_report = plan_learner(config, learner, progress)
     report = {
         "devices": int(mesh.devices.size),
         "rollout_devices": len(run.placement.devices) if not run.placement.shared else 0,
@@ -196,7 +233,7 @@ def plan(
         "platform": mesh.devices.flat[0].platform,
         "parameters": int(sum(int(np.prod(x.shape)) for x in jax.tree.leaves(learner.params))),
         "learner": learner_report,
-        "sampler": plan_sampler(config, run),
+        "sampler": plan_sampler(config, run, progress),
         "device_memory_gib": device_memory_gib,
     }
     peaks = {name: report[name]["peak_gib"] for name in ("learner", "sampler")}

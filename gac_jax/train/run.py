@@ -94,14 +94,18 @@ class Run:
         if latest is None or latest < version:
             self.store.publish(self.placement.to_rollout(self.policy.params()), version)
 
-    def step(self, step: int) -> tuple[dict[str, Any], list]:
+    def step(self, step: int, note=None) -> tuple[dict[str, Any], list]:
         """Publishes version `step`, takes its batch and updates; returns the metrics (with
-        the per-update records under "updates") and the batch's rollouts."""
+        the per-update records under "updates") and the batch's rollouts. `note`, if given,
+        is told what compiles (a run's first step compiles the sampler, then the learner)."""
+        note = note or (lambda text: None)
         self.publish(step)
         started = time.monotonic()
+        note(f"step {step}: compiling the sampler and making the first rollouts")
         rollouts = self.source.next_batch(step)
         waited = time.monotonic() - started
         batch = TrainBatch(**collate(rollouts, self.config.generation.prompt_length))
+        note(f"step {step}: compiling the learner step")
         started = time.monotonic()
         metrics = self.learner.step(batch, step)
         train_seconds = time.monotonic() - started
@@ -121,9 +125,10 @@ class Run:
             metrics.update(report(rollouts, step))
         return metrics, rollouts
 
-    def evaluate(self, key, prefix: str = "eval/") -> dict[str, float]:
+    def evaluate(self, key, prefix: str = "eval/", progress=None) -> dict[str, float]:
         """Held-out evaluation of the current policy as configured (`eval_size` problems,
-        `eval_samples` samples each), with keys prefixed `prefix`."""
+        `eval_samples` samples each), with keys prefixed `prefix`; `progress` is told each
+        sampler call (`evaluate_policy`)."""
         c = self.config
         params = self.policy.params()
         if not self.placement.shared:  # Sample on the rollout devices (process-local).
@@ -135,7 +140,9 @@ class Run:
             self.task,
             self.test_examples,
             self.tokenizer,
-            EvalSettings(c.generation.prompt_length, c.eval_size, c.eval_samples),
+            EvalSettings(
+                c.generation.prompt_length, c.eval_size, c.eval_samples, progress=progress
+            ),
             key=key,
         )
         return {f"{prefix}{k}": v for k, v in scores.items()}
@@ -272,12 +279,16 @@ def evaluation_key(seed: int, updates: int) -> jax.Array:
 
 
 def evaluate_checkpoint(
-    config: TrainConfig, checkpoint_dir: str | os.PathLike, *, step: int | None = None
-) -> dict:
+    config: TrainConfig, checkpoint_dir: str | os.PathLike, *, step: int | None = None,
+    progress=lambda text: None,
+) -> dict:  # fmt: skip
     """Held-out evaluation of a checkpoint (see `Run.load` for the arguments), with the
-    draws the run's own evaluation of that step used (`evaluation_key`)."""
+    draws the run's own evaluation of that step used (`evaluation_key`); `progress` is told
+    each part as it starts."""
+    progress("building the run (model, tokenizer, data) and loading the checkpoint")
     run, step = load_checkpoint(config, checkpoint_dir, step=step)
-    return {**run.evaluate(evaluation_key(config.seed, step)), "step": step}
+    progress(f"step {step}: the first sampler call compiles the sampler")
+    return {**run.evaluate(evaluation_key(config.seed, step), progress=progress), "step": step}
 
 
 def _check_resumable(config: TrainConfig, metadata: dict, out_dir: Path) -> None:

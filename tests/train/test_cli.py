@@ -35,8 +35,9 @@ def fake_loop(monkeypatch):
         if out_dir.name == "ctrl-c-twice":
             raise InterruptedAtOnce
 
-    def evaluate_checkpoint(config, checkpoint_dir, step=None):
+    def evaluate_checkpoint(config, checkpoint_dir, step=None, progress=None):
         calls.append(("eval", config, checkpoint_dir))
+        progress("sampling")
         return {"pass@8": 0.5, "reward": float("nan")}
 
     fake.RunExistsError = RunExistsError

@@ -196,6 +196,28 @@ def test_progress_line_quiet_and_tty():
     assert "5/5" in tty.getvalue() and "reward 0.75" in tty.getvalue()
 
 
+def test_a_note_is_said_at_once_and_the_next_update_replaces_it():
+    log = io.StringIO()
+    progress = ProgressLine(5, stream=log, min_interval=3600)
+    progress.note("step 0: compiling the learner step")
+    assert log.getvalue() == "step 0: compiling the learner step\n"  # Not rate-limited.
+    progress.update(1, {"reward": 0.5})
+    assert log.getvalue().splitlines()[-1] == "step 1/5 reward 0.5"
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    with ProgressLine(5, stream=Terminal()) as progress:
+        progress.note("step 0: compiling the sampler")
+        assert progress._bar.desc == "step 0: compiling the sampler"
+        progress.update(1, {})
+        assert progress._bar.desc == ""
+    silent = io.StringIO()
+    ProgressLine(5, quiet=True, stream=silent).note("x")
+    assert silent.getvalue() == ""
+
+
 def test_several_updates_per_step_chart_optimizer_steps_and_purge_in_them(tmp_path):
     with MetricWriter(tmp_path, updates_per_step=2) as writer:
         for step in range(3):

@@ -3,8 +3,10 @@ whether they fit, without creating a weight."""
 
 import json
 import os
+import re
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -36,7 +38,9 @@ def small_demo():
     """The demo preset with `SMALL`, and its plan (shared: each plan traces and compiles
     both programs)."""
     config = apply_overrides(get_preset("demo"), SMALL)
-    return config, plan(config, device_memory_gib=80)
+    said = []
+    report = plan(config, device_memory_gib=80, progress=said.append)
+    return config, {**report, "said": said}
 
 
 def test_the_report_has_both_programs_on_the_mesh(small_demo):
@@ -52,6 +56,38 @@ def test_the_report_has_both_programs_on_the_mesh(small_demo):
     assert learner["params_gib"] * 2**30 < 82_304 * 4 / 8 * 1.5
     assert learner["optimizer_gib"] > learner["params_gib"]  # Adam's two moments.
     assert report["fits"] and report["verdict"].startswith("fits: peak per device learner")
+
+
+def test_each_part_is_named_as_it_starts_and_timed_when_done(small_demo):
+    config, report = small_demo
+    starts = [
+        "building the run from abstract arrays (no weights)...",
+        "compiling the learner step (32 x 40 tokens in 1 micro-batch(es))...",
+        "compiling the sampler (16 rows of 32 + 8 tokens)...",
+    ]
+    assert report["said"][0::2] == starts
+    for start, done in zip(starts, report["said"][1::2], strict=True):
+        assert re.fullmatch(
+            re.escape(re.split(r" \(| from", start)[0]) + r": done in \d+\.\d s", done
+        )
+
+
+def test_the_command_says_something_within_15_seconds():
+    started = time.monotonic()
+    child = subprocess.Popen(
+        [sys.executable, "-m", "gac_jax.train.cli", "plan", "--config", "demo"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=process_env(1),
+    )
+    try:
+        first = child.stderr.readline()
+        waited = time.monotonic() - started
+    finally:
+        child.kill()
+        child.communicate()
+    assert first.startswith("plan: ") and waited < 15, (first, waited)
 
 
 @pytest.mark.parametrize(

@@ -9,7 +9,7 @@ train step; the staleness and reservation rules are the pure functions of
 the same generation path as training.
 """
 
-from gac_jax.rollout.batching import BATCH_KEYS, collate
+from gac_jax.rollout.batching import BATCH_KEYS, OverlongConfig, collate
 from gac_jax.rollout.buffer import (
     STALE_POLICIES,
     BufferConfig,
@@ -56,4 +56,4 @@ __all__ = ["EpisodeConfig", "EpisodeRunner", "LocalRayCluster", "PlacementConfig
            "make_source", "store_history", "GenerateGroups", "GroupNumbering", "GroupRequest",
            "LaggedRollouts", "Partition", "ParamStore", "PromptOrder", "Rollout", "RolloutBuffer",
            "RolloutBufferClosed", "RolloutWorker", "RolloutWorkerError", "SyncRollouts", "collate",
-           "group_key"]  # fmt: skip
+           "group_key", "OverlongConfig"]  # fmt: skip

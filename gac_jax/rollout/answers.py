@@ -10,7 +10,7 @@ import numpy as np
 
 from gac_jax.models import Sampler
 from gac_jax.models.tokenizers import Tokenizer
-from gac_jax.rollout.episodes import EpisodeRows
+from gac_jax.rollout.episodes import EpisodeRows, cut_by_length
 from gac_jax.rollout.sampling import cut_at_stop, generate
 from gac_jax.tasks.custom import score_group
 
@@ -47,12 +47,14 @@ class AnswerRunner:
             settings=settings,
         )
         versions = getattr(out, "token_versions", None)
+        tokens, mask = np.array(out.tokens, np.int32), np.array(out.completion_mask, bool)
         return EpisodeRows(  # Copies: `items` cuts them in place.
-            tokens=np.array(out.tokens, np.int32),
-            policy_mask=np.array(out.completion_mask, bool),
+            tokens=tokens,
+            policy_mask=mask,
             policy_logps=np.array(out.policy_logps, np.float32),
             token_versions=None if versions is None else np.asarray(versions),
             transcripts=[None] * len(out.tokens),  # Decoded by `items`, as scoring's work.
+            truncated=cut_by_length(tokens, mask, self.sampler.eos_ids),  # Until a stop cut.
         )
 
     def items(self, rows: EpisodeRows) -> list[str]:
@@ -64,6 +66,7 @@ class AnswerRunner:
                 self.tokenizer, rows.tokens[row], mask, self.stop
             )
             if kept is not mask:  # A stop string ended it.
+                rows.truncated[row] = False
                 rows.policy_mask[row] = kept
                 rows.tokens[row, ~kept] = self.tokenizer.pad_id
                 rows.policy_logps[row, ~kept] = 0.0

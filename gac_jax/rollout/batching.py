@@ -11,10 +11,12 @@ submodule of the same name would be shadowed by it.)
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import numpy as np
 
+from gac_jax._validation import check_int
 from gac_jax.rollout.record import Rollout
 
 # The keys of `collate`'s dict, in `TrainBatch`'s field order.
@@ -29,7 +31,50 @@ BATCH_KEYS = (
 )
 
 
-def collate(rollouts: Sequence[Rollout], prompt_length: int) -> dict[str, np.ndarray]:
+@dataclasses.dataclass(frozen=True)
+class OverlongConfig:
+    """DAPO's overlong reward shaping (Yu et al., arXiv 2503.14476, Sec. 3.4), applied as
+    `collate` lays a batch out: the rollouts keep the task's rewards (samples, dynamic
+    sampling and the ``overlong/task_*`` metrics read them); the learner's batch, and so
+    its ``reward`` and ``accuracy``, holds the shaped ones.
+
+    Attributes:
+      filter: overlong filtering: a completion the length limit cut (`Rollout.truncated`)
+        is not trained on (none of its tokens is in the loss, and ``response_length``
+        counts it as 0); its reward still counts in its group's baseline.
+      buffer: soft overlong punishment: a completion of l tokens (policy and observation)
+        longer than L - `buffer`, L = `max_new_tokens`, gets
+        ``-penalty * (l - (L - buffer)) / buffer`` added to its reward, ``-penalty`` at L
+        (verl's DAPO reward manager, ``overlong_buffer.len``); 0 turns it off.
+      penalty: the punishment at the limit (verl's ``overlong_buffer.penalty_factor``).
+    """
+
+    filter: bool = False
+    buffer: int = 0
+    penalty: float = 1.0
+
+    def validate(self, max_new_tokens: int) -> None:
+        """Raises ValueError naming a bad field (`max_new_tokens` bounds `buffer`)."""
+        check_int("overlong.buffer", self.buffer, 0)
+        if self.buffer > max_new_tokens:
+            raise ValueError(
+                f"overlong.buffer={self.buffer} must be <= max_new_tokens={max_new_tokens}."
+            )
+        if isinstance(self.penalty, bool) or not self.penalty >= 0:
+            raise ValueError(f"overlong.penalty={self.penalty!r} must be a number >= 0.")
+
+    def punishment(self, lengths: np.ndarray, limit: int) -> np.ndarray:
+        """[N] float32, the (non-positive) reward added to completions of `lengths` tokens
+        under a limit of `limit` tokens."""
+        if not self.buffer:
+            return np.zeros(np.shape(lengths), np.float32)
+        over = (np.asarray(lengths) - (limit - self.buffer)) / self.buffer
+        return (-self.penalty * np.clip(over, 0.0, 1.0)).astype(np.float32)
+
+
+def collate(
+    rollouts: Sequence[Rollout], prompt_length: int, overlong: OverlongConfig = OverlongConfig()
+) -> dict[str, np.ndarray]:
     """Stacks groups into N = groups x G rows of length T = prompt_length + completion length.
 
     Each row is the left-padded prompt followed by the completion, exactly as the sampler
@@ -38,6 +83,7 @@ def collate(rollouts: Sequence[Rollout], prompt_length: int) -> dict[str, np.nda
     Args:
       rollouts: groups with equal group size and completion length.
       prompt_length: the left-padded prompt length (longer prompts are an error).
+      overlong: shapes the rewards and masks of completions at the length limit.
 
     Returns:
       A dict with the keys `BATCH_KEYS`:
@@ -45,9 +91,9 @@ def collate(rollouts: Sequence[Rollout], prompt_length: int) -> dict[str, np.nda
       attention_mask: bool [N, T], real tokens (prompt, completion and, in multi-turn
         episodes, the environment's observations).
       loss_mask: bool [N, T], the policy's completion tokens, the ones trained on (never
-        an observation).
+        an observation, nor a truncated completion under `overlong.filter`).
       behaviour_logp: float32 [N, T], behaviour log-prob on completion tokens, else 0.
-      rewards: float32 [N].
+      rewards: float32 [N], with `overlong`'s punishment.
       group_ids: int32 [N], the GRPO group of each row: the index of its rollout in
         `rollouts` (so numbered from 0 in every call).
       versions: int32 [N], the policy version that sampled each row's group.
@@ -83,9 +129,10 @@ def collate(rollouts: Sequence[Rollout], prompt_length: int) -> dict[str, np.nda
             context = context | r.observation_mask
         tokens[rows_i, prompt_length:] = np.where(context, r.completion_tokens, 0)
         attention[rows_i, prompt_length:] = context
-        loss_mask[rows_i, prompt_length:] = r.completion_mask
+        trained = ~(overlong.filter & r.truncated)
+        loss_mask[rows_i, prompt_length:] = r.completion_mask & trained[:, None]
         behaviour[rows_i, prompt_length:] = np.where(r.completion_mask, r.behaviour_logp, 0.0)
-        rewards[rows_i] = r.rewards
+        rewards[rows_i] = r.rewards + overlong.punishment(context.sum(axis=1), l)
         group_ids[rows_i] = i
         versions[rows_i] = r.policy_version
     arrays = (tokens, attention, loss_mask, behaviour, rewards, group_ids, versions)

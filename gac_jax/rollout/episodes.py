@@ -103,6 +103,13 @@ class EpisodeRows:
     tool_errors: dict[str, np.ndarray] | None = None  # kind -> int [R]
     tool_seconds: np.ndarray | None = None  # f [R]: latency of the steps answered in time.
     prefill_tokens: int = 0
+    truncated: np.ndarray | None = None  # bool [R]: cut by the length limit (`cut_by_length`).
+
+
+def cut_by_length(tokens: np.ndarray, context: np.ndarray, eos_ids) -> np.ndarray:
+    """[R] bool: the rows whose context (policy and observation tokens) fills every column
+    and does not end on an end-of-sequence id: the length limit cut them."""
+    return context[:, -1] & ~np.isin(tokens[:, -1], eos_ids)
 
 
 class _Telemetry:
@@ -225,6 +232,7 @@ class EpisodeRunner:
             tool_errors=telemetry.errors,
             tool_seconds=telemetry.seconds,
             prefill_tokens=out.prefill_tokens,
+            truncated=cut_by_length(all_tokens, policy | observed, self.sampler.eos_ids),
         )
 
     def _responder(self, states, telemetry: _Telemetry):

@@ -15,6 +15,7 @@ from gac_jax._validation import check_int
 from gac_jax.models import Sampler
 from gac_jax.models.tokenizers import Tokenizer
 from gac_jax.rollout.answers import AnswerRunner
+from gac_jax.rollout.batching import OverlongConfig
 from gac_jax.rollout.episodes import EpisodeRows, EpisodeRunner
 from gac_jax.rollout.placement import RolloutPlacement
 from gac_jax.rollout.record import Rollout
@@ -39,6 +40,8 @@ class GenerationConfig:
         waiting one); None decodes all rows of a call together.
       stop: stop strings: a completion ends at the first one it holds, besides EOS and
         `max_new_tokens` (cut on the host after sampling: `cut_at_stop`).
+      overlong: DAPO's overlong filtering and soft punishment of completions near or at
+        `max_new_tokens` (`OverlongConfig`; off by default).
     """
 
     group_size: int = 8
@@ -50,9 +53,11 @@ class GenerationConfig:
     greedy: bool = False
     slots: int | None = None
     stop: tuple[str, ...] = ()
+    overlong: OverlongConfig = dataclasses.field(default_factory=OverlongConfig)
 
     def validate(self) -> None:
         """Raises ValueError naming a bad field."""
+        self.overlong.validate(self.max_new_tokens)
         for name in ("group_size", "prompt_length", "max_new_tokens"):
             check_int(name, getattr(self, name), 1)
         if self.group_size < 2:
@@ -138,6 +143,7 @@ class TaskGroupGenerator:
         temperature = 0.0 if config.greedy else config.temperature
         self.sampling = dict(temperature=temperature, top_k=config.top_k, top_p=config.top_p)
         self.stop = tuple(config.stop)
+        self.overlong = config.overlong  # How `collate` shapes its rollouts for the learner.
         self.runner = episodes or AnswerRunner(sampler, tokenizer, task.reward, self.stop)
 
     @property
@@ -224,6 +230,7 @@ def _group_fields(out: EpisodeRows, rows: slice, version: int, inflight: bool) -
         behaviour_logp=np.where(policy, out.policy_logps[rows], 0.0).astype(np.float32),
         policy_version=int(versions[policy].min()) if inflight and policy.any() else int(version),
         token_versions=versions,
+        truncated=out.truncated[rows],
     )
     if out.observation_mask is None:  # One answer: no observation, turn or tool.
         return fields

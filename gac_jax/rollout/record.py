@@ -45,6 +45,9 @@ class Rollout:
       tool_calls, tool_errors, tool_timeouts: environment steps of the group, those that
         raised or returned no observation, those that timed out.
       tool_seconds: summed latency of the steps that answered in time.
+      truncated: [G] bool, the completions the length limit cut: every column used
+        (`generation.max_new_tokens`) with no end of sequence, stop string or episode end
+        (all False when not given).
     """
 
     prompt_id: int
@@ -67,10 +70,14 @@ class Rollout:
     tool_errors: int = 0
     tool_timeouts: int = 0
     tool_seconds: float = 0.0
+    truncated: np.ndarray | None = None
 
     def __post_init__(self):
         g, l = np.shape(self.completion_tokens)
+        if self.truncated is None:
+            object.__setattr__(self, "truncated", np.zeros(g, bool))
         expected = {"completion_mask": (g, l), "behaviour_logp": (g, l), "rewards": (g,)}
+        expected["truncated"] = (g,)
         for name in ("token_versions", "observation_mask"):
             if getattr(self, name) is not None:
                 expected[name] = (g, l)

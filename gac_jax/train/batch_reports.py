@@ -92,6 +92,24 @@ class FlatRewards:
         return {}
 
 
+def overlong_metrics(shaped: bool) -> BatchReport:
+    """``overlong/truncated``: the share of a batch's completions the length limit cut (is
+    `generation.max_new_tokens` too short?). When the soft punishment is on (`shaped`), the
+    learner's ``reward`` and ``accuracy`` are of the shaped rewards, and the task's own
+    are ``overlong/task_reward`` and ``overlong/task_accuracy``."""
+
+    def report(rollouts, step: int) -> dict[str, float]:
+        del step
+        out = {"overlong/truncated": float(np.mean([r.truncated for r in rollouts]))}
+        if shaped:
+            rewards = np.concatenate([r.rewards for r in rollouts])
+            out["overlong/task_reward"] = float(rewards.mean())
+            out["overlong/task_accuracy"] = float(np.mean(rewards >= 1.0))
+        return out
+
+    return report
+
+
 def episode_metrics(rollouts, step: int | None = None) -> dict[str, float]:
     """Multi-turn telemetry of a batch: turns per episode, tool calls, errors, timeouts and
     latency, observation vs policy tokens, and the span of policy versions in an episode.
@@ -132,7 +150,8 @@ def batch_reports(config, source, pool=None) -> list[BatchReport]:
     """The reports a run of `config` (a `TrainConfig`) makes of each batch, given its
     rollout source and (with `rollout.backend=ray`) its actor pool."""
     reports: list[BatchReport] = [
-        FlatRewards(min(FLAT_STEPS, config.steps), config.init == "random")
+        FlatRewards(min(FLAT_STEPS, config.steps), config.init == "random"),
+        overlong_metrics(config.generation.overlong.buffer > 0),
     ]
     if config.rollout.dynamic_sampling:
         reports.append(FilteredGroups(source))

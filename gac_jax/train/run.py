@@ -104,7 +104,8 @@ class Run:
         note(f"step {step}: compiling the sampler and making the first rollouts")
         rollouts = self.source.next_batch(step)
         waited = time.monotonic() - started
-        batch = TrainBatch(**collate(rollouts, self.config.generation.prompt_length))
+        prompt_length = self.config.generation.prompt_length
+        batch = TrainBatch(**collate(rollouts, prompt_length, self.generator.overlong))
         note(f"step {step}: compiling the learner step")
         started = time.monotonic()
         metrics = self.learner.step(batch, step)

@@ -8,14 +8,15 @@ record answers "what does the policy write, how is it scored, and how stale was 
 that wrote it":
 
 ``{"step", "group_id", "prompt_id", "policy_version", "version_gap", "reward", "length",
-"prompt", "completion"}`` (and, for a multi-turn episode, ``"turns"``: the transcript as
-``{"role": "policy" | "environment", "text"}`` runs; ``completion`` is then the whole
-transcript)
+"truncated", "prompt", "completion"}`` (and, for a multi-turn episode, ``"turns"``: the
+transcript as ``{"role": "policy" | "environment", "text"}`` runs; ``completion`` is then
+the whole transcript)
 
 `version_gap` is the learner's version at `step` (which is `step`) minus the version that
-sampled the group; `length` counts the completion's tokens (EOS included). Texts are the
-text the reward saw: the decoded tokens the learner trained on (special tokens skipped),
-cut before a stop string of `generation.stop` (`cut_at_stop`).
+sampled the group; `length` counts the completion's tokens (EOS included); `truncated`:
+the length limit cut it (`Rollout.truncated`). Texts are the text the reward saw: the
+decoded tokens the learner trained on (special tokens skipped), cut before a stop string of
+`generation.stop` (`cut_at_stop`).
 """
 
 from __future__ import annotations
@@ -64,6 +65,7 @@ def sample_records(
                 "version_gap": rollout.staleness(step),
                 "reward": to_json_scalar(reward, "reward"),
                 "length": int(mask.sum()),
+                "truncated": bool(rollout.truncated[row]),
                 "prompt": prompt,
             }
             if observed is None:

@@ -30,9 +30,9 @@ def consumed(monkeypatch):
     batches = []
     real_collate = run_lib.collate
 
-    def recording_collate(rollouts, prompt_length):
+    def recording_collate(rollouts, prompt_length, *overlong):
         batches.append(list(rollouts))
-        return real_collate(rollouts, prompt_length)
+        return real_collate(rollouts, prompt_length, *overlong)
 
     monkeypatch.setattr(run_lib, "collate", recording_collate)
     return batches

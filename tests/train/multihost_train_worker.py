@@ -23,9 +23,9 @@ def main() -> int:
     consumed, runs = [], []
     real_collate, real_build_run = run.collate, loop.build_run
 
-    def recording_collate(rollouts, prompt_length):
+    def recording_collate(rollouts, prompt_length, *overlong):
         consumed.extend((r.group_id, r.prompt_id, r.policy_version) for r in rollouts)
-        return real_collate(rollouts, prompt_length)
+        return real_collate(rollouts, prompt_length, *overlong)
 
     def recording_build_run(config):
         runs.append(real_build_run(config))

@@ -217,10 +217,10 @@ def test_async_resume_reuses_no_group_and_keeps_the_bound(tmp_path, digit_task, 
     consumed = []
     real_collate = run_lib.collate
 
-    def recording_collate(rollouts, prompt_length):
+    def recording_collate(rollouts, prompt_length, *overlong):
         consumed.extend((r.group_id, r.prompt_id) for r in rollouts)
         time.sleep(0.5)  # A slow learner: the workers run ahead to the staleness bound.
-        return real_collate(rollouts, prompt_length)
+        return real_collate(rollouts, prompt_length, *overlong)
 
     monkeypatch.setattr(run_lib, "collate", recording_collate)
     first = dataclasses.replace(_async_config(tmp_path, stop, workers=2), checkpoint_every=stop)

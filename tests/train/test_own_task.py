@@ -76,9 +76,9 @@ def any_own_task(request, own_task, tmp_path):
 def test_own_task_and_reward_module_train_through_the_cli(any_own_task, tmp_path, monkeypatch):
     captured = []
 
-    def recording_collate(rollouts, prompt_length):
+    def recording_collate(rollouts, prompt_length, *overlong):
         captured.append(list(rollouts))
-        return collate(rollouts, prompt_length)
+        return collate(rollouts, prompt_length, *overlong)
 
     collate = run_lib.collate
     monkeypatch.setattr(run_lib, "collate", recording_collate)
@@ -123,8 +123,9 @@ def test_a_run_refused_before_its_first_step_leaves_nothing(own_task, tmp_path, 
     with pytest.raises(SystemExit) as e:
         main([*argv, "--set", "generation.prompt_length=4"])  # Every prompt is longer.
     assert e.value.code == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "generation.prompt_length=4" in err[0], err
+    *progress, err = capsys.readouterr().err.strip().splitlines()
+    assert "generation.prompt_length=4" in err and err.startswith("gac-jax train: error:"), err
+    assert progress == ["step 0: compiling the sampler and making the first rollouts"]
     assert not out.exists()
     assert main(argv) == 0  # The retry is not refused as "already holds a run".
     assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == [0, 1, 2]

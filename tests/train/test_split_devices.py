@@ -100,9 +100,9 @@ def test_async_training_on_split_devices(tmp_path, digit_task, monkeypatch):
         run.generator.sampler = SpyingSampler()
         return run
 
-    def recording_collate(rollouts, prompt_length):
+    def recording_collate(rollouts, prompt_length, *overlong):
         consumed.append(list(rollouts))
-        return real_collate(rollouts, prompt_length)
+        return real_collate(rollouts, prompt_length, *overlong)
 
     monkeypatch.setattr(loop, "build_run", spying_build_run)
     monkeypatch.setattr(run_lib, "collate", recording_collate)

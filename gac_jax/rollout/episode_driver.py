@@ -82,12 +82,15 @@ class EpisodeSettings:
       max_observation_tokens: K, the longest observation `respond` may give (a longer one
         raises ValueError: cutting it is `respond`'s to do, where the tokens' meaning is
         known).
+      chunk_steps: decode steps between two looks at `params_fn` and at the environments'
+        answers, >= 1 (the run's: `gac_jax.rollout.sampling.SampleSettings.chunk_steps`).
       max_turns: an episode whose turn count reaches this ends at that turn's end
         without asking `respond` (None: no limit).
     """
 
     turn_end_ids: Sequence[int | Sequence[int]]
     max_observation_tokens: int
+    chunk_steps: int
     max_turns: int | None = None
 
     def __post_init__(self):
@@ -101,9 +104,9 @@ class EpisodeSampler:
     Example::
 
         episodes = EpisodeSampler(sampler)
-        settings = EpisodeSettings([tok.id(">")], max_observation_tokens=16)
+        settings = EpisodeSettings([tok.id(">")], max_observation_tokens=16, chunk_steps=16)
         out = episodes.sample(graphdef, lambda: (state, 0), prompts, mask, key,
-                              respond=respond, settings=settings, chunk_steps=16)
+                              respond=respond, settings=settings)
     """
 
     def __init__(self, sampler: Sampler):
@@ -119,7 +122,6 @@ class EpisodeSampler:
         *,
         respond: Respond,
         settings: EpisodeSettings,
-        chunk_steps: int,
         sampling: Mapping[str, Any] | None = None,
     ) -> EpisodeOutput:
         """Samples one episode per prompt.
@@ -127,11 +129,9 @@ class EpisodeSampler:
         Args:
           graphdef, prompt_tokens, prompt_mask, key: as for `Sampler.__call__`.
           params_fn: `() -> (state, version)`, asked before the first prefill and every
-            `chunk_steps` decode steps (`lambda: (state, 0)` for fixed params).
+            `settings.chunk_steps` decode steps (`lambda: (state, 0)` for fixed params).
           respond: see `Respond`; called from this thread, it must not block.
           settings: see `EpisodeSettings`.
-          chunk_steps: decode steps between two looks at `params_fn` and at the
-            environments' answers, >= 1 (`gac_jax.rollout.sampling.SampleSettings`).
           sampling: the sampler's keywords (`temperature`, `top_k`, `top_p`,
             `max_new_tokens`) as for `Sampler.__call__`, as `SampleSettings.sampling`
             holds them; `max_new_tokens` (scalar or [R]) is each episode's token budget,
@@ -144,7 +144,7 @@ class EpisodeSampler:
         prompts = self.sampler.prepare(prompt_tokens, prompt_mask, key, **(sampling or {}))
         loop = _HostLoop(self.sampler, graphdef, params_fn, prompts, respond)
         loop.k, loop.max_turns = settings.max_observation_tokens, settings.max_turns
-        return loop.run(chunk_steps, turn_ids)
+        return loop.run(settings.chunk_steps, turn_ids)
 
     def sample_inflight(
         self,

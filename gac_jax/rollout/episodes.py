@@ -203,9 +203,11 @@ class EpisodeRunner:
             key,
             respond=self._responder(states, telemetry),
             settings=EpisodeSettings(
-                self.turn_end_ids, self.config.max_observation_tokens, self.config.max_turns
+                self.turn_end_ids,
+                self.config.max_observation_tokens,
+                settings.chunk_steps,
+                self.config.max_turns,
             ),
-            chunk_steps=settings.chunk_steps,
             sampling=settings.sampling,
         )
         return self._rows(out, states, telemetry)

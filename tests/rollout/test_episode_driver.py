@@ -48,13 +48,14 @@ def _prompts(seed=0):
     return np.asarray(tokens), np.asarray(mask)
 
 
-def _sample(episodes, model, seed, key, respond, params_fn=None, sampling=None, chunk_steps=16,
-            **kwargs):  # fmt: skip
+def _sample(episodes, model, seed, key, respond, params_fn=None, sampling=None, **kwargs):
     """`episodes.sample` of `_prompts(seed)` with the model's params (or `params_fn`), the
-    module's turn ends and K unless `kwargs` (`EpisodeSettings` fields) say otherwise."""
+    module's turn ends, K and 16 chunk steps unless `kwargs` (`EpisodeSettings` fields) say
+    otherwise."""
     prompt_tokens, prompt_mask = _prompts(seed)
     graphdef, state = nnx.split(model)
-    settings = EpisodeSettings(**{"turn_end_ids": TURN_END, "max_observation_tokens": K, **kwargs})
+    defaults = {"turn_end_ids": TURN_END, "max_observation_tokens": K, "chunk_steps": 16}
+    settings = EpisodeSettings(**{**defaults, **kwargs})
     return episodes.sample(
         graphdef,
         params_fn or (lambda: (state, 0)),
@@ -63,7 +64,6 @@ def _sample(episodes, model, seed, key, respond, params_fn=None, sampling=None, 
         jax.random.key(key),
         respond=respond,
         settings=settings,
-        chunk_steps=chunk_steps,
         sampling=sampling,
     )
 
@@ -263,8 +263,8 @@ def test_a_turn_ends_where_the_policy_writes_a_turn_end_sequence(model, episodes
     tokens, policy = np.asarray(out.tokens), np.asarray(out.completion_mask)
     observed = np.asarray(out.observation_mask)
 
-    def ends(turn, i):  # Whether turn[: i + 1] ends with a turn end.
-        pair = i >= 1 and turn[i - 1] % 3 == 0 and turn[i] % 3 == 0
+    def ends(turn, i):  # Whether turn[: i + 1] ends with a turn end (0 is in no pair).
+        pair = i >= 1 and all(t > 0 and t % 3 == 0 for t in turn[i - 1 : i + 1])
         return pair or turn[i] == 4
 
     pair_ends = 0

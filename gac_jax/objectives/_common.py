@@ -10,11 +10,9 @@ import jax.numpy as jnp
 from gac_jax._validation import check_choice  # noqa: F401 - re-exported to the objectives
 from gac_jax.numerics import masked_mean  # noqa: F401 - re-exported to the objectives
 
-# Log-ratios are clamped to [-MAX_LOG_RATIO, MAX_LOG_RATIO] before `exp` wherever a ratio
-# value (not only its logarithm) is needed: exp(20) ~ 4.9e8 is far beyond any clip bound
-# in use, so the clamp changes nothing a method relies on, and it keeps values and
-# gradients finite for log-probabilities of any size. Beyond the clamp the ratio (and its
-# gradient) is held constant. verl clamps its PPO log-ratios at the same +-20.
+# Log-ratios are clamped to +-MAX_LOG_RATIO before `exp` wherever a ratio value is needed:
+# exp(20) ~ 4.9e8 is far beyond any clip bound, and values and gradients stay finite for
+# log-probabilities of any size (beyond the clamp the ratio is constant). verl clamps at +-20.
 MAX_LOG_RATIO = 20.0
 
 
@@ -104,11 +102,8 @@ def sequence_valid(mask_bt: jax.Array) -> jax.Array:
 
 
 def ppo_clip_flags(ratio_bt, adv_bt, lower, upper, dual_clip):
-    """Masks of the tokens a PPO clip silences (zero gradient): ``(low, high, dual)``.
-
-    high: A > 0 and r > upper; low: A < 0 and r < lower; dual (dual clip c, None for
-    none): A < 0 and r > c.
-    """
+    """Masks of the tokens a PPO clip silences, ``(low, high, dual)``: A < 0 and r < lower,
+    A > 0 and r > upper, A < 0 and r > dual_clip (None: no dual clip)."""
     high_bt = (adv_bt > 0) & (ratio_bt > upper)
     low_bt = (adv_bt < 0) & (ratio_bt < lower)
     dual_bt = (
@@ -123,10 +118,12 @@ def fraction(flags_bt, mask_bt) -> jax.Array:
 
 
 def clip_fraction_stats(low_bt, high_bt, dual_bt, mask_bt) -> dict[str, jax.Array]:
-    """The shares of valid tokens each clip silenced (no gradient)."""
-    return {
+    """The shares of valid tokens each clip silenced (no gradient); no dual one for None."""
+    stats = {
         "clip_fraction": fraction(low_bt | high_bt, mask_bt),
         "clip_fraction_low": fraction(low_bt, mask_bt),
         "clip_fraction_high": fraction(high_bt, mask_bt),
-        "dual_clip_fraction": fraction(dual_bt, mask_bt),
     }
+    if dual_bt is not None:
+        stats["dual_clip_fraction"] = fraction(dual_bt, mask_bt)
+    return stats

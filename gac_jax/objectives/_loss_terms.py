@@ -11,8 +11,7 @@ from gac_jax.objectives._common import (
     check_nonnegative,
     check_tokens,
     clamped_exp,
-    clip_fraction_stats,  # noqa: F401 - re-exported to the loss modules
-    fraction,
+    clip_fraction_stats,
     is_python_number,
     masked_log_ratio,
     masked_mean,
@@ -83,7 +82,5 @@ def _trust_region_pg(logp_bt, mask_bt, adv_bt, ell_bt, weight_bt, low_bt, high_b
     low_bt, high_bt = low_bt & mask_bt, high_bt & mask_bt
     weight_bt = jnp.where(low_bt | high_bt, 0.0, weight_bt)
     loss, aux = _weighted_pg(logp_bt, mask_bt, adv_bt, ell_bt, weight_bt, aggregation)
-    aux["clip_fraction"] = fraction(low_bt | high_bt, mask_bt)
-    aux["clip_fraction_low"] = fraction(low_bt, mask_bt)
-    aux["clip_fraction_high"] = fraction(high_bt, mask_bt)
+    aux.update(clip_fraction_stats(low_bt, high_bt, None, mask_bt))
     return loss, aux

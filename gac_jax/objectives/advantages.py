@@ -60,13 +60,10 @@ def grpo_advantages(
         A_i = \frac{R_i - \operatorname{mean}_{j \in g(i)} R_j}
                    {\operatorname{std}_{j \in g(i)} R_j + \epsilon}
 
-    The std is the sample std (``std_ddof=1``, as ``torch.std`` in verl and TRL) and
-    :math:`\epsilon = 10^{-6}` (verl's default). A group of one member, or whose rewards
-    are all equal, gets advantage 0 (verl instead gives a singleton group its raw reward).
-
-    Args:
-      epsilon: added to the std, :math:`\ge 0`.
-      std_ddof: 1 (sample std) or 0 (population std).
+    The std is the sample std by default (``std_ddof=1``, as ``torch.std`` in verl and TRL;
+    0: population std) and :math:`\epsilon = 10^{-6}` (verl's default). A group of one
+    member, or whose rewards are all equal, gets advantage 0 (verl instead gives a
+    singleton group its raw reward).
 
     Returns:
       ``(advantages, aux)``: [B] float32, and per-sequence ``aux["baseline"]`` (the group
@@ -157,22 +154,18 @@ def vcpo_advantages(
         \qquad
         A_i = \frac{R_i - b^*_{g(i)}}{\operatorname{std}_{j\in g(i)} R_j + \epsilon}
 
-    with :math:`w_i = \pi_\theta(\tau_i)/\mu(\tau_i)` the sequence importance weight. It
-    minimises the variance of the importance-weighted policy gradient
-    :math:`w_i (R_i - b)\nabla\log\pi(\tau_i)` over constant baselines. The weights
-    :math:`v_i` are formed in log space and normalised per group (a softmax), so
-    log-weights of any size are safe; a group whose weights are all zero falls back to its
-    plain mean. The std normalisation of GRPO is kept (population std by default, as the
-    official code, mit-han-lab/vcpo ``compute_grad_info``; the official code skips the
-    division when the std is below 1e-8, here :math:`\epsilon` guards it).
+    with :math:`w_i = \pi_\theta(\tau_i)/\mu(\tau_i)` the sequence importance weight: the
+    constant baseline of least variance for :math:`w_i (R_i - b)\nabla\log\pi(\tau_i)`.
+    The :math:`v_i` are normalised per group in log space (a softmax); a group whose
+    weights are all zero falls back to its plain mean. GRPO's std normalisation is kept
+    (population std by default, as mit-han-lab/vcpo ``compute_grad_info``, which skips the
+    division below 1e-8 where :math:`\epsilon` guards it here).
 
-    The authors' released code (mit-han-lab/vcpo at c7f030f) weighs differently:
-    its recorded norm is that of the truncated-IS-weighted loss, :math:`\min(w_i, c)
-    \|\nabla\log\pi(\tau_i)\|` (``megatron_actor.py`` L777-786), which
-    ``staleness_utils.py`` L447-459 square and multiply by :math:`w_i^2` again:
-    :math:`v_i = \min(w_i, c)^2\, w_i^2 \|\nabla\log\pi(\tau_i)\|^2`, about
-    :math:`w_i^4` where the paper has :math:`w_i^2`. ``baseline_weights="released"``
-    reproduces it.
+    The released code (mit-han-lab/vcpo at c7f030f) records the norm of the
+    truncated-IS-weighted loss, :math:`\min(w_i, c) \|\nabla\log\pi(\tau_i)\|`
+    (``megatron_actor.py`` L777-786), which ``staleness_utils.py`` L447-459 square and
+    multiply by :math:`w_i^2` again: :math:`v_i = \min(w_i, c)^2\, w_i^2
+    \|\nabla\log\pi(\tau_i)\|^2`, about :math:`w_i^4` (``baseline_weights="released"``).
 
     Args:
       log_weights: [B] sequence log importance weights :math:`\log w_i`, e.g.
@@ -181,9 +174,7 @@ def vcpo_advantages(
         squared gradient norms of the token-sum log-likelihood (the released code's
         norm) for small models, or a proxy (`grad_sq_norm_proxy`) for large ones. The
         caller reports which one it used.
-      normalize_std: divide by the group std (True) or not.
-      epsilon: added to the std.
-      std_ddof: 0 (population std, VCPO's code) or 1.
+      normalize_std, epsilon, std_ddof: as `grpo_advantages` (std_ddof 0: VCPO's code).
       baseline_weights: "paper" (:math:`w^2 \|\nabla\|^2`, the paper's formula) or
         "released" (:math:`\min(w, c)^2 w^2 \|\nabla\|^2`, the authors' code).
       cap: :math:`c`, the truncation cap of "released" (their ``rollout_is_threshold``).

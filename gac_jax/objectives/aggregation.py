@@ -55,17 +55,12 @@ def aggregate(
       here makes the mode a mean over sequences, as its name says.
 
     Sequences without a valid token are left out of the sequence means, so padding rows do
-    not dilute the loss. When nothing is valid every mode returns 0.
+    not dilute the loss. When nothing is valid every mode returns 0 (a float32 scalar).
 
     Args:
-      loss_bt: per-token loss, [B, T].
       mask_bt: [B, T] bool (or float: nonzero is valid).
-      aggregation: one of `AGGREGATIONS`.
       max_tokens: the constant :math:`T_{\max}` of ``seq-mean-token-sum-norm``; defaults
         to T. Keep it fixed across steps (e.g. the generation budget) to replicate Dr. GRPO.
-
-    Returns:
-      A float32 scalar.
     """
     check_aggregation(aggregation)
     loss_bt = as_float(loss_bt)
@@ -100,9 +95,8 @@ def aggregation_size(mask_bt: jax.Array, aggregation: str = "token-mean") -> jax
     size(P_k) / size(batch)`` exactly, with ``size`` the valid tokens for ``token-mean``,
     the sequences with a valid token for ``seq-mean-token-mean`` and
     ``seq-mean-token-sum``, and the rows for ``seq-mean-token-sum-norm`` (its normaliser
-    counts every row; modes as in DAPO, arXiv 2503.14476, and Dr. GRPO, arXiv 2503.20783). A
-    learner weighs its micro-batches' losses and gradients by it. Arguments and result as
-    `aggregate`'s.
+    counts every row; modes of DAPO, arXiv 2503.14476). A learner weighs its micro-batches'
+    losses and gradients by it.
     """
     check_aggregation(aggregation)
     mask_bt = jnp.asarray(mask_bt) != 0

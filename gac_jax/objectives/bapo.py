@@ -109,22 +109,15 @@ def bapo_clip_bounds(
     ``"clamped"`` counts :math:`|A_t| \min(r, c_{high})` and :math:`|A_t| \max(r, c_{low})`
     over all tokens, as the official verl recipe does; there raising :math:`c_{low}` enlarges
     the negative side and can lower :math:`\rho`. The defaults are those the official
-    README gives for the paper: :math:`\rho_0 = 0.5`, :math:`[a^-, b^-] = [0.6, 0.9]`,
-    :math:`[a^+, b^+] = [1.2, 3.0]`; step 0.05 as in the recipe's config.
+    README gives for the paper; step 0.05 as in the recipe's config. The search is a
+    `jax.lax.while_loop` over integer step counts (hyperparameters: Python numbers); the
+    bounds carry no gradient.
 
     Args:
-      logp, behaviour_logp, advantages, mask: see the module docstring.
       target_positive_share: :math:`\rho_0 \in [0, 1]`.
       low_start, low_max, low_step: :math:`a^-, b^-, \delta^-` of the lower ratio bound.
       high_start, high_max, high_step: :math:`a^+, b^+, \delta^+` of the upper ratio bound.
       contribution: ``"unclipped"`` or ``"clamped"``.
-
-    The search is a `jax.lax.while_loop` over integer step counts (at most
-    :math:`\lceil (b^- - a^-)/\delta^- \rceil + \lceil (b^+ - a^+)/\delta^+ \rceil` iterations);
-    the bounds carry no gradient. Search hyperparameters must be Python numbers.
-
-    Returns:
-      `BAPOBounds`.
     """
     _check_bapo(
         contribution,
@@ -195,14 +188,9 @@ def bapo_loss(
     :math:`c = 3` of the official recipe (None disables it).
 
     Args:
-      logp, behaviour_logp, advantages, mask: see the module docstring.
-      dual_clip: :math:`c > 1` or None.
-      aggregation: see `aggregate`.
       bounds: the bounds `bapo_clip_bounds` chose on the whole batch, when this call sees
         only part of it (a micro-batch); None searches on this call's inputs.
-      **search: `bapo_clip_bounds`'s keyword arguments (``target_positive_share``,
-        ``low_start``, ``low_max``, ``low_step``, ``high_start``, ``high_max``,
-        ``high_step``, ``contribution``); any other is a TypeError.
+      **search: `bapo_clip_bounds`'s keyword arguments; any other is a TypeError.
 
     Returns:
       ``(loss, aux)``: the diagnostics of `ppo_clip_loss` plus ``clip_low``,

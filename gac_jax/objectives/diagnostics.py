@@ -1,12 +1,9 @@
 """Off-policy diagnostics: effective sample size, ratio statistics, clip and mask
 fractions, the second moment of the log-ratio, and KL(behaviour || current).
 
-All functions return float32 scalars (or dicts of them) without gradient, finite for
-log-probabilities of any magnitude. Token statistics count valid tokens only; with no
-valid token, ratio statistics report the neutral value 1 and the others 0.
-
-Their arrays: `logp` [B, T], current-policy log-probabilities; `behaviour_logp` [B, T],
-behaviour-policy log-probabilities; `mask` [B, T], valid tokens; `advantages` [B] or [B, T].
+All return float32 scalars (or dicts of them) without gradient, finite for log-probabilities
+of any magnitude, over valid tokens only; with no valid token, ratio statistics are 1 and
+the others 0. Arrays as in `gac_jax.objectives.importance`.
 """
 
 from __future__ import annotations
@@ -55,11 +52,8 @@ def sequence_ess(
         \rho = \mathrm{ESS}/n
 
     over the :math:`n` sequences with at least one valid token (VCPO, arXiv 2602.17616,
-    uses :math:`\rho` to detect collapse and to scale the step). Delegates to
-    `gac_jax.numerics.effective_sample_size`, which shifts by the largest log weight.
-
-    Returns:
-      ``{"ess", "ess_ratio"}``.
+    uses :math:`\rho` to detect collapse and to scale the step). Returns ``{"ess",
+    "ess_ratio"}``.
     """
     ell_bt, mask_bt = _inputs(logp, behaviour_logp, mask)
     result = effective_sample_size(jnp.sum(ell_bt, axis=-1), where=sequence_valid(mask_bt))
@@ -76,14 +70,10 @@ def ratio_statistics(
     r"""Mean, min, max and quantiles of the token ratio :math:`r = \pi_\theta/\mu` over
     valid tokens, plus the largest :math:`|\log r|`.
 
-    Ratios are :math:`\exp` of the log-ratio clamped to :math:`\pm 20` (so a ratio stat
-    saturates at :math:`e^{\pm 20}`); ``log_ratio_abs_max`` is exact. The ratio is PPO's
-    :math:`r_t(\theta)` (arXiv 1707.06347, Eq. 6); heavy upper quantiles are the symptom
-    VCPO (arXiv 2602.17616) and M2PO (arXiv 2510.01161) describe for stale rollouts. Quantiles use
-    linear interpolation (NumPy's default).
-
-    Args:
-      quantiles: levels in [0, 1].
+    Ratios saturate at :math:`e^{\pm 20}` (the clamp); ``log_ratio_abs_max`` is exact.
+    Heavy upper quantiles are the symptom VCPO (arXiv 2602.17616) and M2PO
+    (arXiv 2510.01161) describe for stale rollouts. `quantiles` are levels in [0, 1],
+    linearly interpolated (NumPy's default).
 
     Returns:
       A dict with ``ratio_mean``, ``ratio_min``, ``ratio_max``, ``ratio_q{100 q}`` (e.g.
@@ -124,11 +114,8 @@ def kl_behaviour_current(
 
     With :math:`\ell = \log\pi_\theta - \log\mu` per valid token: ``kl_k1`` is the mean of
     :math:`-\ell` (verl's ``ppo_kl``) and ``kl_k3`` the mean of :math:`e^{\ell} - 1 - \ell`
-    (Schulman's low-variance, non-negative estimator, http://joschu.net/blog/kl-approx.html;
-    see `kl_estimate`). DESIGN.md asks every run to report it.
-
-    Returns:
-      ``{"kl_k1", "kl_k3"}``.
+    (Schulman's non-negative estimator, http://joschu.net/blog/kl-approx.html). Returns
+    ``{"kl_k1", "kl_k3"}``.
     """
     ell_bt, mask_bt = _inputs(logp, behaviour_logp, mask)
     k3_bt = kl_estimate(jnp.zeros_like(ell_bt), ell_bt, estimator="k3")
@@ -152,11 +139,7 @@ def clip_fractions(
     - ``dual_clip_fraction``: :math:`A < 0,\ r > c` (dual clip, arXiv 1912.09729);
     - ``clip_fraction``: low + high.
 
-    The same numbers `ppo_clip_loss` reports, for logging without computing the loss.
-
-    Args:
-      eps_low, eps_high: clip ranges.
-      dual_clip: :math:`c > 1`, or None.
+    The same numbers `ppo_clip_loss` reports (same arguments), without the loss.
     """
     check_nonnegative("eps_low", eps_low)
     check_nonnegative("eps_high", eps_high)
@@ -182,10 +165,9 @@ def off_policy_diagnostics(
     *,
     quantiles: Sequence[float] = DEFAULT_QUANTILES,
 ) -> dict[str, jax.Array]:
-    """Everything a step should log about how off-policy its batch is: `sequence_ess`
-    (VCPO, arXiv 2602.17616), `ratio_statistics`, ``m2`` (`second_moment`, M2PO,
-    arXiv 2510.01161), `kl_behaviour_current`, and ``num_valid_tokens``. One dict of
-    float32 scalars, ready for a metrics writer."""
+    """Everything a step should log about how off-policy its batch is, in one dict:
+    `sequence_ess` (VCPO, arXiv 2602.17616), `ratio_statistics`, ``m2`` (`second_moment`,
+    M2PO, arXiv 2510.01161), `kl_behaviour_current` and ``num_valid_tokens``."""
     logp_bt, behaviour_bt, mask_bt = check_tokens(logp, behaviour_logp, mask)
     out = dict(sequence_ess(logp_bt, behaviour_bt, mask_bt))
     out.update(ratio_statistics(logp_bt, behaviour_bt, mask_bt, quantiles=quantiles))

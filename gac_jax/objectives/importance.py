@@ -1,13 +1,11 @@
 """Importance ratios between the current and the behaviour policy, and the corrections
 built on them: truncated IS (TIS), masked IS (MIS), IcePop's band and M2PO's masks.
 
-Every weight returned here carries no gradient (it is a correction factor, as verl's
-``rollout_is_weights``), and every mask is a new boolean [B, T] array: tokens it drops are
-meant to contribute exactly zero to a loss. Sequence-level ratios are formed in log space.
-
-Their arrays: `logp` [B, T], log-probabilities of the current policy (the one corrected
-towards); `behaviour_logp` [B, T], those of the sampling (behaviour) policy; `mask` [B, T],
-valid tokens; `advantages` [B] or [B, T].
+Every weight returned here carries no gradient (a correction factor, as verl's
+``rollout_is_weights``); every mask is a new bool [B, T] array of the tokens a loss keeps.
+Sequence-level ratios are formed in log space. Arrays: `logp` [B, T] (current policy),
+`behaviour_logp` [B, T] (sampling policy), `mask` [B, T] valid tokens, `advantages` [B] or
+[B, T].
 """
 
 from __future__ import annotations
@@ -85,9 +83,6 @@ def sequence_log_ratio(
     - ``"mean"``: :math:`\frac{1}{n_b}\sum_t \ell_{bt}`, the log of the geometric mean
       (GSPO, arXiv 2507.18071, Eq. 7). 0 for a sequence without valid tokens.
 
-    Args:
-      mode: ``"sum"`` or ``"mean"``.
-
     Returns:
       [B] float32 (logs, so no overflow however large the log-probabilities).
     """
@@ -121,14 +116,8 @@ def importance_ratio(
     - ``"sequence"``: :math:`w_b = \prod_t r_{bt}` broadcast to the tokens of sequence b.
     - ``"geometric"``: :math:`s_b = (\prod_t r_{bt})^{1/n_b}` broadcast (GSPO).
 
-    The log-ratio is clamped to :math:`\pm 20` before ``exp`` (see
-    `gac_jax.objectives._common.MAX_LOG_RATIO`).
-
-    Args:
-      level: ``"token"``, ``"sequence"`` or ``"geometric"``.
-
     Returns:
-      [B, T] float32, 0 on padded tokens.
+      [B, T] float32, 0 on padded tokens; the log-ratio is clamped to :math:`\pm 20`.
     """
     logp, behaviour_logp, mask_bt = check_tokens(logp, behaviour_logp, mask)
     ell_bt = _level_log_ratio(logp, behaviour_logp, mask_bt, level)
@@ -145,17 +134,12 @@ def truncated_importance_weights(
 ) -> ImportanceWeights:
     r"""Truncated importance sampling (TIS): :math:`w = \min(\pi_\theta/\mu,\ C)`.
 
-    Computed as :math:`\exp(\min(\ell, \log C))`, exact for any log-ratio. Token level
-    truncates each token's ratio; ``"sequence"`` truncates the product
-    :math:`\prod_t r_{bt}` and ``"geometric"`` the geometric mean, the same weight for
-    every token of a sequence. F. Yao et al., "Your Efficient RL Framework Secretly Brings
-    You Off-Policy RL Training" (2025, https://fengyao.notion.site/off-policy-rl) use
-    :math:`C = 2` for the rollout/trainer mismatch; TOPR (arXiv 2503.14286) truncates the
-    sequence ratio, and VCPO (arXiv 2602.17616) compares against sequence-level TIS.
-
-    Args:
-      cap: :math:`C > 0`.
-      level: ``"token"``, ``"sequence"`` or ``"geometric"``.
+    Computed as :math:`\exp(\min(\ell, \log C))`, exact for any log-ratio, at `level`
+    (as `importance_ratio`'s; sequence levels give every token of a sequence one weight).
+    F. Yao et al., "Your Efficient RL Framework Secretly Brings You Off-Policy RL Training"
+    (2025, https://fengyao.notion.site/off-policy-rl) use :math:`C = 2` for the
+    rollout/trainer mismatch; TOPR (arXiv 2503.14286) truncates the sequence ratio, and VCPO
+    (arXiv 2602.17616) compares against sequence-level TIS.
 
     Returns:
       `ImportanceWeights`; the mask is unchanged, ``fraction`` is the share of valid
@@ -197,17 +181,12 @@ def masked_importance_weights(
 
         w = \frac{\pi_\theta}{\mu}\,\mathbb{1}\!\left[L \le \frac{\pi_\theta}{\mu} \le C\right]
 
-    (with no lower bound unless `lower` is given). Unlike TIS, which keeps the sample with
-    a capped weight, MIS rejects it. At ``"sequence"`` level one outlying token removes
-    its whole sequence, at ``"geometric"`` level the geometric mean is tested (Geo-MIS):
-    the sequence-level MIS of Liu, Li et al., "When Speed Kills Stability: Demystifying RL
-    Collapse from the Training-Inference Mismatch" (2025, https://richardli.xyz/rl-collapse),
-    as merged into verl's rollout correction.
-
-    Args:
-      cap: upper bound :math:`C > 0`.
-      lower: optional lower bound :math:`L \ge 0`.
-      level: ``"token"``, ``"sequence"`` or ``"geometric"``.
+    (:math:`L \ge 0` only if `lower` is given; :math:`C > 0` is `cap`). Unlike TIS, which
+    keeps the sample with a capped weight, MIS rejects it. At ``"sequence"`` level one
+    outlying token removes its whole sequence, at ``"geometric"`` level the geometric mean
+    is tested (Geo-MIS): the sequence-level MIS of Liu, Li et al., "When Speed Kills
+    Stability: Demystifying RL Collapse from the Training-Inference Mismatch" (2025,
+    https://richardli.xyz/rl-collapse), as merged into verl's rollout correction.
 
     Returns:
       `ImportanceWeights`; ``mask`` drops the rejected tokens, ``fraction`` is their share
@@ -237,14 +216,9 @@ def icepop_weights(
         M(k) = \begin{cases} k & \alpha \le k \le \beta \\ 0 & \text{otherwise}\end{cases},
         \qquad k = \frac{\pi_{\mathrm{train}}(y_t)}{\pi_{\mathrm{infer}}(y_t)}
 
-    Tokens whose training/inference probability ratio leaves the band
-    :math:`[\alpha, \beta]` (defaults 0.5 and 5, the paper's values) are excluded from the
-    gradient; the others are corrected by their ratio.
-
-    Args:
-      logp, behaviour_logp: the training and the inference engine's log-probabilities.
-      low: :math:`\alpha > 0`.
-      high: :math:`\beta \ge \alpha`.
+    Tokens whose training/inference probability ratio (`logp`, `behaviour_logp`) leaves
+    the band :math:`[\alpha, \beta]` = [`low`, `high`] (the paper's 0.5 and 5) are excluded
+    from the gradient; the others are corrected by their ratio.
 
     Returns:
       `ImportanceWeights` (token level).
@@ -273,20 +247,14 @@ def m2po_mask(
         r_i = \frac{\pi_\theta(y_i)}{\pi_{\mathrm{behav}}(y_i)}
 
     Tokens are dropped in decreasing order of :math:`(\log r_i)^2` until the mean over the
-    kept tokens is strictly below :math:`\tau_{M_2}` (0.04 in the paper): the fewest drops
-    that achieve it, largest first, as in AReaL's ``get_m2po_loss_mask``. Found with one
-    sort and a cumulative sum (no loop): keeping the :math:`m` smallest values is feasible
-    iff their sum is below :math:`m\,\tau_{M_2}`, and that mean grows with :math:`m`, so the
-    largest feasible :math:`m` is kept. Sums run from the smallest value up, so dropping a
-    huge value never cancels the small ones it leaves.
-
-    When even the smallest value is :math:`\ge \tau_{M_2}` every token is dropped (AReaL
-    instead keeps one token, which leaves the mean above the threshold); the loss is then
-    zero, a skipped step. Ties at the boundary are broken by position.
-
-    Args:
-      logp: the current policy's (AReaL passes the proximal policy's).
-      tau_m2: threshold :math:`\tau_{M_2} \ge 0`.
+    kept tokens is strictly below :math:`\tau_{M_2}` = `tau_m2` (0.04 in the paper): the
+    fewest drops, largest first, as AReaL's ``get_m2po_loss_mask`` (which is passed the
+    proximal policy's `logp`). One sort and a cumulative sum: keeping the :math:`m` smallest
+    values is feasible iff their sum is below :math:`m\,\tau_{M_2}`, and that mean grows
+    with :math:`m`. Sums run from the smallest value up, so a huge value never cancels the
+    small ones. When even the smallest value is :math:`\ge \tau_{M_2}` every token is
+    dropped (AReaL keeps one, leaving the mean above the threshold): a zero loss, a skipped
+    step. Ties at the boundary are broken by position.
 
     Returns:
       `M2POMask` (no gradient flows through it).
@@ -347,12 +315,8 @@ def m2po_harmful_clip(
     the cap gets zero gradient, so ``mask`` marks exactly the tokens whose gradient survives.
 
     Within budget (or with no harmful token) the bounds are unconstraining:
-    :math:`\tau = 20` (`MAX_LOG_RATIO`), which no clamped ratio exceeds. The official
-    code's 1e-12 tolerances are dropped.
-
-    Args:
-      tau_m2: the M2 budget (0.04 in the official scripts).
-      min_eps_low, min_eps_high: optional lower limits on the clip ranges.
+    :math:`\tau = 20` (`MAX_LOG_RATIO`). The official code's 1e-12 tolerances are dropped;
+    its scripts' budget `tau_m2` is 0.04.
 
     Returns:
       `M2POHarmfulClip` (no gradient).

@@ -20,12 +20,7 @@ from gac_jax.objectives.aggregation import aggregate, check_aggregation
 KL_ESTIMATORS = ("k1", "k2", "k3")
 
 
-def kl_estimate(
-    logp: jax.Array,
-    reference_logp: jax.Array,
-    *,
-    estimator: str = "k3",
-) -> jax.Array:
+def kl_estimate(logp: jax.Array, reference_logp: jax.Array, *, estimator: str = "k3") -> jax.Array:
     r"""Per-sample estimate of :math:`\mathrm{KL}(\pi \,\|\, \pi_{\mathrm{ref}})` from
     samples of :math:`\pi`.
 
@@ -39,16 +34,8 @@ def kl_estimate(
 
     For ``k3``, :math:`e^{\delta}` is continued by its tangent line beyond
     :math:`|\delta| = 20` (`MAX_LOG_RATIO`), so log-probabilities of any size give a finite
-    value and a finite gradient of the right sign (the estimate keeps growing in
-    :math:`|\delta|`); inside the band the formula is exact.
-
-    Args:
-      logp: log-probabilities under :math:`\pi`, any shape.
-      reference_logp: log-probabilities under :math:`\pi_{\mathrm{ref}}`, same shape.
-      estimator: ``"k1"``, ``"k2"`` or ``"k3"``.
-
-    Returns:
-      Elementwise estimates, float32, the shape of `logp`.
+    value and a finite gradient of the right sign; inside the band the formula is exact.
+    `logp` and `reference_logp` have any one shape; the estimates (float32) have it too.
     """
     check_choice("estimator", estimator, KL_ESTIMATORS)
     check_same_shape(logp=logp, reference_logp=reference_logp)
@@ -76,13 +63,8 @@ def kl_penalty(
     Added to a policy loss, this is GRPO's KL regulariser (arXiv 2402.03300, Eq. 3, with
     ``k3``). The default :math:`\beta = 10^{-3}` is verl's ``kl_loss_coef`` default.
 
-    Args:
-      logp: current-policy log-probabilities, [B, T].
-      reference_logp: reference-policy log-probabilities, [B, T].
-      mask: [B, T] valid tokens.
-      estimator: see `kl_estimate`.
-      coef: penalty coefficient :math:`\beta \ge 0`.
-      aggregation: see `aggregate`.
+    `logp`, `reference_logp` and `mask` are [B, T]; `estimator` as `kl_estimate`'s,
+    `aggregation` as `aggregate`'s.
 
     Returns:
       ``(loss, aux)``: the scaled penalty, and ``aux["kl"]`` the token-mean KL estimate

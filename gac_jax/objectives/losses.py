@@ -1,24 +1,14 @@
-"""Policy losses for (off-policy) RL of language models, as pure array functions.
+"""Ratio-based policy losses, as pure array functions (BAPO, M2PO, VESPO/DPPO, trajectory
+balance and the naive baselines have modules of their own, with the same signature).
 
-This module holds the ratio-based losses; BAPO (`bapo`), M2PO (`m2po`) and trajectory
-balance (`trajectory_balance`) have modules of their own.
-
-Every loss has the signature ``loss_fn(logp, behaviour_logp, advantages, mask, *, ...)``
-and returns ``(loss, aux)``:
-
-- ``logp``: [B, T] log-probabilities of the sampled tokens under the policy being trained
-  (the only input a gradient flows into);
-- ``behaviour_logp``: [B, T] log-probabilities under the policy that sampled them;
-- ``advantages``: [B] (one per sequence, broadcast to its tokens) or [B, T]; the
-  trajectory-balance loss takes raw rewards [B] in this position;
-- ``mask``: [B, T] valid tokens (bool, or float with nonzero = valid). Padded tokens
-  contribute exactly zero to the loss and to its gradient, whatever values they hold;
-- ``aggregation``: the reduction of the per-token loss, see `aggregate`;
-- ``aux``: a dict of float32 scalar diagnostics, without gradient.
-
-The loss is minimised (it is the negative of the paper's objective). Where a ratio value
-is needed the log-ratio is clamped to +-20 first (see `MAX_LOG_RATIO`), so log-probs of any
-magnitude give finite values and gradients; beyond the clamp the ratio is held constant.
+Every loss is ``loss_fn(logp, behaviour_logp, advantages, mask, *, ...) -> (loss, aux)``:
+``logp`` [B, T] under the policy being trained (the only input a gradient flows into),
+``behaviour_logp`` [B, T] under the policy that sampled the tokens, ``advantages`` [B]
+(broadcast to the tokens) or [B, T], ``mask`` [B, T] valid tokens (bool, or nonzero
+float: padded tokens contribute exactly zero to the loss and its gradient), ``aggregation``
+as `aggregate`'s; ``aux`` holds float32 scalar diagnostics without gradient. The loss is
+minimised (the negative of the paper's objective); ratios come from log-ratios clamped to
++-20 (`MAX_LOG_RATIO`), so log-probs of any magnitude give finite values and gradients.
 """
 
 from __future__ import annotations
@@ -68,13 +58,9 @@ def reinforce_loss(
         \qquad \nabla\mathcal{L} = -\operatorname{agg}\; w A\, \nabla\log\pi_\theta
 
     With the default :math:`w_{bt} = \pi_\theta(y_{bt})/\mu(y_{bt})` (token ratio) the
-    gradient is the per-token importance-sampled policy gradient. Pass `is_weights` to
-    use a corrected weight instead (`truncated_importance_weights`,
-    `masked_importance_weights`, `icepop_weights`, or ones for plain REINFORCE); the
-    weight never carries gradient.
-
-    Args:
-      is_weights: optional [B] or [B, T] weights.
+    gradient is the per-token importance-sampled policy gradient. `is_weights` ([B] or
+    [B, T]) replaces it with a corrected weight (`truncated_importance_weights`,
+    `masked_importance_weights`, `icepop_weights`, or ones for plain REINFORCE).
 
     Returns:
       ``(loss, aux)`` with ``weight_mean``, ``ratio_mean``, ``approx_kl``.
@@ -109,13 +95,13 @@ def ppo_clip_loss(
 
     with :math:`r = \pi_\theta/\mu`. Tokens with :math:`A > 0, r > 1+\epsilon_{high}`, with
     :math:`A < 0, r < 1-\epsilon_{low}`, or (dual clip) with :math:`A < 0, r > c` get zero
-    gradient. An optional extra weight (e.g. a TIS correction between the proximal and the
-    inference policy) multiplies each token's loss without gradient.
+    gradient.
 
     Args:
       eps_low, eps_high: clip ranges, :math:`\ge 0`.
       dual_clip: :math:`c > 1`, or None for no dual clip (verl uses 3).
-      is_weights: optional [B] or [B, T] extra weights.
+      is_weights: optional [B] or [B, T] extra weights (e.g. a TIS correction between the
+        proximal and the inference policy) multiplying each token's loss, no gradient.
 
     Returns:
       ``(loss, aux)`` with ``clip_fraction`` (= low + high), ``clip_fraction_low``,
@@ -155,15 +141,12 @@ def decoupled_ppo_loss(
         1+\epsilon_{\mathrm{high}})\big), \qquad u = \frac{\pi_\theta}{\pi_{\mathrm{prox}}}
 
     The proximal policy is a recent snapshot (in AReaL, the parameters before this update),
-    so the trust region is measured from it, however stale the behaviour policy is. With
-    `behaviour_weight_cap` set, tokens whose weight
-    :math:`\pi_{\mathrm{prox}}/\pi_{\mathrm{behav}}` exceeds it are dropped (AReaL's
-    ``behav_imp_weight_cap``); the loss keeps the normaliser of the original mask, as AReaL
-    does.
+    so the trust region is measured from it, however stale the behaviour policy is.
 
     Args:
       proximal_logp: [B, T] proximal-policy log-probabilities.
-      behaviour_weight_cap: optional cap > 0 on the behaviour weight.
+      behaviour_weight_cap: optional cap > 0: tokens whose behaviour weight exceeds it are
+        dropped (AReaL's ``behav_imp_weight_cap``), the normaliser kept, as AReaL does.
       **clip: `ppo_clip_loss`'s ``eps_low``, ``eps_high``, ``dual_clip`` and
         ``aggregation``; any other is a TypeError.
 
@@ -179,8 +162,6 @@ def decoupled_ppo_loss(
     keep_bt = mask_bt
     if behaviour_weight_cap is not None:
         keep_bt = mask_bt & (weight_bt <= behaviour_weight_cap)
-    # PPO clip against the proximal policy, each token's loss times its behaviour weight
-    # (a dropped token's weight is 0; the normaliser is the original mask's).
     is_weights = jnp.where(keep_bt, weight_bt, 0.0)
     loss, aux = ppo_clip_loss(logp, proximal_logp, advantages, mask, is_weights=is_weights, **clip)
     aux["behaviour_weight_mean"] = _sg(masked_mean(weight_bt, mask_bt, fallback=1.0))
@@ -207,15 +188,10 @@ def cispo_loss(
                     1-\epsilon_{\mathrm{low}}, 1+\epsilon_{\mathrm{high}})\big]\,
                     A_{bt}\, \log\pi_\theta(y_{bt})
 
-    Every token keeps a gradient (unlike PPO, where clipped tokens get none); its size is
-    bounded by the clipped, stop-gradient weight. The paper disables the lower bound
-    (default :math:`\epsilon_{low} = 1`, i.e. a lower ratio bound of 0; verl's recipe sets
-    10, equivalent) and tunes :math:`\epsilon_{high}` (0.2 in verl's recipe). Token-mean
-    aggregation, as in the paper.
-
-    Args:
-      eps_low, eps_high: the weight is clipped to
-        :math:`[1-\epsilon_{low}, 1+\epsilon_{high}]`.
+    Every token keeps a gradient (unlike PPO's clipped tokens), bounded by the clipped,
+    stop-gradient weight. The paper disables the lower bound (default
+    :math:`\epsilon_{low} = 1`, a lower ratio bound of 0; verl's recipe sets 10, equivalent)
+    and tunes :math:`\epsilon_{high}` (0.2 in verl's recipe); token-mean, as the paper.
 
     Returns:
       ``(loss, aux)`` with the fractions of clipped weights (``clip_fraction``,
@@ -230,11 +206,8 @@ def cispo_loss(
     loss, aux = _weighted_pg(
         logp_bt, mask_bt, adv_bt, ell_bt, jnp.clip(ratio_bt, lower, upper), aggregation
     )
-    high_bt = mask_bt & (ratio_bt > upper)
-    low_bt = mask_bt & (ratio_bt < lower)
-    aux["clip_fraction"] = fraction(low_bt | high_bt, mask_bt)
-    aux["clip_fraction_low"] = fraction(low_bt, mask_bt)
-    aux["clip_fraction_high"] = fraction(high_bt, mask_bt)
+    low_bt, high_bt = mask_bt & (ratio_bt < lower), mask_bt & (ratio_bt > upper)
+    aux.update(clip_fraction_stats(low_bt, high_bt, None, mask_bt))
     return loss, aux
 
 
@@ -263,12 +236,8 @@ def gspo_loss(
 
     :math:`s_{bt}` equals the sequence ratio in value and passes each token's gradient
     with weight :math:`s_b`; with per-sequence advantages and the default
-    ``seq-mean-token-mean`` aggregation this is exactly sequence-level GSPO, and a clipped
-    sequence gives all its tokens zero gradient. Defaults :math:`3\cdot 10^{-4}` /
-    :math:`4\cdot 10^{-4}` are the paper's ranges.
-
-    Args:
-      eps_low, eps_high: clip ranges of the sequence ratio.
+    ``seq-mean-token-mean`` aggregation this is exactly sequence-level GSPO. `eps_low`,
+    `eps_high` clip the sequence ratio (defaults: the paper's ranges).
 
     Returns:
       ``(loss, aux)``: token-level clip fractions as `ppo_clip_loss`, ``ratio_mean`` (of
@@ -310,13 +279,10 @@ def topr_loss(
                    A(\tau)\,\nabla\log\pi(\tau)
 
     Samples with non-negative advantage are learned from as in supervised fine-tuning
-    (weight 1, no importance ratio, however unlikely they have become); samples with
-    negative advantage are weighted by their sequence ratio truncated to [0, 1], which
-    stops the push-down once :math:`\pi` has left them behind. The loss is
-    :math:`-\operatorname{sg}[w_b] A_{bt} \log\pi_\theta(y_{bt})`; the sequence ratio is
-    formed in log space (:math:`\min(\sum_t \ell_{bt}, 0)`, exact for any length). The
-    default aggregation sums each sequence's tokens (:math:`\log\pi(\tau)`). Advantages
-    are normally per sequence, :math:`R(\tau)` minus a baseline.
+    (weight 1, however unlikely they have become); negative ones are weighted by their
+    sequence ratio truncated to [0, 1], which stops the push-down once :math:`\pi` has
+    left them behind. The loss is :math:`-\operatorname{sg}[w_b] A_{bt} \log\pi_\theta`,
+    the ratio formed in log space; the default aggregation sums each sequence's tokens.
 
     Returns:
       ``(loss, aux)`` with ``positive_fraction`` (valid tokens with :math:`A \ge 0`),

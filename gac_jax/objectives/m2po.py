@@ -49,11 +49,8 @@ def m2po_loss(
     whose ratio moved in the rewarded direction.
 
     Args:
-      variant: ``"mask"`` or ``"harmful_budget"``.
-      statistics: the whole batch's mask (`m2po_mask`, ``variant="mask"``) or clip
-        ranges (`m2po_harmful_clip`), when this call sees only part of the batch (a
-        micro-batch; see `m2po_batch_statistics`); None computes them from this call's
-        inputs.
+      statistics: the whole batch's `m2po_batch_statistics`, when this call sees only part
+        of the batch (a micro-batch); None computes them from this call's inputs.
       **knobs: ``tau_m2``, :math:`\tau_{M_2} \ge 0` (0.04 in the paper and the official
         scripts), and for ``harmful_budget`` ``min_eps_low`` and ``min_eps_high`` (see
         `m2po_harmful_clip`); any other is a TypeError.
@@ -71,16 +68,11 @@ def m2po_loss(
         )["statistics"]
     if variant == "harmful_budget":
         clip = statistics
+        eps = dict(eps_low=clip.eps_low, eps_high=clip.eps_high)
         loss, aux = ppo_clip_loss(
-            logp,
-            behaviour_logp,
-            advantages,
-            mask,
-            eps_low=clip.eps_low,
-            eps_high=clip.eps_high,
-            aggregation=aggregation,
+            logp, behaviour_logp, advantages, mask, **eps, aggregation=aggregation
         )
-        aux.update(_statistics_aux(clip), eps_low=clip.eps_low, eps_high=clip.eps_high)
+        aux.update(_statistics_aux(clip), **eps)
         return loss, aux
     _, mask_bt, adv_bt, ell_bt = _prepare(logp, behaviour_logp, advantages, mask)
     ratio_bt = clamped_exp(ell_bt)
@@ -101,8 +93,7 @@ def m2po_batch_statistics(
     """The whole batch's M2PO statistic (arXiv 2510.01161, Sec. 4), as the ``statistics``
     argument of `m2po_loss`: its second-moment mask (`m2po_mask`), or for ``harmful_budget``
     its clip ranges (`m2po_harmful_clip`). Takes `m2po_loss`'s keyword arguments, as the
-    learner passes them: `aggregation` is not used, ``tau_m2`` (and for the harmful budget
-    ``min_eps_low``, ``min_eps_high``) go to the statistic; any other is a TypeError."""
+    learner passes them (`aggregation` unused); any other is a TypeError."""
     del aggregation
     check_choice("variant", variant, M2PO_VARIANTS)
     if variant == "harmful_budget":

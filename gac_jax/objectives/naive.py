@@ -3,9 +3,8 @@
 The stacks the asynchronous-RL papers build on train a stale batch as if the policy that
 sampled it were the current one: no importance weight (`naive_pg_loss`), or PPO's clip
 against the learner's own log-probs at the start of the batch (`ppo_recompute_loss`,
-verl's recompute default). They are the baselines GAC and VCPO are judged against
-(laboratory v4, issue #41); `ppo_clip_loss` clips against the behaviour policy instead.
-`naive_pg_trust_region_loss` keeps PPO's trust region and drops its importance weight.
+verl's recompute default). GAC and VCPO are judged against them; `ppo_clip_loss` clips
+against the behaviour policy instead.
 """
 
 from __future__ import annotations
@@ -35,15 +34,10 @@ def naive_pg_loss(
         \mathcal{L} = -\operatorname{agg}_{b,t}\; A_{bt}\, \log\pi_\theta(y_{bt}),
         \qquad \nabla\mathcal{L} = -\operatorname{agg}\; A\, \nabla\log\pi_\theta .
 
-    This is what a stack computes whose learner recomputes the "old" log-probs itself and
-    makes one update a batch (verl's default, https://github.com/volcengine/verl,
-    ``verl/trainer/ppo/ray_trainer.py``: the actor's ``compute_log_prob`` pass gives
-    ``old_log_prob``, so the PPO ratio is 1 at the first update; `ppo_recompute_loss` is
-    that loss with its clip for later updates). The behaviour policy enters only the
-    diagnostics (``ratio_mean``, ``approx_kl``). It is `reinforce_loss` with unit weights.
-
-    Returns:
-      ``(loss, aux)`` as `reinforce_loss` (``weight_mean`` is 1).
+    What a learner computes that recomputes the "old" log-probs itself and makes one update
+    a batch (verl's default, https://github.com/volcengine/verl ``ray_trainer.py``:
+    ``compute_log_prob`` gives ``old_log_prob``, so the PPO ratio is 1 at the first update).
+    The behaviour policy enters only the diagnostics. `reinforce_loss` with unit weights.
     """
     ones_b = jnp.ones(jnp.shape(logp)[:1], jnp.float32)
     return reinforce_loss(
@@ -71,13 +65,8 @@ def naive_pg_trust_region_loss(
         1+\epsilon_{high}) \wedge \neg(A < 0 \wedge r < 1-\epsilon_{low})]\, A\,
         \log\pi_\theta, \qquad r = \pi_\theta/\mu .
 
-    The control that tells a trust region from importance weighting (laboratory v5, issue
-    #62): the gradient is PPO-clip's without the factor :math:`r`, and `naive_pg_loss`'s
-    on the kept tokens.
-
-    Args:
-      eps_low, eps_high: the trust region :math:`[1-\epsilon_{low}, 1+\epsilon_{high}]`
-        of the ratio, `ppo_clip_loss`'s defaults.
+    The control that tells a trust region from importance weighting: the gradient is
+    PPO-clip's without the factor :math:`r`, and `naive_pg_loss`'s on the kept tokens.
 
     Returns:
       ``(loss, aux)`` with ``clip_fraction``, ``clip_fraction_low``, ``clip_fraction_high``,
@@ -102,24 +91,22 @@ def ppo_recompute_loss(
     proximal_logp: jax.Array,
     **clip: float | str | None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
-    r"""PPO-clip against the learner's own log-probs at the start of the batch (the
-    "recompute" default of verl, https://github.com/volcengine/verl, where ``old_log_prob``
-    is the actor's forward pass before the batch's first update), with no correction for
-    the behaviour policy (Schulman et al., arXiv 1707.06347, Eq. 7):
+    r"""PPO-clip (Schulman et al., arXiv 1707.06347, Eq. 7) against the learner's own
+    log-probs at the start of the batch (verl's "recompute" default), with no correction
+    for the behaviour policy:
 
     .. math::
 
         \ell_{bt} = \max\!\big(-A u,\; -A\,\operatorname{clip}(u, 1-\epsilon_{low},
         1+\epsilon_{high})\big), \qquad u = \frac{\pi_\theta}{\pi_{\mathrm{prox}}}
 
-    The learner supplies `proximal_logp`: the params before the batch's first update when
-    it makes several updates a batch, the current log-probs (stop-gradient) when it makes
-    one, where the ratio is 1 and the gradient is `naive_pg_loss`'s. Decoupled PPO
-    (`decoupled_ppo_loss`) is this loss times the behaviour weight
+    Decoupled PPO (`decoupled_ppo_loss`) is this loss times the behaviour weight
     :math:`\pi_{prox}/\pi_{behav}`.
 
     Args:
-      proximal_logp: [B, T] the learner's log-probs at the start of the batch.
+      proximal_logp: [B, T] the log-probs of the params before the batch's first update
+        (with one update a batch, the current ones without gradient: the ratio is 1, the
+        gradient `naive_pg_loss`'s).
       **clip: `ppo_clip_loss`'s ``eps_low``, ``eps_high``, ``dual_clip`` and
         ``aggregation``; any other is a TypeError.
 

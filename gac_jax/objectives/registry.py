@@ -39,11 +39,7 @@ from gac_jax.objectives.losses import (
     topr_loss,
 )
 from gac_jax.objectives.m2po import m2po_batch_statistics, m2po_loss
-from gac_jax.objectives.naive import (
-    naive_pg_loss,
-    naive_pg_trust_region_loss,
-    ppo_recompute_loss,
-)
+from gac_jax.objectives.naive import naive_pg_loss, naive_pg_trust_region_loss, ppo_recompute_loss
 from gac_jax.objectives.trajectory_balance import trajectory_balance_loss
 from gac_jax.objectives.vespo_dppo import (
     dppo_binary_kl_loss,

@@ -46,20 +46,13 @@ def vespo_weights(
 
         \phi(w) = e^{\lambda}\, w^{k} e^{-\lambda w} \quad (\phi(1) = 1),
 
-    with :math:`(k, \lambda)` = (`k_pos`, `lambda_pos`) where :math:`A \ge 0`, else
-    (`k_neg`, `lambda_neg`). It peaks at :math:`w = k/\lambda` and vanishes for
-    :math:`w \to 0` and :math:`w \to \infty`. As the authors compute it:
-    :math:`\log w \ge \log 10^{-8}`, :math:`\lambda \ge 10^{-4}`, non-finite values 0.
-    Defaults are the authors' code and run scripts (their docstring's 1.5 / 4 / 2.5 are
-    not what the code uses).
-
-    Args:
-      log_weights: [B] sequence log weights :math:`\log w_b`.
-      advantages: [B] or [B, T]; the sign of each entry picks its pair.
-      k_pos, lambda_pos, k_neg, lambda_neg: the kernel's shape, :math:`\ge 0`.
-
-    Returns:
-      :math:`\phi(w_b)` in the shape of `advantages`.
+    with :math:`(k, \lambda)` = (`k_pos`, `lambda_pos`) where the advantage ([B] or [B, T])
+    is :math:`\ge 0`, else (`k_neg`, `lambda_neg`), all :math:`\ge 0`. It peaks at
+    :math:`w = k/\lambda` and vanishes for :math:`w \to 0` and :math:`w \to \infty`. As the
+    authors compute it: :math:`\log w \ge \log 10^{-8}`, :math:`\lambda \ge 10^{-4}`,
+    non-finite values 0. Defaults are the authors' code and run scripts (their docstring's
+    1.5 / 4 / 2.5 are not what the code uses). `log_weights` are [B], :math:`\log w_b`;
+    the result has the shape of `advantages`.
     """
     shape = dict(k_pos=k_pos, lambda_pos=lambda_pos, k_neg=k_neg, lambda_neg=lambda_neg)
     for name, value in shape.items():
@@ -81,9 +74,8 @@ def vespo_loss(
     aggregation: str = "token-mean",
     **kernel: float,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
-    r"""VESPO's policy gradient (arXiv 2602.10693; the authors' ``compute_policy_loss_vespo``,
-    https://github.com/FloyedShen/VESPO, ``recipe/vespo/code/core_algos.py``): each
-    sequence's importance weight, the true product over its tokens, reshaped by
+    r"""VESPO's policy gradient (arXiv 2602.10693, the authors' ``compute_policy_loss_vespo``):
+    each sequence's importance weight, the true product over its tokens, reshaped by
     `vespo_weights`' kernel :math:`\phi`:
 
     .. math::

@@ -1,8 +1,8 @@
 r"""Gradient Alignment Control (GAC), arXiv 2603.01501, as an optax transformation.
 
-Asynchronous RL trains on rollouts from an older policy. Xu et al. observe that the consecutive
-policy gradients of such runs stay aligned (cosine near 1), unlike the near-orthogonal gradients of
-synchronous training, and that this "stale-aligned" drift precedes collapse. GAC measures
+Xu et al. observe that consecutive policy gradients of asynchronous RL stay aligned (cosine
+near 1), unlike synchronous training's near-orthogonal ones, and that this "stale-aligned"
+drift precedes collapse. GAC measures
 
 .. math::
 
@@ -14,15 +14,13 @@ step, projects out its aligned component or skips it (`gradient_alignment_contro
 
 On its own, this transformation emits zeros for a skipped step, which an optimizer after it
 still moves the params on; the paper's skip, params and optimizer state kept, is
-`gac_jax.transforms.alignment_controlled(adamw(...), gradient_alignment_control())` (or
-`GACConfig.wrap`), what the learner runs: see `gac_jax.transforms.controlled`.
+`alignment_controlled(adamw(...), gradient_alignment_control())` (`GACConfig.wrap`), what
+the learner runs.
 
 Cost, with the default "gradient" reference: two inner products per leaf, `<g, r>` and
-`|g|^2` (`|r|^2` is the previous step's `|g|^2`, carried in the state), one elementwise pass
-emitting the update (XLA fuses it into the optimizer after it; a monitor emits its input and
-reads no reference) and one writing the next reference, `where(finite, g, r)`. "ema", and
-"update" under control, also measure `|r|^2` (a monitor's is carried: its reference is
-what came in). Everything else is O(number of leaves) scalar work.
+`|g|^2` (`|r|^2` is the previous step's `|g|^2`, carried in the state), one pass emitting
+the update (fused into the optimizer after it) and one writing the next reference. "ema",
+and "update" under control, also measure `|r|^2`.
 """
 
 from __future__ import annotations
@@ -66,10 +64,8 @@ class GradientAlignmentControlState(NamedTuple):
 
     gac_count: jax.Array  # int32 []: updates seen, finite or not.
     gac_reference: optax.Updates  # tree like the params: r_{t-1}, in `reference_dtype`.
-    # f32 [leaves]: |r_{t-1}|^2 per leaf, in `jax.tree.leaves` order. With the "gradient"
-    # reference it is the previous step's |g|^2, so the reference is not read a second time
-    # for its norm; the other references re-measure theirs each step and do not use it.
-    # Replace it together with `gac_reference`: see `set_gac_reference`.
+    # f32 [leaves]: |r_{t-1}|^2 per leaf (`jax.tree.leaves` order), the previous |g|^2 with
+    # the "gradient" reference (others re-measure theirs). Set it with `set_gac_reference`.
     gac_reference_sq: jax.Array
     gac_cosine: jax.Array  # f32 []: c_t = cos(g_t, r_{t-1}) over the whole tree, before control.
     gac_cosine_after: jax.Array  # f32 []: cos(emitted update, r_{t-1}) over the whole tree.
@@ -117,10 +113,9 @@ def _zeros_like(param, dtype):
 
 
 def _thresholds(state, tau_low, tau_high, threshold_mode, adaptive_k, adaptive_warmup):
-    """Thresholds for this step (`gradient_alignment_control`'s `thresholds`): the adaptive
-    band follows the cosines seen before this step (a spike cannot raise its own threshold) and only
-    slides down, so runs whose natural alignment is low get a tighter control and persistently
-    aligned runs (the failure the method exists for) never loosen it beyond the configured band."""
+    """Thresholds for this step: the adaptive band follows the cosines seen before this step
+    (a spike cannot raise its own threshold) and only slides down, so persistently aligned
+    runs (the failure the method exists for) never loosen it beyond the configured band."""
     tau_low = jnp.asarray(tau_low, jnp.float32)
     tau_high = jnp.asarray(tau_high, jnp.float32)
     if threshold_mode == "fixed":
@@ -228,24 +223,15 @@ def gradient_alignment_control(
         on its own; the reported cosines stay global).
       thresholds: "fixed", or "adaptive": after `adaptive_warmup` usable steps the band
         `[tau_low, tau_high]` keeps its width and slides down so its lower edge sits at
-        `mean + adaptive_k * std` of the cosines seen so far (EMA with `adaptive_decay`),
-        clipped to `[0, tau_low]`. It never rises above the configured band.
-      adaptive_k: standard deviations above the running mean for the adaptive lower edge.
-      adaptive_decay: EMA decay of the cosine statistics, in [0, 1).
-      adaptive_warmup: usable steps before adaptive thresholds take over.
+        `mean + adaptive_k * std` of the cosines seen so far (EMA with `adaptive_decay`, in
+        [0, 1)), clipped to `[0, tau_low]`. It never rises above the configured band.
       monitor_only: record the cosine (and statistics) without changing the gradient.
       reference_dtype: storage dtype of the reference (e.g. "bfloat16" to halve its
         memory); None keeps the params' dtypes. Inner products are always float32.
       max_consecutive_skips: after this many skipped steps in a row, a step that would be
         skipped is projected instead (to `tau_low`) and the streak starts again; None:
-        unbounded. A skip repeats itself (params, optimizer state and reference frozen, the
-        next gradient points the same way): unbounded, the README's chain on a noisy
-        quadratic (`experiments/skip_bound.py`, lr 1e-2) skips 2,998 of 3,000 steps. The
-        default, 8, never deadlocks there (loss below 5% of its start by step 2,718 on
-        gradients at 0.2 / 0.8 and 1,001 on applied updates at 0.9 / 0.97, AdamW's by 132;
-        bounds 1-4 sooner, 16 not in 3,000 steps on gradients) and keeps the skip's
-        meaning: 79 of the 88 streaks of laboratory v4's `gac_update` (95% of its skips)
-        are not longer; the 9 that are (9 to 58 steps) are its self-repeating tail.
+        unbounded, where a skip can repeat itself forever (params, optimizer state and
+        reference frozen). Why 8: benchmarks/README.md.
 
     Returns:
       An `optax.GradientTransformationExtraArgs` with `GradientAlignmentControlState`;
@@ -274,8 +260,7 @@ def gradient_alignment_control(
         raise ValueError(f"reference_dtype={reference_dtype!r} is not a dtype.") from None
 
     def init_fn(params):
-        zero_f32 = jnp.zeros([], jnp.float32)
-        zero_i32 = jnp.zeros([], jnp.int32)
+        zero_f32, zero_i32 = jnp.zeros([], jnp.float32), jnp.zeros([], jnp.int32)
         return GradientAlignmentControlState(
             gac_count=zero_i32,
             gac_reference=jax.tree.map(lambda p: _zeros_like(p, storage_dtype), params),
@@ -356,20 +341,13 @@ def can_skip(transform: optax.GradientTransformation) -> bool:
 
 
 def gradient_alignment_monitor(
-    *,
-    reference: str = "gradient",
-    ema_decay: float = 0.9,
-    reference_dtype: Any = None,
+    *, reference: str = "gradient", ema_decay: float = 0.9, reference_dtype: Any = None
 ) -> GradientTransformationExtraArgs:
     """Records `c_t = cos(g_t, r_{t-1})` without changing the gradient (GAC's signal only).
 
-    The baseline runs of an asynchronous-RL comparison use it so that every run reports
-    the same `gac_cosine`. It is `gradient_alignment_control(monitor_only=True)`; see there
-    for the arguments and the state.
+    The baseline runs of a comparison use it so that every run reports the same
+    `gac_cosine`: `gradient_alignment_control(monitor_only=True)`, whose arguments and state.
     """
     return gradient_alignment_control(
-        monitor_only=True,
-        reference=reference,
-        ema_decay=ema_decay,
-        reference_dtype=reference_dtype,
+        monitor_only=True, reference=reference, ema_decay=ema_decay, reference_dtype=reference_dtype
     )

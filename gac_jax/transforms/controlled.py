@@ -1,26 +1,23 @@
 r"""GAC's true skip and its control of applied updates: a wrapper around the optimizer.
 
 In a chain, `gradient_alignment_control` can only hand the optimizer after it a zero
-gradient, and Adam's momentum still moves the params (a skipped constant gradient applies
-0.67, 0.52, 0.42 of the first update at b1 = 0.9). `alignment_controlled(inner, ...)` owns
-the optimizer instead, as `optax.apply_if_finite` does for non-finite steps:
+gradient, and Adam's momentum still moves the params (experiments/RESULTS.md).
+`alignment_controlled(inner, ...)` owns the optimizer instead, as `optax.apply_if_finite`
+does for non-finite steps:
 
-1. the raw gradient `g_t` goes through GAC (`acts_on="gradient"`) or its monitor: the
-   cosine `c_t` of consecutive raw gradients;
+1. the raw gradient `g_t` goes through GAC (`acts_on="gradient"`) or its monitor;
 2. the optimizer turns what passed into its update `u_t`;
 3. `u_t` goes through GAC (`acts_on="update"`) or its monitor, whose reference is the
-   previous applied update: the cosine of consecutive applied updates, which momentum keeps near
-   0.9 even in synchronous training;
+   previous applied update (momentum keeps this cosine near 0.9 even in synchronous
+   training);
 4. if either level chose "skip", the step applies nothing and the optimizer's state
    (moments, count, the schedule's step, injected hyperparameters) stays as it was, bit
    for bit; GAC's own states record the skip.
 
-Every run reports both cosines, whichever level (if any) acts. The update level's
-reference is always the last applied update (a skipped step applied none). Whether the
-gradient level's reference after a skip is the skipped gradient ("observed", the default:
-the next step is compared with the latest direction seen) or the last applied one
-("held") is `reference_after_skip`; a held reference can lock a persistently aligned run
-into skipping, since nothing moves it (until `max_consecutive_skips`).
+Every run reports both cosines, whichever level (if any) acts. After a skip, the update
+level's reference stays the last applied update; the gradient level's is the skipped
+gradient ("observed", the default) or the last applied one ("held", which can lock a
+persistently aligned run into skipping until `max_consecutive_skips`).
 
     tx = optax.chain(
         optax.clip_by_global_norm(1.0),
@@ -28,15 +25,11 @@ into skipping, since nothing moves it (until `max_consecutive_skips`).
         scale_by_ess(),
     )
 
-Its measured effect, in a collapsing GRPO cell and on a noisy quadratic with delayed
-gradients (`gac_jax.toys.delayed_quadratic`), is in experiments/RESULTS.md (laboratory v4).
-A skip at thresholds below a problem's own synchronous cosine skips nearly every step
-(all but one in `max_consecutive_skips + 1`, projected): choose them from a synchronous
+Its measured effect is in experiments/RESULTS.md (laboratory v4). Thresholds below a
+problem's own synchronous cosine skip nearly every step: choose them from a synchronous
 run's `gac_cosine` / `gac_update_cosine`. `random_skip`, in GAC's place, skips at random
-at a chosen rate and streak length: the control of the skip.
-
-Cost over the bare optimizer: the two alignment passes (inner products, and one reference
-copy each), and a select over the optimizer state when the control can skip.
+at a chosen rate and streak length: the control of the skip. Cost over the bare
+optimizer: the two alignment passes, and a select over its state when the control can skip.
 """
 
 from __future__ import annotations
@@ -104,13 +97,11 @@ def alignment_controlled(
         "update" (`inner`'s update, against the previous applied update: give `control`
         ``reference="update"`` for the update the params got, "gradient" for the
         optimizer's update before control). The other level gets a monitor.
-      reference_after_skip: "observed" (the gradient level's reference after a skipped step
-        is the skipped gradient) or "held" (the last applied step's gradient).
+      reference_after_skip: "observed" or "held", see the module docstring.
       monitor_dtype: the monitors' reference dtype (None: the params').
 
     Returns:
-      A transformation with `AlignmentControlledState`. Read the statistics of both levels
-      with `alignment_statistics`.
+      A transformation with `AlignmentControlledState` (`alignment_statistics` reads it).
     """
     check_choice("acts_on", acts_on, ACTS_ON)
     check_choice("reference_after_skip", reference_after_skip, REFERENCES_AFTER_SKIP)
@@ -169,9 +160,7 @@ class RandomSkipState(NamedTuple):
     """State of `random_skip`."""
 
     gac_random_skip_key: jax.Array  # uint32 [2]: the PRNG key of the next draw.
-    # The monitor's GradientAlignmentControlState: its cosines, and the draws' regime,
-    # counts and skip streaks.
-    gac_random_skip_monitor: Any
+    gac_random_skip_monitor: Any  # The monitor's GAC state: its cosines, the draws' regime.
 
 
 def _check_random_skip(rate, mean_streak, names=("rate", "mean_streak")) -> None:
@@ -190,9 +179,9 @@ def random_skip(
 ) -> GradientTransformationExtraArgs:
     r"""Skips steps at random, whatever the gradient: the control of GAC's skip.
 
-    In GAC's place, `alignment_controlled(inner, random_skip(0.44, 3.7))` skips as GAC does
-    (params and the inner optimizer's whole state kept), at a chosen rate and streak length.
-    Whether step t is skipped is a two-state Markov chain on whether step t-1 was:
+    In GAC's place, `alignment_controlled(inner, random_skip(0.44, 3.7))` skips as GAC does,
+    at a chosen rate and streak length: a two-state Markov chain on whether step t-1 was
+    skipped,
 
     .. math::
 
@@ -277,8 +266,6 @@ class GACConfig:
     of a comparison use it, so every run reports the same cosines).
 
     Attributes:
-      max_consecutive_skips: 8 by default, on either level: after 8 skips in a row the next
-        step that would skip is projected (the evidence: `gradient_alignment_control`).
       acts_on, reference_after_skip: `alignment_controlled`'s ("gradient", the raw gradient
         before the optimizer, is the paper's signal).
       random_skip_rate, random_skip_streak: `random_skip`'s `rate` and `mean_streak`: with

@@ -1,8 +1,7 @@
 r"""VCPO's effective-sample-size step scaling (arXiv 2602.17616) as an optax transformation.
 
-Stale rollouts make the sequence-level importance weights heavy-tailed: a few samples carry
-the batch, the effective sample size (ESS) collapses and the gradient is mostly noise.
-VCPO shrinks the step in proportion:
+Stale rollouts make the sequence-level importance weights heavy-tailed: the effective
+sample size (ESS) collapses, and VCPO shrinks the step in proportion:
 
 .. math::
 
@@ -67,13 +66,12 @@ def scale_by_ess(
 ) -> GradientTransformationExtraArgs:
     r"""Scales updates by `min(1, rho / rho_base) ** p` (VCPO, arXiv 2602.17616).
 
-    The update function takes, as keyword-only extra args (which `optax.chain` forwards), either
-    `log_importance_weights` (shape [B]: per-sequence `sum_t (logp_theta - logp_behaviour)`, with an
-    optional boolean `sequence_mask` [B] excluding padded sequences; ESS is computed in log space)
-    or a precomputed scalar `ess_ratio`. Infinite log weights are taken at their limit (`k`
-    sequences at `+inf` dominate: ESS = k; `-inf` is a zero weight; `effective_sample_size`). A NaN
-    weight gives a NaN scale, so the update is NaN rather than silently rescaled (the learner's step
-    then skips it); the EMA skips such steps.
+    The update takes, as keyword-only extra args, either `log_importance_weights` ([B]:
+    per-sequence `sum_t (logp_theta - logp_behaviour)`, with an optional boolean
+    `sequence_mask` [B] excluding padded sequences) or a precomputed scalar `ess_ratio`.
+    Infinite log weights are taken at their limit (`effective_sample_size`). A NaN weight
+    gives a NaN scale, so the update is NaN rather than silently rescaled (the learner's
+    step then skips it); the EMA skips such steps.
 
     Args:
       rho_base: ESS ratio at and above which the step is not scaled, in (0, 1]. VCPO's

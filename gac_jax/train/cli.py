@@ -263,54 +263,29 @@ def _cmd_demo(args, parser) -> int:
     return 0
 
 
-def _add_config_args(
-    p: argparse.ArgumentParser, *, default: str | None, shown_default: str | None = None
-) -> None:
-    shown = shown_default or default
-    p.add_argument(
-        "--config",
-        default=default,
-        metavar="NAME_OR_PATH",
-        help=f"a preset ({', '.join(preset_names())}) or a YAML/JSON config file"
-        + (f" (default: {shown})" if shown else ""),
-    )
-    p.add_argument(
-        "--set",
-        action="extend",
-        nargs="+",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a field by dotted name, e.g. rollout.lag=8 optimizer.clip_norm=none ess={}",
-    )
+def _add_config_args(p: argparse.ArgumentParser, *, default: str | None, shown: str | None = None):
+    shown = f" (default: {shown or default})" if shown or default else ""
+    presets = f"a preset ({', '.join(preset_names())}) or a YAML/JSON config file{shown}"
+    p.add_argument("--config", default=default, metavar="NAME_OR_PATH", help=presets)
+    example = "override a field by dotted name, e.g. rollout.lag=8 optimizer.clip_norm=none ess={}"
+    many = dict(action="extend", nargs="+", default=[], metavar="KEY=VALUE")
+    p.add_argument("--set", **many, help=example)
 
 
 def _add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", metavar="DIR", help="run directory (default: runs/<config name>)")
-    p.add_argument(
-        "--resume",
-        action="store_true",
-        help="continue the run in --out from its last checkpoint, with its own config "
-        "(--set may change steps and the evaluation and checkpoint cadence)",
-    )
+    resume = "continue the run in --out from its last checkpoint, with its own config (--set "
+    resume += "may change steps and the evaluation and checkpoint cadence)"
+    p.add_argument("--resume", action="store_true", help=resume)
     p.add_argument("--overwrite", action="store_true", help="delete a run already in --out")
-    group = p.add_argument_group(
-        "several learner processes (jax.distributed; every process runs the same command)"
-    )
-    group.add_argument(
-        "--coordinator",
-        metavar="HOST:PORT",
-        help="process 0's address (or $GAC_JAX_COORDINATOR)",
-    )
-    group.add_argument(
-        "--num-processes",
-        type=int,
-        metavar="P",
-        help="learner processes in all (or $GAC_JAX_NUM_PROCESSES); -1 lets "
-        "jax.distributed detect the cluster (SLURM, Open MPI, Kubernetes, TPU pods)",
-    )
-    group.add_argument(
-        "--process-id", type=int, metavar="I", help="this process, 0..P-1 (or $GAC_JAX_PROCESS_ID)"
-    )
+    g = p.add_argument_group("several learner processes (jax.distributed; each runs this command)")
+    address = "process 0's address (or $GAC_JAX_COORDINATOR)"
+    g.add_argument("--coordinator", metavar="HOST:PORT", help=address)
+    count = "learner processes in all (or $GAC_JAX_NUM_PROCESSES); -1 lets jax.distributed "
+    count += "detect the cluster (SLURM, Open MPI, Kubernetes, TPU pods)"
+    g.add_argument("--num-processes", type=int, metavar="P", help=count)
+    which = "this process, 0..P-1 (or $GAC_JAX_PROCESS_ID)"
+    g.add_argument("--process-id", type=int, metavar="I", help=which)
 
 
 def _add_checkpoint_commands(sub) -> None:
@@ -322,12 +297,8 @@ def _add_checkpoint_commands(sub) -> None:
         "(pass@1, pass@k, greedy accuracy), with the draws the run's own evaluation of that "
         "step used.",
     )
-    p.add_argument(
-        "--checkpoint",
-        required=True,
-        metavar="DIR",
-        help="a run directory, its checkpoints/ directory, or one step's directory",
-    )
+    where = "a run directory, its checkpoints/ directory, or one step's directory"
+    p.add_argument("--checkpoint", required=True, metavar="DIR", help=where)
     p.add_argument("--step", type=int, help="the step to evaluate (default: the newest)")
     _add_config_args(p, default=None)
 
@@ -393,7 +364,7 @@ def build_parser() -> argparse.ArgumentParser:
         "(countdown from the shipped warm start, asynchronous GRPO with GAC).",
         epilog="example: gac-jax train --config countdown_sync --set steps=50 --out runs/try",
     )
-    _add_config_args(p, default=None, shown_default="demo")
+    _add_config_args(p, default=None, shown="demo")
     _add_train_args(p)
 
     _add_checkpoint_commands(sub)
@@ -414,24 +385,13 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="example: gac-jax plan --config qwen3_0_6b_gsm8k --fake-devices 8",
     )
     _add_config_args(p, default="demo")
-    p.add_argument(
-        "--device-memory-gib",
-        type=float,
-        default=80.0,
-        help="memory of one device to check against (default 80)",
-    )
-    p.add_argument(
-        "--fake-devices",
-        type=int,
-        metavar="N",
-        help="plan on N fake CPU devices (the mesh a pod would have), not the local ones",
-    )
-    p.add_argument(
-        "--extrapolate",
-        action="store_true",
-        help="compile the learner step at 2, 3 and 4 layers and extend the line to the "
-        "model's (checked on the third; about a quarter of the time); the sampler whole",
-    )
+    memory = "memory of one device to check against (default 80)"
+    p.add_argument("--device-memory-gib", type=float, default=80.0, help=memory)
+    fake = "plan on N fake CPU devices (the mesh a pod would have), not the local ones"
+    p.add_argument("--fake-devices", type=int, metavar="N", help=fake)
+    probes = "compile the learner step at 2, 3 and 4 layers and extend the line to the model's "
+    probes += "(checked on the third; about a quarter of the time); the sampler whole"
+    p.add_argument("--extrapolate", action="store_true", help=probes)
     _add_plot_and_demo(sub)
     for name, p in sub.choices.items():  # `gac-jax NAME` runs `_cmd_NAME(args, its parser)`.
         p.set_defaults(func=globals()[f"_cmd_{name.replace('-', '_')}"], parser=p)

@@ -43,9 +43,8 @@ SAME_REQUEST_S = 1.0
 
 def _again(first: float | None, signum: int) -> bool:
     """Whether `signum`, now, asks to stop at once: a SIGINT after an earlier request."""
-    return (
-        signum == signal.SIGINT and first is not None and time.monotonic() - first > SAME_REQUEST_S
-    )
+    late = first is not None and time.monotonic() - first > SAME_REQUEST_S
+    return signum == signal.SIGINT and late
 
 
 class RunInterrupted(RuntimeError):
@@ -83,8 +82,8 @@ class InterruptedAtOnce(KeyboardInterrupt):
 class StopSignals:
     """While active, the first SIGINT or SIGTERM is recorded in `signum` instead of
     stopping the process, and a later SIGINT (`_again`) raises `InterruptedAtOnce`; the
-    previous handlers come back on exit. Outside the main
-    thread (where Python cannot install handlers) it records nothing."""
+    previous handlers come back on exit. Outside the main thread (where Python cannot
+    install handlers) it records nothing."""
 
     def __init__(self):
         self.signum: int | None = None
@@ -118,10 +117,9 @@ class SignalNotice:
     wakeup fd (`signal.set_wakeup_fd`); the previous fd comes back on exit. Only signals
     with a Python handler are written (SIGTERM's default ends the process at once). A
     second SIGINT is said to stop at once (`StopSignals` raises on it), unless it came
-    within `SAME_REQUEST_S` of the first. The exit never
-    waits on the pipe's end (a process forked meanwhile holds a copy of it): it writes a
-    stop byte and joins with a timeout; a forked child drops the wakeup fd. Outside the
-    main thread it does nothing."""
+    within `SAME_REQUEST_S` of the first. The exit never waits on the pipe's end (a process
+    forked meanwhile holds a copy of it): it writes a stop byte and joins with a timeout; a
+    forked child drops the wakeup fd. Outside the main thread it does nothing."""
 
     STOP = 0  # Not a signal number: the watcher's cue to return.
 

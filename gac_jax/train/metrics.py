@@ -129,15 +129,9 @@ def start_wandb(project: str, *, mode: str, out_dir: str | os.PathLike, config: 
         raise ImportError(
             f"wandb_project={project!r} needs the wandb package: pip install 'gac_jax[wandb]'."
         ) from None
-    out_dir = Path(out_dir)
-    return wandb.init(
-        project=project,
-        mode=mode,
-        dir=str(out_dir),
-        name=out_dir.resolve().name,
-        config=dict(config),
-        settings=wandb.Settings(quiet=True),
-    )
+    out_dir, quiet = Path(out_dir), wandb.Settings(quiet=True)
+    where = dict(dir=str(out_dir), name=out_dir.resolve().name)
+    return wandb.init(project=project, mode=mode, **where, config=dict(config), settings=quiet)
 
 
 def run_writer(config, out_dir: str | os.PathLike, *, start_step: int | None) -> MetricWriter:
@@ -145,17 +139,13 @@ def run_writer(config, out_dir: str | os.PathLike, *, start_step: int | None) ->
     TensorBoard and, when `config.wandb_project` is set, W&B."""
     wandb_run = None
     if config.wandb_project is not None:
-        from gac_jax.train import config_io
+        from gac_jax.train.config_io import config_to_dict
 
-        settings = config_io.config_to_dict(config)
-        wandb_run = start_wandb(
-            config.wandb_project, mode=config.wandb_mode, out_dir=out_dir, config=settings
-        )
+        settings, mode = config_to_dict(config), config.wandb_mode
+        wandb_run = start_wandb(config.wandb_project, mode=mode, out_dir=out_dir, config=settings)
+    updates = config.learner.updates_per_batch
     return MetricWriter(
-        out_dir,
-        start_step=start_step,
-        wandb_run=wandb_run,
-        updates_per_step=config.learner.updates_per_batch,
+        out_dir, start_step=start_step, wandb_run=wandb_run, updates_per_step=updates
     )
 
 

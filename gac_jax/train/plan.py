@@ -100,16 +100,8 @@ def _bytes_per_device(tree) -> float:
 
 def _abstract_batch(learner: GRPOLearner, rows: int, width: int) -> TrainBatch:
     spec = functools.partial(jax.ShapeDtypeStruct, sharding=learner.batch_sharding)
-    tokens = (rows, width)
-    return TrainBatch(
-        spec(tokens, jnp.int32),
-        spec(tokens, bool),
-        spec(tokens, bool),
-        spec(tokens, jnp.float32),
-        spec((rows,), jnp.float32),
-        spec((rows,), jnp.int32),
-        spec((rows,), jnp.int32),
-    )
+    per_token = [spec((rows, width), t) for t in (jnp.int32, bool, bool, jnp.float32)]
+    return TrainBatch(*per_token, *(spec((rows,), t) for t in (jnp.float32, jnp.int32, jnp.int32)))
 
 
 def plan_learner(
@@ -215,14 +207,10 @@ def plan(
     layers = model_config(config).num_layers
     if extrapolate and layers > PROBE_LAYERS[-1]:
         probes = [
-            plan_learner(
-                config,
-                build_run(config, abstract=True, num_layers=n).learner,
-                progress,
-                f" of {n} layers",
-            )
+            plan_learner(config, build_run(config, abstract=True, num_layers=n).learner,
+                         progress, f" of {n} layers")
             for n in PROBE_LAYERS
-        ]
+        ]  # fmt: skip
         learner_report = extrapolate_layers(probes, layers)
     else:
         learner_report = plan_learner(config, learner, progress)

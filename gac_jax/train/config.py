@@ -83,8 +83,8 @@ class TrainConfig:
       checkpoint_every: checkpoint every this many steps (and at the end); 0 disables it.
       keep_checkpoints: checkpoints kept.
       samples_every: write sampled completions (prompt, completion, reward, version gap)
-        to ``samples.jsonl`` and a TensorBoard text table every this many steps; 0
-        disables it.
+        to ``samples.jsonl`` and a TensorBoard text table every this many steps, at step 0
+        and at the last step; 0 disables it.
       samples_per_log: completions written each time, the first ones of the batch in
         order (whole groups first); None writes the whole batch (process 0's share).
       wandb_project: also log metrics and the sample tables to this Weights & Biases

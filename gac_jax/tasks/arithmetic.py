@@ -43,19 +43,8 @@ class ArithmeticProblem(NamedTuple):
 
 
 def sample_problem(rng: random.Random, *, op: str, digits: int) -> ArithmeticProblem:
-    """Draws operands with exactly `digits` digits each, uniformly.
-
-    Args:
-      rng: the random source (a seeded `random.Random` makes generation deterministic).
-      op: one of `OPERATORS`.
-      digits: digits per operand, >= 1.
-
-    Returns:
-      The problem; for ``-`` the larger operand comes first.
-
-    Raises:
-      ValueError: on an unknown operator or digits < 1.
-    """
+    """Draws operands of exactly `digits` (>= 1) digits each, uniformly from `rng`; for ``-``
+    the larger operand comes first. ValueError on an unknown `op` or digits < 1."""
     if op not in OPERATORS:
         raise ValueError(f"Unknown operator {op!r}; expected one of {OPERATORS}.")
     if digits < 1:
@@ -110,19 +99,9 @@ def _mul_steps(a: int, b: int) -> list[str]:
 
 
 def scratchpad(a: int, op: str, b: int) -> str:
-    """The worked single-line solution of ``a op b`` ending in the answer (module docstring).
-
-    Args:
-      a: first operand, >= 0 (and >= b for ``-``).
-      op: one of `OPERATORS`.
-      b: second operand, >= 0.
-
-    Returns:
-      Steps separated by ``;``, the last item being the answer.
-
-    Raises:
-      ValueError: on an unknown operator, negative operands, or a < b for ``-``.
-    """
+    """The worked single-line solution of ``a op b``: steps separated by ``;``, the last item
+    the answer (module docstring). ValueError on an unknown operator, a negative operand, or
+    a < b for ``-``."""
     a, b = int(a), int(b)
     if a < 0 or b < 0:
         raise ValueError(f"Operands must be non-negative, got a={a}, b={b}.")
@@ -135,15 +114,8 @@ def scratchpad(a: int, op: str, b: int) -> str:
 
 
 def arithmetic_reward(completion: str, answer: int) -> float:
-    """1.0 if the number a completion ends its first line with equals `answer`, else 0.0.
-
-    Args:
-      completion: model output (any value: non-text scores 0.0).
-      answer: the correct result.
-
-    Returns:
-      1.0 or 0.0. Never raises on any completion.
-    """
+    """1.0 if the number a completion ends its first line with equals `answer`, else 0.0
+    (non-text too). Never raises on any completion."""
     try:
         if isinstance(completion, bytes):
             completion = completion.decode("utf-8", errors="replace")

@@ -1,18 +1,15 @@
 """tfds dataset builders: the embedded synthetic tasks and GSM8K.
 
-* `Countdown` and `Arithmetic` generate their data locally (no download), from a seed in
-  their `tfds.core.BuilderConfig`. The problems of both splits are drawn from one seeded
-  stream with duplicates removed (``37+48`` and ``48+37`` are the same problem, and so are
-  two countdown problems with the same numbers in another order and the same target);
-  the first ``num_test`` distinct problems form ``test``, the next ``num_train`` form
-  ``train``. So the splits are disjoint, the same seed gives the same data, and growing
-  ``num_train`` leaves the test split unchanged.
-* `Gsm8k` is tfds's own ``gsm8k`` builder (same name, version, features and prepared
-  files) that also prepares from the original JSONL release files in a manual
-  directory, for machines that cannot download.
+* `Countdown`, `Arithmetic` and `Calculator` generate their data locally, from a seed in
+  their `tfds.core.BuilderConfig`: one seeded stream of problems, duplicates removed
+  (``37+48`` and ``48+37`` are one problem), whose first ``num_test`` distinct problems
+  form ``test`` and the next ``num_train`` ``train``. So the splits are disjoint and
+  growing ``num_train`` leaves the test split unchanged.
+* `Gsm8k` is tfds's own ``gsm8k`` builder that also prepares offline from the original
+  JSONL release files.
 
-All of them write array_record files by default, read back with
-``builder.as_data_source(split=...)``. `prepare_source` does both steps.
+All write array_record files, read back with ``builder.as_data_source(split=...)``;
+`prepare_source` does both steps.
 
 Example::
 
@@ -47,19 +44,15 @@ _FILE_FORMAT = "array_record"
 
 
 def _unprepared_notice(record: logging.LogRecord) -> bool:
-    """tfds's "Variant folder ... has no dataset_info.json" warning: tfds logs it whenever
-    it checks a dataset that is not prepared yet, which on a first run is the expected
-    state, not a problem (the data is then prepared)."""
+    """tfds's "Variant folder ... has no dataset_info.json" warning, logged for a dataset
+    not prepared yet: on a first run the expected state, not a problem."""
     return record.msg == "Variant folder %s has no %s" and "dataset_info" in str(record.args)
 
 
 class _LocalBuilder(tfds.core.GeneratorBasedBuilder, skip_registration=True):
-    """Shared by the synthetic builders: array_record files, train/test from one stream.
-
-    A subclass states its `DESCRIPTION` and `FEATURES` (each feature's numpy dtype, `str`
-    for text), draws a problem with `_sample`, and may override `_key` (when two problems
-    are the same), `_features` and `_example` (a problem's fields by default).
-    """
+    """Shared by the synthetic builders. A subclass states its `DESCRIPTION` and `FEATURES`
+    (each feature's numpy dtype, `str` for text), draws a problem with `_sample`, and may
+    override `_key` (when two problems are the same), `_features` and `_example`."""
 
     VERSION = tfds.core.Version("1.0.0")
     RELEASE_NOTES = {"1.0.0": "Initial release."}
@@ -108,9 +101,8 @@ class _LocalBuilder(tfds.core.GeneratorBasedBuilder, skip_registration=True):
             "the ranges."
         )
 
-    # tfds prints "Downloading and preparing dataset Unknown size ..." before preparing and
-    # a "downloaded and prepared" line after: nothing is downloaded for an embedded task, so
-    # one line says what happens instead (on stderr, with the run's other notices).
+    # Instead of tfds's "Downloading and preparing dataset ..." and "downloaded and prepared"
+    # lines: nothing is downloaded for an embedded task.
     def _log_download_bytes(self) -> None:
         print(
             f"preparing the embedded task data {self.info.full_name} in {self.data_dir} "
@@ -146,27 +138,15 @@ class _LocalBuilder(tfds.core.GeneratorBasedBuilder, skip_registration=True):
 
 @dataclasses.dataclass(kw_only=True)
 class CountdownConfig(tfds.core.BuilderConfig):
-    """A Countdown difficulty and data size.
+    """A Countdown difficulty and data size (`gac_jax.tasks.countdown.sample_problem`'s
+    arguments, the splits' sizes and the problem stream's seed)."""
 
-    Attributes:
-      num_numbers: numbers per problem, 1 to 5.
-      min_number: smallest number.
-      max_number: largest number.
-      min_target: smallest target.
-      max_target: largest target.
-      min_used: fewest numbers the shortest solution needs (see
-        `gac_jax.tasks.countdown.sample_problem`).
-      num_train: problems in the train split.
-      num_test: problems in the test split.
-      seed: seed of the problem stream.
-    """
-
-    num_numbers: int = 3
+    num_numbers: int = 3  # Numbers per problem, 1 to 5.
     min_number: int = 1
     max_number: int = 20
     min_target: int = 10
     max_target: int = 100
-    min_used: int = 2
+    min_used: int = 2  # Fewest numbers the shortest solution needs.
     num_train: int = 10_000
     num_test: int = 500
     seed: int = 0
@@ -231,20 +211,11 @@ class Countdown(_LocalBuilder):
 
 @dataclasses.dataclass(kw_only=True)
 class ArithmeticConfig(tfds.core.BuilderConfig):
-    """An arithmetic difficulty and data size.
+    """An arithmetic difficulty, the splits' sizes and the problem stream's seed."""
 
-    Attributes:
-      op: the operator, ``"+"``, ``"-"`` or ``"*"``.
-      digits: digits of each operand.
-      scratchpad: whether the task's reference completion is the scratchpad (the data
-        holds both the answer and the scratchpad either way).
-      num_train: problems in the train split.
-      num_test: problems in the test split.
-      seed: seed of the problem stream.
-    """
-
-    op: str = "+"
-    digits: int = 2
+    op: str = "+"  # "+", "-" or "*".
+    digits: int = 2  # Of each operand.
+    # Whether the reference completion is the scratchpad (the data holds both either way).
     scratchpad: bool = False
     num_train: int = 20_000
     num_test: int = 1_000
@@ -305,13 +276,7 @@ class Arithmetic(_LocalBuilder):
 
 @dataclasses.dataclass(kw_only=True)
 class CalculatorConfig(tfds.core.BuilderConfig):
-    """Data size of the calculator task (`gac_jax.tasks.calculator`).
-
-    Attributes:
-      num_train: problems in the train split.
-      num_test: problems in the test split.
-      seed: seed of the problem stream.
-    """
+    """The calculator task's split sizes and seed (`gac_jax.tasks.calculator`)."""
 
     num_train: int = 20_000
     num_test: int = 1_000
@@ -340,12 +305,11 @@ class Calculator(_LocalBuilder):
 class Gsm8k(_tfds_gsm8k.Gsm8k, skip_registration=True):
     """tfds's ``gsm8k`` builder that also prepares offline from the original JSONL files.
 
-    Same name, version and features (``question``, ``answer``, ``annotation``, ``short_answer``) as
-    `tfds.text.gsm8k.Gsm8k`, and so the same prepared directory: data prepared by either builder is
-    read by both. If the manual directory (``tfds.download.DownloadConfig(manual_dir=...)``, by
-    default ``<data_dir>/downloads/manual``) holds the release files ``train.jsonl`` and
-    ``test.jsonl``, they are read (the same files tfds downloads) and only the ``train`` and
-    ``test`` splits are made; otherwise tfds downloads all four splits, the socratic ones included.
+    Same name, version and features as `tfds.text.gsm8k.Gsm8k`, so data prepared by either
+    builder is read by both. If the manual directory (by default
+    ``<data_dir>/downloads/manual``) holds the release files `GSM8K_FILES` (the ones tfds
+    downloads), only the ``train`` and ``test`` splits are made from them; otherwise tfds
+    downloads all four splits, the socratic ones included.
     """
 
     name = "gsm8k"
@@ -382,11 +346,9 @@ class Gsm8k(_tfds_gsm8k.Gsm8k, skip_registration=True):
 
 @contextlib.contextmanager
 def _preparation_lock(builder: tfds.core.DatasetBuilder) -> Iterator[None]:
-    """Holds an exclusive lock on `builder`'s data directory while it is prepared.
-
-    Processes of one sweep prepare the same dataset at once; without the lock the second
-    to finish fails to rename its copy over the first. Remote directories are not locked.
-    """
+    """Holds an exclusive lock on `builder`'s (local) data directory while it is prepared:
+    processes of one sweep prepare the same dataset at once, and without the lock the
+    second to finish fails to rename its copy over the first."""
     root = str(builder.data_dir_root)
     if "://" in root:
         yield
@@ -401,19 +363,10 @@ def prepare_source(
     *,
     download_config: tfds.download.DownloadConfig | None = None,
 ) -> Sequence[dict]:
-    """Prepares `builder` unless it is already prepared, then opens `split` as a data source.
-
-    Args:
-      builder: a tfds builder writing array_record files (all builders of this module do).
-      split: a split name, or a tfds split expression such as ``"train[:100]"``.
-      download_config: passed to ``download_and_prepare`` (e.g. a ``manual_dir``).
-
-    Returns:
-      A random-access sequence of examples (dicts of numpy values; text as bytes).
-
-    Raises:
-      ValueError: if `split` is not a split of the prepared data.
-    """
+    """Prepares `builder` (array_record files) unless it is already prepared, then opens
+    `split` (a name, or a tfds split expression such as ``"train[:100]"``) as a random-access
+    sequence of examples (dicts of numpy values; text as bytes). `download_config` goes to
+    ``download_and_prepare``. ValueError if `split` is not a split of the prepared data."""
     with absl_records_dropped(_unprepared_notice), _preparation_lock(builder):
         if not builder.is_prepared():
             builder.download_and_prepare(download_config=download_config)

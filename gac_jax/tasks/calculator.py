@@ -12,14 +12,10 @@ with the value; the policy writes the final answer after ``=`` and ends the epis
     calculator   10081
     policy        =10081<eos>
 
-With a chat model, `CalculatorTool` is the same calculator as a chat tool: its schema goes
-into the prompt through the chat template, the model calls it in the template's format
-(``<tool_call>{"name": "calculator", "arguments": {"expression": "347*29"}}</tool_call>``)
-and reads the value as a ``tool`` message (``env=gac_jax.tasks.calculator:CalculatorTool``).
-
-`reference_turns` gives that transcript as (role, text) turns, for the supervised warm
-start on tool-using transcripts. The reward is 1 when the text ends with ``=N`` and N is the
-answer, else 0: calling the tool is never rewarded by itself.
+`reference_turns` gives that transcript, for the supervised warm start. The reward is 1
+when the text ends with ``=N`` and N is the answer, else 0: calling the tool is never
+rewarded by itself. `CalculatorTool` is the same calculator as a chat model's tool
+(``env=gac_jax.tasks.calculator:CalculatorTool``, `gac_jax.tasks.tool_calls`).
 """
 
 from __future__ import annotations

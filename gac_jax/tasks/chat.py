@@ -70,9 +70,8 @@ def _environment():
 
 @functools.lru_cache(maxsize=8)
 def compile_template(source: str):
-    """`source` compiled in the sandbox, once a process: a run's validation, its task and
-    its episodes each make a `ChatTemplate` of the same text (a compiled Jinja template is
-    immutable, so they share it). SyntaxError-like jinja2 errors propagate."""
+    """`source` compiled in the sandbox, once a process (a run's validation, task and
+    episodes share the immutable compiled template). jinja2's syntax errors propagate."""
     return _environment().from_string(source)
 
 
@@ -83,12 +82,8 @@ def _token_text(value) -> str | None:
 
 
 class ChatTemplate:
-    """A model's chat template and its special tokens.
-
-    Args:
-      source: the Jinja template text.
-      special_tokens: ``bos_token``, ``eos_token``, ... as template variables.
-    """
+    """A model's chat template (Jinja text) and its special tokens (``bos_token``, ...,
+    template variables)."""
 
     def __init__(self, source: str, special_tokens: Mapping[str, str | None] | None = None):
         self.source = source
@@ -115,11 +110,7 @@ class ChatTemplate:
         return cls(source, special)
 
     def render(
-        self,
-        messages: Sequence[Mapping[str, Any]],
-        *,
-        add_generation_prompt: bool = True,
-        **kwargs,
+        self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True, **kwargs
     ) -> str:
         """The text of `messages` (``{"role": ..., "content": ...}`` dicts), ending with the
         assistant's turn opened when `add_generation_prompt`; `kwargs` are template
@@ -131,8 +122,7 @@ class ChatTemplate:
 
 
 def system_first(messages: list[dict[str, Any]], system: str | None) -> list[dict[str, Any]]:
-    """`messages` with a system message `system` first, unless it has one (or `system` is
-    None)."""
+    """`messages` with a system message `system` first, unless it has one or `system` is None."""
     if system is None or any(m.get("role") == "system" for m in messages):
         return messages
     return [{"role": "system", "content": system}, *messages]
@@ -146,19 +136,14 @@ def with_chat_template(
     strip_bos: bool = False,
     **template_kwargs,
 ):
-    """`task` whose prompts are its messages rendered by `template`.
+    """`task` (a `gac_jax.tasks.Task`) whose prompts are its messages rendered by `template`.
 
     The messages are ``task.messages(example)`` when the task has them (the JSONL and
-    Hugging Face tasks: their ``system`` and ``prompt``), else one user message holding
-    ``task.prompt(example)``; `system` is put first where they have no system message.
-
-    Args:
-      task: a `gac_jax.tasks.Task`.
-      template: the model's chat template.
-      system: the default system prompt, or None.
-      strip_bos: drop the template's leading ``bos_token`` text (when the tokenizer adds
-        the BOS id itself, as the rollout generator does).
-      **template_kwargs: template variables, e.g. ``enable_thinking=False``.
+    Hugging Face tasks), else one user message holding ``task.prompt(example)``; `system`,
+    the default system prompt, is put first where they have no system message.
+    `strip_bos` drops the template's leading ``bos_token`` text (when the tokenizer adds
+    the BOS id itself, as the rollout generator does); `template_kwargs` are template
+    variables, e.g. ``enable_thinking=False``.
     """
     bos = template.special_tokens.get("bos_token") if strip_bos else None
     messages_of: Callable = task.messages or (

@@ -3,20 +3,16 @@
 With a Hugging Face chat template, the text between a policy's turn and its next one is the
 template's: the end of the assistant message, the environment's answer as a message of its
 role (a ``tool`` message: Qwen3 writes ``<|im_start|>user\\n<tool_response>\\n...
-\\n</tool_response><|im_end|>``), and the next assistant turn opened (the generation
-prompt). `ChatTurns` takes that text from the template itself, as transformers'
-``apply_chat_template`` renders the conversation: it renders a conversation whose last
-assistant message is a sentinel followed by the new messages, and keeps what the template
-writes after the sentinel.
+\\n</tool_response><|im_end|>``), and the next assistant turn opened. `ChatTurns` renders a
+conversation whose last assistant message is a sentinel followed by the new messages (as
+transformers' ``apply_chat_template`` does) and keeps what the template writes after it.
 
-Only what follows the policy's last turn is rendered; earlier turns stay as the policy
-wrote them. A template that rewrites its history (Qwen3 drops the reasoning of earlier
-assistant turns) would otherwise change the context the policy's tokens were sampled in.
-
-A turn ends on a token. When it is the token the template's end of an assistant message
-(`assistant_end`) starts with (``<|im_end|>``: the policy wrote it), the observation starts
-after it (`after_turn`'s `ended_with`); when a turn ends on an environment's own turn end
-(``</tool_call>``), the observation starts with the template's whole `assistant_end`.
+Only what follows the policy's last turn is rendered: a template that rewrites its history
+(Qwen3 drops the reasoning of earlier assistant turns) would otherwise change the context
+the policy's tokens were sampled in. A turn that ends on the token `assistant_end` starts
+with (``<|im_end|>``, written by the policy) is followed by the rest of `assistant_end`
+(`after_turn`'s `ended_with`); one that ends on an environment's own turn end
+(``</tool_call>``), by the whole of it.
 
 Example::
 
@@ -41,17 +37,10 @@ _QUESTION = {"role": "user", "content": "GacJaxQuestion"}
 
 
 class ChatTurns:
-    """Renders the text a chat template writes after an assistant turn.
-
-    Args:
-      template: the model's chat template.
-      tools: the tools' JSON schemas as the template takes them (``tools=`` of
-        ``apply_chat_template``), or None.
-      **template_kwargs: template variables, e.g. ``enable_thinking=False``.
-
-    Raises:
-      ValueError: in one line, if the template does not write an assistant message's
-        content verbatim once, or writes nothing after it.
+    """Renders the text a chat template writes after an assistant turn, with `tools` (JSON
+    schemas, ``tools=`` of ``apply_chat_template``) and `template_kwargs` (template
+    variables, e.g. ``enable_thinking=False``). ValueError, in one line, if the template
+    does not write an assistant message's content verbatim once, or writes nothing after it.
     """
 
     def __init__(

@@ -1,22 +1,16 @@
 """Countdown: reach a target from a few given numbers with + - * / and parentheses.
 
-Three parts:
-
 * **Search** (`reachable`, `solve`): exhaustive over expression trees, memoised over
-  sub-multisets of the numbers (at most `MAX_NUMBERS`). Every value gets the expression
+  sub-multisets of the numbers (at most `MAX_NUMBERS`); every value gets the expression
   that uses the fewest numbers.
-* **Generation** (`sample_problem`): numbers drawn uniformly from a range, the target
-  drawn among the reachable values in a target range (never one of the given numbers),
-  and the reference solution from the search.
-* **Verification** (`check_countdown`, `countdown_reward`): in
-  `gac_jax.tasks.countdown_verifier` (no ``eval``), whose docstring states the verifier's
-  rule (exact rationals) and how the answer is read from a completion; its public names
-  are importable from here too.
+* **Generation** (`sample_problem`): numbers drawn uniformly, the target among the
+  reachable values in a range, the reference solution from the search.
+* **Verification** (`check_countdown`, `countdown_reward`, re-exported here): in
+  `gac_jax.tasks.countdown_verifier` (exact rationals, no ``eval``).
 
-The reference search (``integer_only=True``, used for generation) is stricter than the
-verifier, the classic game's rule: every intermediate is a positive integer. So every
-reference solution passes the verifier, and the targets of the data sets are reachable
-with whole numbers; ``integer_only=False`` searches under the verifier's own rule.
+The reference search (``integer_only=True``, used for generation) follows the classic
+game's stricter rule, every intermediate a positive integer, so every reference solution
+passes the verifier; ``integer_only=False`` searches under the verifier's own rule.
 """
 
 from __future__ import annotations
@@ -56,9 +50,6 @@ class CountdownProblem(NamedTuple):
     numbers: tuple[int, ...]  # the given numbers, in the order they are shown
     target: int  # the value to make
     solution: str  # a reference expression that makes the target
-
-
-# --------------------------------------------------------------------------- search
 
 
 def _check_numbers(numbers: Sequence[int]) -> tuple[int, ...]:
@@ -124,14 +115,8 @@ class _Search:
             while sub:
                 if sub & low:
                     rest = mask ^ sub
-                    _combine(
-                        self.values(sub),
-                        self.values(rest),
-                        self.key(sub),
-                        self.key(rest),
-                        found,
-                        self.integer_only,
-                    )
+                    left, right = self.values(sub), self.values(rest)
+                    _combine(left, right, self.key(sub), self.key(rest), found, self.integer_only)
                 sub = (sub - 1) & mask
         self.exact[key] = found
         return found
@@ -167,41 +152,21 @@ def _fewest_numbers(numbers: tuple[int, ...], integer_only: bool) -> tuple[_Sear
 
 
 def reachable(numbers: Sequence[int], *, integer_only: bool = True) -> dict:
-    """Every value an expression over some of `numbers` (each at most once) reaches.
-
-    Args:
-      numbers: 1 to `MAX_NUMBERS` positive integers (repeats allowed).
-      integer_only: True for the classic rule (every intermediate a positive integer);
-        False for the verifier's rule (exact rationals, any sign).
-
-    Returns:
-      A dict from each reachable value (int, or `Fraction` when ``integer_only=False``)
-      to an expression string that makes it using as few numbers as possible.
-
-    Raises:
-      ValueError: if `numbers` is empty, too long or holds a non-positive number.
-    """
+    """A dict from every value that an expression over some of `numbers` (1 to
+    `MAX_NUMBERS` positive integers, each used at most once) reaches to an expression that
+    makes it with as few numbers as possible. Values are ints, or `Fraction`s when not
+    `integer_only` (the verifier's rule). ValueError on empty, too many or non-positive
+    `numbers`."""
     search, where = _fewest_numbers(_check_numbers(numbers), integer_only)
     return {value: search.render(key, value)[0] for value, key in where.items()}
 
 
 def solve(numbers: Sequence[int], target: int, *, integer_only: bool = True) -> str | None:
-    """An expression over `numbers` (each at most once) that makes `target`, or None.
-
-    Args:
-      numbers: 1 to `MAX_NUMBERS` positive integers.
-      target: the value to make.
-      integer_only: search rule, as in `reachable`.
-
-    Returns:
-      An expression using as few numbers as possible, or None if none exists.
-    """
+    """An expression over `numbers` (each at most once) that makes `target` using as few
+    numbers as possible, or None; `numbers` and `integer_only` as in `reachable`."""
     search, where = _fewest_numbers(_check_numbers(numbers), integer_only)
     key = where.get(target)
     return None if key is None else search.render(key, target)[0]
-
-
-# ----------------------------------------------------------------------- generation
 
 
 def sample_problem(
@@ -219,22 +184,10 @@ def sample_problem(
     target uniform among the values in [min_target, max_target] that are reachable with
     whole-number intermediates and need at least `min_used` of the numbers.
 
-    Args:
-      rng: the random source (a seeded `random.Random` makes generation deterministic).
-      num_numbers: how many numbers, 1 to `MAX_NUMBERS`.
-      min_number: smallest number, >= 1.
-      max_number: largest number, >= min_number.
-      min_target: smallest target.
-      max_target: largest target, >= min_target.
-      min_used: fewest numbers the shortest solution must use, 1 to num_numbers (2 or
-        more keeps the given numbers themselves from being targets).
-      max_tries: draws of numbers before giving up.
-
-    Returns:
-      The problem, with a reference solution using as few numbers as possible.
-
-    Raises:
-      ValueError: on bad ranges, or if `max_tries` draws found no target in range.
+    `num_numbers` is 1 to `MAX_NUMBERS`; `min_used` (1 to num_numbers) of 2 or more keeps
+    the given numbers themselves from being targets. The reference solution uses as few
+    numbers as possible. ValueError on bad ranges, or if `max_tries` draws of numbers found
+    no target.
     """
     if not 1 <= num_numbers <= MAX_NUMBERS:
         raise ValueError(f"num_numbers must be in [1, {MAX_NUMBERS}], got {num_numbers}.")

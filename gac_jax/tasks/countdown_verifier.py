@@ -61,14 +61,11 @@ def extract_countdown_answer(completion: str) -> str:
 
 def _last_tagged(text: str) -> str | None:
     """The content of the last match of a left-to-right scan for ``<answer>(.*?)</answer>``
-    (dot matching newlines), or None; in linear time, where that regex is quadratic on
-    thousands of unclosed ``<answer>`` tags.
-
-    Each match pairs the first opening tag after the previous match with the first closing
-    tag after it, and the tags cannot overlap. So the last match closes at the first
+    (dot matching newlines), or None, in linear time (that regex is quadratic on thousands
+    of unclosed ``<answer>`` tags). Each match pairs the first opening tag after the
+    previous match with the first closing tag after it, so the last one closes at the first
     closing tag after the last opening tag that some closing tag follows, and opens at the
-    first opening tag after the closing tag before that one.
-    """
+    first opening tag after the closing tag before that one."""
     last_close = text.rfind(_CLOSE_TAG)
     last_open = text.rfind(_OPEN_TAG, 0, max(last_close, 0))
     if last_close < 0 or last_open < 0:
@@ -152,20 +149,10 @@ class _Parser:
 def parse_expression(
     text: str, *, max_length: int = MAX_ANSWER_CHARS, max_depth: int = MAX_DEPTH
 ) -> tuple:
-    """Parses an arithmetic expression over non-negative integer literals, + - * / and
-    parentheses. No unary operators.
-
-    Args:
-      text: the expression, e.g. ``"(8-2)*4"``.
-      max_length: longest accepted text, in characters.
-      max_depth: deepest accepted nesting of parentheses.
-
-    Returns:
-      The tree: ``("num", n)`` or ``(op, left, right)`` with op one of ``+ - * /``.
-
-    Raises:
-      ExpressionError: if the text is empty, too long, too deep or malformed.
-    """
+    """The tree (``("num", n)`` or ``(op, left, right)``, op one of ``+ - * /``) of an
+    expression such as ``"(8-2)*4"`` over non-negative integer literals, + - * / and
+    parentheses (no unary operators). ExpressionError if `text` is empty, longer than
+    `max_length` characters, nested deeper than `max_depth` or malformed."""
     if len(text) > max_length:
         raise ExpressionError(f"answer longer than {max_length} characters")
     tokens = _tokenize(text)
@@ -190,11 +177,8 @@ def _literals(tree) -> list[int]:
 
 
 def evaluate_expression(tree) -> Fraction:
-    """The exact value of a tree from `parse_expression`.
-
-    Raises:
-      ZeroDivisionError: if the expression divides by zero.
-    """
+    """The exact value of a tree from `parse_expression` (ZeroDivisionError if it divides by
+    zero)."""
     if tree[0] == "num":
         return Fraction(tree[1])
     op, left, right = tree
@@ -242,16 +226,8 @@ def _verdict(completion, numbers: Sequence[int], target: int) -> CountdownVerdic
 
 
 def check_countdown(completion: str, numbers: Sequence[int], target: int) -> CountdownVerdict:
-    """Judges a completion under the rules in this module's docstring.
-
-    Args:
-      completion: model output (anything: non-text scores as malformed).
-      numbers: the given numbers.
-      target: the value to make.
-
-    Returns:
-      A `CountdownVerdict`. Never raises on any completion.
-    """
+    """The `CountdownVerdict` of a completion (anything: non-text is malformed) under the
+    rules in this module's docstring. Never raises on any completion."""
     numbers = [int(n) for n in numbers]
     target = int(target)
     try:
@@ -263,18 +239,8 @@ def check_countdown(completion: str, numbers: Sequence[int], target: int) -> Cou
 def countdown_reward(
     completion: str, numbers: Sequence[int], target: int, *, format_score: float = 0.0
 ) -> float:
-    """1.0 for a correct answer, `format_score` for a well-formed but wrong one, else 0.0.
-
-    "Well-formed" means the answer parses as an expression (see `check_countdown`); with
-    the default ``format_score=0.0`` the reward is plain correctness.
-
-    Args:
-      completion, numbers, target: as for `check_countdown`.
-      format_score: reward of a well-formed wrong answer, in [0, 1].
-
-    Returns:
-      The reward, a float. Never raises on any completion.
-    """
+    """1.0 for a correct answer, `format_score` (in [0, 1]) for a well-formed but wrong one
+    (it parses as an expression, `check_countdown`), else 0.0. Never raises."""
     verdict = check_countdown(completion, numbers, target)
     if verdict.correct:
         return 1.0

@@ -20,12 +20,8 @@ feedback), which is appended to the context, or ends the episode (`done`). At th
 
 and are named by import path in a run (``env=package.module:Name``, like ``reward=``).
 
-`GuardedEnvironment` is how the rollout side calls one: each `step` runs in its own daemon
-thread against `timeout`, and a step that raises, hangs past the timeout, or returns
-something that is not an `Observation` or a string becomes the observation
-``"error: <kind>"`` (kinds: ``raised``, ``timeout``, ``invalid``) and is counted; an
-observation longer than `max_chars` is cut there (a tool that floods its output). Nothing a
-tool does stops the run or blocks the decode loop.
+`GuardedEnvironment` is how the rollout side calls one, so that nothing a tool does stops
+the run or blocks the decode loop.
 """
 
 from __future__ import annotations
@@ -72,13 +68,10 @@ class Observation:
 
 @runtime_checkable
 class Environment(Protocol):
-    """What a multi-turn task's environment provides (see the module docstring).
-
-    It may also have `tools`: the JSON schemas of its tools (``tools=`` of transformers'
-    ``apply_chat_template``), which a chat template writes into the prompt. With a chat
-    template, a turn also ends on the template's end of an assistant message
-    (``<|im_end|>``), so a chat environment's `turn_end` may be empty.
-    """
+    """What a multi-turn task's environment provides (see the module docstring). It may
+    also have `tools`, JSON schemas that a chat template writes into the prompt; with a chat
+    template a turn also ends where the template ends an assistant message (``<|im_end|>``),
+    so `turn_end` may be empty."""
 
     turn_end: tuple[str, ...]
 
@@ -145,13 +138,12 @@ def environment_tools(env, name: str) -> list[dict[str, Any]] | None:
 
 
 class GuardedEnvironment:
-    """Calls an environment's `step` off the caller's thread, with a timeout.
+    """Calls an environment's `step` in its own daemon thread, against `timeout` seconds.
 
-    Args:
-      env: the environment.
-      name: what warnings call it.
-      timeout: seconds a step may take before it becomes ``"error: timeout"``.
-      max_chars: observations are cut to this many characters.
+    A step that raises, hangs past the timeout, or returns something that is not an
+    `Observation` or a string becomes the observation ``"error: <kind>"`` (`ERROR_KINDS`)
+    and is counted; an observation is cut to `max_chars` characters (a tool that floods its
+    output). `name` is what warnings call the environment.
     """
 
     def __init__(

@@ -3,13 +3,9 @@
 The data comes from `gac_jax.tasks.builders.Gsm8k`, tfds's ``gsm8k`` builder extended to
 prepare from the original release files offline. Each example has ``question``,
 ``answer`` (the worked solution ending in ``#### N``), ``annotation`` (the solution
-without that line) and ``short_answer`` (N, e.g. ``"1,080"`` or ``"-3"``).
-
-Offline, the release files `GSM8K_FILES` go in tfds's manual directory of the run's
-``data_dir``, ``<data_dir>/downloads/manual/`` (by default
-``~/tensorflow_datasets/downloads/manual/``; `gsm8k_manual_dir`). The CLI checks for them
-(`require_gsm8k_offline`) before anything could try a download, and fails with one line
-naming that directory when they are absent and GSM8K is not prepared yet.
+without that line) and ``short_answer`` (N, e.g. ``"1,080"`` or ``"-3"``). Offline, the
+release files `GSM8K_FILES` go in `gsm8k_manual_dir`, which the CLI checks
+(`require_gsm8k_offline`) before anything could try a download.
 """
 
 from __future__ import annotations
@@ -62,15 +58,10 @@ def gsm8k_manual_dir(data_dir: str | os.PathLike | None = None) -> Path:
 
 
 def require_gsm8k_offline(data_dir: str | os.PathLike | None = None) -> None:
-    """Checks that GSM8K can be read in `data_dir` without any download.
-
-    Either it is already prepared there, or `gsm8k_manual_dir` holds the release files.
-    Only paths are checked (nothing is built or logged), so a machine without network
-    fails at once rather than after tfds's download retries.
-
-    Raises:
-      FileNotFoundError: one line naming the directory and the missing files.
-    """
+    """Checks that GSM8K is prepared in `data_dir` or that `gsm8k_manual_dir` holds the
+    release files, so it can be read without a download. Only paths are checked, so a
+    machine without network fails at once (FileNotFoundError, one line naming the
+    directory and the missing files) rather than after tfds's download retries."""
     _, dataset_dir = _gsm8k_dirs(data_dir)
     if (dataset_dir / "dataset_info.json").is_file():
         return

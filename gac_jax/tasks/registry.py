@@ -48,36 +48,26 @@ class Task:
 
     Examples are the dicts a data source yields (numpy values, text as bytes); plain
     Python values (str, int, lists) work as well.
-
-    Attributes:
-      name: the registry name, e.g. ``"countdown/n3_max20"``.
-      make_builder: ``make_builder(data_dir) -> tfds builder`` (data_dir None: tfds's
-        default); None for a task whose data is not a tfds dataset (then `source`).
-      prompt: ``prompt(example) -> str``, the text the model continues.
-      reference_completion: ``reference_completion(example) -> str``, a correct
-        completion (for supervised warm starts and tests).
-      reward: ``reward(completion, example) -> float``; never raises on any completion.
-      download_config: passed to ``download_and_prepare`` when the data is prepared.
-      source: ``source(split, data_dir=...) -> sequence of examples`` for a task without
-        a builder (a JSONL file read into memory); None for the tfds tasks.
-      messages: ``messages(example) -> [{"role": ..., "content": ...}, ...]``, the prompt
-        as chat messages for a chat template (`gac_jax.tasks.chat`); None: one user
-        message holding ``prompt(example)``.
-      environment: a multi-turn task's environment (`gac_jax.tasks.environments`), made
-        by calling this; None for single-answer tasks. Its `reward` scores the episode.
-      reference_turns: ``reference_turns(example) -> [(role, text), ...]``, a worked
-        multi-turn transcript (roles "policy" and "tool"), for the supervised warm start.
     """
 
-    name: str
+    name: str  # The registry name, e.g. "countdown/n3_max20".
+    # `make_builder(data_dir)` (None: tfds's default); None for a task whose data is not a
+    # tfds dataset, whose `source(split, data_dir=...)` gives the examples instead.
     make_builder: Callable[[str | None], tfds.core.DatasetBuilder] | None
-    prompt: Callable[[Mapping[str, Any]], str]
+    prompt: Callable[[Mapping[str, Any]], str]  # The text the model continues.
+    # A correct completion, for supervised warm starts and tests.
     reference_completion: Callable[[Mapping[str, Any]], str]
+    # `reward(completion, example)`: never raises on any completion.
     reward: Callable[[str, Mapping[str, Any]], float]
-    download_config: tfds.download.DownloadConfig | None = None
+    download_config: tfds.download.DownloadConfig | None = None  # For download_and_prepare.
     source: Callable[..., Sequence[Mapping[str, Any]]] | None = None
+    # The prompt as chat messages for a chat template (`gac_jax.tasks.chat`); None: one
+    # user message holding `prompt(example)`.
     messages: Callable[[Mapping[str, Any]], list[dict[str, Any]]] | None = None
+    # Makes a multi-turn task's environment (`gac_jax.tasks.environments`), whose `reward`
+    # scores the episode; None for single-answer tasks.
     environment: Callable[[], Any] | None = None
+    # A worked multi-turn transcript, [(role "policy" or "tool", text)], for warm starts.
     reference_turns: Callable[[Mapping[str, Any]], list[tuple[str, str]]] | None = None
 
     def builder(self, data_dir: str | os.PathLike | None = None) -> tfds.core.DatasetBuilder:
@@ -89,19 +79,9 @@ class Task:
     def data_source(
         self, split: str, *, data_dir: str | os.PathLike | None = None
     ) -> Sequence[Mapping[str, Any]]:
-        """The examples of `split`, preparing the data first if needed.
-
-        Args:
-          split: ``"train"`` or ``"test"`` (or a tfds slice such as ``"test[:100]"``).
-          data_dir: tfds data directory; None for tfds's default.
-
-        Returns:
-          A random-access sequence of examples (tfds data source, or a list for a task
-          read into memory).
-
-        Raises:
-          ValueError: on an unknown split.
-        """
+        """The examples of `split` (``"train"``, ``"test"`` or a tfds slice such as
+        ``"test[:100]"``) as a random-access sequence, preparing the data in `data_dir`
+        (None: tfds's default) first if needed. ValueError on an unknown split."""
         if self.source is not None:
             return self.source(split, data_dir=data_dir)
         return prepare_source(self.builder(data_dir), split, download_config=self.download_config)
@@ -222,23 +202,14 @@ def _option_names(factory: Callable[..., Task]) -> list[str]:
 
 
 def get_task(name: str, **options) -> Task:
-    """The task called `name`.
+    """The task called `name`: one of `TASK_NAMES`, or a `TASK_FAMILIES` prefix and its
+    parameter (``jsonl:TRAIN_PATH[,TEST_PATH]``, ``hf:PATH[:TRAIN_SPLIT[,TEST_SPLIT]]``).
 
-    Args:
-      name: one of `TASK_NAMES`, or a `TASK_FAMILIES` prefix and its parameter
-        (``jsonl:TRAIN_PATH[,TEST_PATH]``, ``hf:PATH[:TRAIN_SPLIT[,TEST_SPLIT]]``).
-      **options: task options: ``format_score`` (countdown: reward of a well-formed wrong
-        answer, default 0.0); ``manual_dir`` (gsm8k: directory holding the original
-        ``train.jsonl`` and ``test.jsonl``, read instead of downloading).
-
-    Returns:
-      The `Task`.
-
-    Raises:
-      ValueError: if `name` is unknown (the message lists the known names), an option
-        does not apply to the task, an option value is invalid, or a JSONL file or
-        saved dataset is missing.
-      FileNotFoundError: if gsm8k's ``manual_dir`` lacks the release files.
+    Options: ``format_score`` (countdown: reward of a well-formed wrong answer, default
+    0.0); ``manual_dir`` (gsm8k: directory holding the original ``train.jsonl`` and
+    ``test.jsonl``, read instead of downloading; FileNotFoundError if it lacks them).
+    ValueError, in one line, if `name` is unknown (listing the known names), an option
+    does not apply to the task or is invalid, or a JSONL file or saved dataset is missing.
     """
     factory = _FACTORIES.get(name)
     for prefix, family in TASK_FAMILIES.items():

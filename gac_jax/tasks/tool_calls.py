@@ -7,24 +7,12 @@ as the template writes an assistant message's ``tool_calls``::
     {"name": "calculator", "arguments": {"expression": "347*29"}}
     </tool_call>
 
-`parse_tool_calls` reads the calls of a turn back; a call that is not a JSON object with a
-string ``name`` and an object ``arguments`` is a `MalformedCall` (answered with an error,
-never raised). `ToolEnvironment` is an environment (`gac_jax.tasks.environments`) whose
-tools are Python functions: it answers each call of a turn with its function's result as a
-``tool`` message (rendered by the run's chat template), and ends the episode at a turn that
-calls none. Its turns end where the chat template ends an assistant message, so its
-`turn_end` is empty.
-
-Example::
-
-    def calculator(expression: str) -> str: ...
-
-    env = ToolEnvironment(
-        {"calculator": calculator},
-        tools=[function_schema("calculator", "Evaluates a + b, a - b or a * b.",
-                               {"expression": "the operation, e.g. 347*29"})],
-        reward=lambda transcript, example: float(transcript.endswith(example["answer"])),
-    )
+`parse_tool_calls` reads the calls of a turn back (one that is not a JSON object with a
+string ``name`` and an object ``arguments`` is a `MalformedCall`, answered with an error,
+never raised). `ToolEnvironment` is an environment (`gac_jax.tasks.environments`) that
+answers each call with its Python function's result as a ``tool`` message and ends the
+episode at a turn that calls none; its turns end where the chat template ends an assistant
+message (an empty `turn_end`). `gac_jax.tasks.calculator.CalculatorTool` is one.
 """
 
 from __future__ import annotations
@@ -88,34 +76,20 @@ def _parse_call(text: str) -> ToolCall | MalformedCall:
 def function_schema(name: str, description: str, parameters: Mapping[str, str]) -> dict:
     """The JSON schema of a function whose parameters are all required strings
     (`parameters`: name -> description), in the form chat templates take as ``tools``."""
-    return {
-        "type": "function",
-        "function": {
-            "name": name,
-            "description": description,
-            "parameters": {
-                "type": "object",
-                "properties": {
-                    key: {"type": "string", "description": text} for key, text in parameters.items()
-                },
-                "required": list(parameters),
-            },
-        },
-    }
+    properties = {key: {"type": "string", "description": text} for key, text in parameters.items()}
+    schema = {"type": "object", "properties": properties, "required": list(parameters)}
+    function = {"name": name, "description": description, "parameters": schema}
+    return {"type": "function", "function": function}
 
 
 class ToolEnvironment:
     """An environment whose tools are Python functions, called by a chat model.
 
-    Args:
-      functions: tool name -> function called with the call's arguments as keywords; its
-        result is the tool message's content (``str(result)``).
-      tools: the tools' JSON schemas for the chat template (`function_schema`).
-      reward: ``reward(transcript, example) -> float`` of a finished episode.
-
-    A turn's calls are answered in order, one ``tool`` message each; a call that names no
-    function, has arguments the function refuses, or raises is answered ``error: <what>``
-    (the episode goes on). A turn without a call ends the episode.
+    Each call of a turn is answered, in order, by a ``tool`` message: ``str`` of the result
+    of `functions[name](**arguments)`, or ``error: <what>`` for a call that names no
+    function, has arguments the function refuses, or raises (the episode goes on). `tools`
+    are the JSON schemas for the chat template (`function_schema`); `reward(transcript,
+    example)` scores a finished episode.
     """
 
     turn_end: tuple[str, ...] = ()

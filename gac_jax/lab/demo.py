@@ -1,14 +1,12 @@
 """The demo (`gac-jax demo`, `make demo`): stale rollouts break training, and a cure holds.
 
-One small cell of the laboratory trained twice side by side (`run_sweep`'s processes, one
-XLA thread each): the `calculator` preset's tool episodes in laboratory v3's regime
-(REINFORCE with uncapped sequence-level importance weights, lr 5e-4), every batch sampled by
-the policy 16 updates older (lagged k=16), once naively and once with VCPO (ESS step
-scaling and the off-policy optimal baseline). In experiments/RESULTS.md ("The tool task")
-all 5 naive runs fell to held-out pass@1 0 and all 5 VCPO runs held. The demo's pilot (40
-steps, held-out pass@1 before training and every 10 updates), seeds 0, 1, 2: naive 0.190,
-0.200, 0.209 -> 0.000 after 10 updates in each; VCPO -> 0.240, 0.260, 0.276 after 40. The
-batch reward hides the fall for 16 steps: those batches still come from the old policy.
+The `calculator` preset's tool episodes in laboratory v3's regime (REINFORCE with uncapped
+sequence-level importance weights, lr 5e-4, lagged k=16), trained side by side naively and
+with VCPO (ESS step scaling, the off-policy optimal baseline). In experiments/RESULTS.md
+("The tool task") all 5 naive runs fell to held-out pass@1 0 and all 5 VCPO runs held; in
+the demo's pilot (seeds 0, 1, 2) naive fell from 0.190, 0.200, 0.209 to 0.000 after 10
+updates, VCPO rose to 0.240, 0.260, 0.276 after 40. The batch reward hides the fall for 16
+steps: those batches still come from the old policy.
 
     result = run_demo("runs/demo")  # runs/demo/{naive,vcpo}/seed0, runs/demo/demo.png
     print(result.line)
@@ -119,14 +117,10 @@ def run_demo(
     stream: TextIO = sys.stdout,
     every: float = 15.0,
 ) -> DemoResult:
-    """Trains the arms into ``out/<arm>/seed<seed>`` (finished ones are kept, as a sweep
-    keeps them), plots them into ``out/demo.png`` and returns the comparison.
-
-    With `jobs` > 1 the arms train in that many child processes (``python -m
-    gac_jax.lab.demo``, their output in ``out/process<i>.log``) while `progress` is printed
-    to `stream` every `every` seconds; with 1, in this process. `overrides` (``--set``
-    syntax) apply to every arm after its own.
-    """
+    """Trains the arms into ``out/<arm>/seed<seed>`` (finished ones are kept), plots them
+    into ``out/demo.png`` and returns the comparison. With `jobs` > 1 the arms train in
+    child processes (`main`) while `progress` is printed to `stream` every `every` seconds.
+    `overrides` (``--set`` syntax) apply to every arm after its own."""
     out, started = Path(out), time.monotonic()
     specs = demo_specs(seed, overrides)
     runs = {name: spec.directory(out) for name, spec in zip(ARMS, specs, strict=True)}

@@ -2,16 +2,11 @@
 
 `code_version()` is written into every sweep run's summary, so a sweep can tell a result of
 today's code from one of older code (`gac_jax.lab.sweeps`). Only the files that decide
-what a run computes count: the package (``gac_jax/``, its assets included) and
-``pyproject.toml``. Two runs are of the same code when those files are the same (``tree``,
-a digest of their committed blobs, plus the uncommitted changes below), whatever else the
-commits between them changed: notes, tests, the README, the experiment scripts (a script
-decides a run only through its config, which the summary's config hash pins) and the
-generated report do not make the finished runs stale.
-
-A dirty tree carries ``diff``, a digest of the uncommitted changes to those files (the
-diff against HEAD plus the untracked files' names and bytes), so two runs of the same
-uncommitted code compare equal and runs of different edits do not.
+what a run computes count (`CODE_PATHS`): two runs are of the same code when those files
+are the same (``tree``, a digest of their committed blobs, and ``diff``, one of their
+uncommitted changes), whatever else the commits between them changed (notes, tests, the
+experiment scripts: a script decides a run only through its config, which the summary's
+config hash pins).
 """
 
 from __future__ import annotations
@@ -58,8 +53,8 @@ def _is_checkout() -> bool:
 
 
 def _uncommitted_digest() -> str | None:
-    """A digest of the uncommitted changes under `CODE_PATHS` (`code_version` asks only
-    when there are some); None if git fails."""
+    """A digest of the uncommitted changes under `CODE_PATHS` (the diff against HEAD, the
+    untracked files' names and bytes); None if git fails."""
     diff = _git("diff", "HEAD", "--binary", "--no-ext-diff", "--", *CODE_PATHS)
     untracked = _git("ls-files", "--others", "--exclude-standard", "-z", "--", *CODE_PATHS)
     if diff is None or untracked is None:
@@ -75,8 +70,7 @@ def _uncommitted_digest() -> str | None:
 
 
 def _committed_tree() -> str | None:
-    """A digest of HEAD's blobs under `CODE_PATHS` (paths and object ids); None if git
-    fails."""
+    """A digest of HEAD's blobs under `CODE_PATHS`; None if git fails."""
     listing = _git("ls-tree", "-r", "--full-tree", "HEAD", "--", *CODE_PATHS)
     return None if listing is None else hashlib.sha256(listing).hexdigest()[:16]
 
@@ -90,14 +84,12 @@ def _library_version(name: str) -> str | None:
 
 @functools.cache
 def code_version() -> dict[str, Any]:
-    """The version of the code this process runs, computed once per process.
+    """The version of the code this process runs, once per process; never raises.
 
-    Returns:
-      ``{"commit", "tree", "dirty", "diff", "jax", "flax", "optax"}``: the HEAD commit
-      (None when the package is not a git checkout or git is missing), the digest of its
-      files under `CODE_PATHS` (`_committed_tree`), whether `CODE_PATHS` hold
-      uncommitted changes (None without a commit), the digest of those changes (None when
-      clean), and the installed library versions. Never raises.
+    ``{"commit", "tree", "dirty", "diff", "jax", "flax", "optax"}``: the HEAD commit (None
+    outside a git checkout), `_committed_tree`, whether `CODE_PATHS` hold uncommitted
+    changes (None without a commit), `_uncommitted_digest` (None when clean), and the
+    installed library versions.
     """
     commit = tree = dirty = diff = None
     if _is_checkout():
@@ -113,19 +105,14 @@ def code_version() -> dict[str, Any]:
 
 
 def same_code(recorded: Mapping[str, Any] | None, current: Mapping[str, Any]) -> bool:
-    """Whether a run recorded as `recorded` was made by the code `current`.
-
-    The code files must match: by ``tree`` (two commits that changed only other files
-    are the same code), or by commit for a record written before trees were recorded. A
-    run without a record (written before versions were recorded) or without a commit (no
-    git) cannot be shown to be of this code, so it is not; a dirty record matches only the
-    same files with the same uncommitted changes (`code_version`'s ``diff``).
+    """Whether a run recorded as `recorded` was made by the code `current`: the same code
+    files (by ``tree``, or by commit for a record without one), uncommitted changes and
+    libraries. A record without a commit cannot be shown to be of this code, so it is not.
     """
     if not recorded or recorded.get("commit") is None:
         return False
     if recorded.get("dirty") and recorded.get("diff") is None:
         return False  # Dirty, but the changes could not be read.
-    # The same code files, whichever commit; a record without a tree (older) by its commit.
     files = "tree" if recorded.get("tree") and current.get("tree") else "commit"
     keys = (files, "dirty", "diff", *LIBRARIES)
     return all(recorded.get(k) == current.get(k) for k in keys)
@@ -133,9 +120,8 @@ def same_code(recorded: Mapping[str, Any] | None, current: Mapping[str, Any]) ->
 
 def describe(version: Mapping[str, Any] | None) -> str:
     """One line naming a `code_version()`, e.g. ``code 5d0c2f7e9a1b3c4d + uncommitted
-    changes 3f2a9c0e1d2b4a5f, jax 0.10.2, flax 0.12.8, optax 0.2.8`` (a record without a
-    tree names its commit instead: ``commit 9723661c4a1b``); ``no recorded version`` for a
-    summary written before versions were recorded."""
+    changes 3f2a9c0e1d2b4a5f, jax 0.10.2, flax 0.12.8, optax 0.2.8`` (``commit
+    9723661c4a1b`` for a record without a tree; ``no recorded version`` for none)."""
     if not version:
         return "no recorded version"
     commit = version.get("commit")
@@ -148,9 +134,8 @@ def describe(version: Mapping[str, Any] | None) -> str:
     return f"{head}, {libraries}"
 
 
-#: What a sweep does with a finished run made by other code (`settle_stale`): refuse it
-#: (the default), retrain it from scratch (``--rerun-stale``), or reuse its summary as it is
-#: (``--allow-stale``).
+#: What a sweep does with a finished run made by other code (`settle_stale`): refuse it,
+#: retrain it from scratch (``--rerun-stale``), or reuse it (``--allow-stale``).
 STALE_RUNS = ("refuse", "rerun", "reuse")
 
 
@@ -172,9 +157,8 @@ def stale_summaries(paths: Sequence[os.PathLike]) -> list[dict[str, Any]]:
 
 def settle_stale(paths: Sequence[os.PathLike], root: os.PathLike | str, *, stale: str) -> None:
     """Settles the stale runs of the summaries `paths` (`stale_summaries`) as `stale`
-    says: "refuse" raises `StaleRunError` naming every one and the code versions;
-    "rerun" deletes their run directories instead (the summary's parent), so they are
-    trained again from scratch; "reuse" does nothing, so they are reused."""
+    says: "refuse" raises `StaleRunError` naming every one and the code versions, "rerun"
+    deletes their run directories (to train them again), "reuse" does nothing."""
     if stale not in STALE_RUNS:
         raise ValueError(f"stale={stale!r} is unknown; expected one of {list(STALE_RUNS)}.")
     found = [] if stale == "reuse" else stale_summaries(paths)

@@ -65,12 +65,9 @@ def cosine_samples(records: Sequence[Mapping[str, Any]], key: str = "gac_cosine"
 def summarize_run(
     records: Sequence[Mapping[str, Any]], rule: CollapseRule = CollapseRule()
 ) -> dict[str, Any]:
-    """The reported numbers of one run from its metric records.
-
-    The cosine statistics use `cosine_samples`: ``c_t`` is the raw consecutive-gradient
-    cosine, ``c_after`` the cosine of what the controller emitted.
-    Held-out accuracy is the sampled pass@1 of the evaluations.
-    """
+    """The reported numbers of one run from its metric records. ``c_t`` is the raw
+    consecutive-gradient cosine, ``c_after`` that of what the controller emitted (both over
+    `cosine_samples`); held-out accuracy is the evaluations' sampled pass@1."""
     if not records:
         raise ValueError("summarize_run needs at least one metric record; got none.")
     c_t = cosine_samples(records)
@@ -162,10 +159,9 @@ def noise_scale(records: Sequence[Mapping[str, Any]]) -> float:
 
 
 def _lab_statistics(records: Sequence[Mapping[str, Any]], rule: CollapseRule) -> dict[str, Any]:
-    """The laboratory's numbers: held-out pass@1 before training, how far a step
-    moves the policy, the noise scale, and the warnings that may precede a collapse (the
-    first ESS ratio below 0.5, the first gradient norm above 3x its median over the first
-    `rule.window` steps)."""
+    """Held-out pass@1 before training, how far a step moves the policy, the noise scale,
+    and the warnings that may precede a collapse (the first ESS ratio below 0.5, the first
+    gradient norm above 3x its median over the first `rule.window` steps)."""
     # Step 0's last record with several optimizer steps a batch (the loop's evaluations).
     start = next((r["eval_start/pass@1"] for r in records if "eval_start/pass@1" in r), math.nan)
     early_grad = _series(records[: rule.window], "grad_norm")

@@ -55,7 +55,6 @@ METHODS: Mapping[str, tuple[str, ...]] = {
     # AReaL's decoupled PPO: clip against the proximal policy (the params before the
     # update), importance weight to the behaviour policy.
     "decoupled_ppo": ("loss.policy_loss=decoupled_ppo",),
-    # REINFORCE with sequence-level truncated importance sampling (cap 2).
     "seq_tis": (
         "loss.policy_loss=reinforce",
         "loss.correction=tis",
@@ -92,11 +91,9 @@ def run_spec(
 ) -> dict[str, Any]:
     """Trains `spec` (unless its summary already exists) and returns its summary.
 
-    An existing summary written for a different config is an error: the run directory
-    belongs to another experiment. One written by other code (`provenance.same_code`) is a
-    `StaleRunError` unless `stale` is "rerun" (the run directory is deleted and the run
-    trained again from scratch) or "reuse" (the summary is returned as it is;
-    `provenance.STALE_RUNS`). `train_fn` defaults to `gac_jax.train.train`.
+    An existing summary of a different config is an error (the directory belongs to
+    another experiment); one written by other code (`provenance.same_code`) is settled as
+    `stale` says (`provenance.settle_stale`).
     """
     config = spec.config(base)
     out = spec.directory(root)
@@ -197,14 +194,11 @@ def run_sweep(
 ) -> list[dict[str, Any]]:
     """Runs the specs not yet finished under `root` and returns the summaries of `specs`.
 
-    The unfinished specs are split over `processes.jobs` child processes of
-    `processes.script` (``--shard i/jobs``, see `SweepProcesses`), each with XLA on one CPU
-    thread, so the numbers of a run do not depend on how many ran side by side; a child
-    (`shard_arg` "i/n") runs every n-th unfinished spec from i. Unfinished specs are those
-    without a summary when the process starts, so the children, started together, agree on
-    them. Finished runs made by other code are refused, retrained or reused as `stale`
-    says (see `run_spec`); the parent settles them all (one error naming every stale run,
-    or their deletion) before it starts the children.
+    The specs without a summary when the process starts are split over `processes` (each
+    with XLA on one CPU thread, so a run's numbers do not depend on how many ran side by
+    side); a child (`shard_arg` "i/n") runs every n-th of them from i. The parent settles
+    the finished runs made by other code as `stale` says (`run_spec`) before it starts the
+    children.
     """
 
     def pending():

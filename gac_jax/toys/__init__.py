@@ -1,9 +1,7 @@
-"""Small, fast problems for demonstrations, notebooks and tests of the stabilizers.
-
-The bandit is a real policy-gradient problem (sampling, rewards, importance weights,
-staleness), small enough to run in seconds on a laptop CPU; the delayed quadratic is the
-simplest model of asynchrony, delayed gradient descent, for stability boundaries. Neither
-is a language model.
+"""Small, fast problems (not language models) for demonstrations, notebooks and tests of the
+stabilizers: the bandit is a real policy-gradient problem (sampling, rewards, importance
+weights, staleness) that runs in seconds on a laptop CPU; the delayed quadratic, delayed
+gradient descent, is the simplest model of asynchrony, for stability boundaries.
 """
 
 from gac_jax.toys.delayed_quadratic import (

@@ -13,9 +13,7 @@ through any optax chain `tx`. For plain SGD the recursion on one eigenvalue,
 largest stable step falls like :math:`1/k`, since a stale gradient keeps pushing in the
 direction the iterate has already gone (delayed feedback; asynchrony acts like momentum,
 Mitliagkas et al., arXiv 1605.09774). `stability_boundary` measures the largest step that
-still converges for any chain, so the boundary in step size x staleness of SGD, Adam,
-Adam with less momentum and each GAC variant can be set side by side (laboratory v4,
-issue #41).
+still converges for any chain (SGD, Adam, each GAC variant) at each staleness.
 """
 
 from __future__ import annotations
@@ -32,24 +30,16 @@ import optax
 
 @dataclasses.dataclass(frozen=True)
 class DelayedQuadratic:
-    """The problem: curvatures, gradient noise, length, and what counts as converged.
-
-    Attributes:
-      dim: dimensions of x.
-      curvature: (smallest, largest) eigenvalue h, log-spaced over the dimensions.
-      noise: sigma, the standard deviation of each gradient coordinate's noise.
-      steps: updates per run.
-      converged_below: a run converges when its mean loss over the last quarter of the
-        steps is below this fraction of the initial loss.
-      seed: the initial point's and the noise's seed.
-    """
+    """The problem: curvatures, gradient noise, length, and what counts as converged."""
 
     dim: int = 32
-    curvature: tuple[float, float] = (0.2, 1.0)
-    noise: float = 0.05
+    curvature: tuple[float, float] = (0.2, 1.0)  # Smallest, largest h, log-spaced.
+    noise: float = 0.05  # sigma, of each gradient coordinate.
     steps: int = 600
+    # Converged: the mean loss over the last quarter of the steps is below this fraction
+    # of the initial loss (`converged`).
     converged_below: float = 0.05
-    seed: int = 0
+    seed: int = 0  # Of the initial point and the noise.
 
     def eigenvalues(self) -> np.ndarray:
         low, high = self.curvature

@@ -101,8 +101,7 @@ def run_stale_bandit(
     if config.staleness < 0:
         raise ValueError(f"staleness={config.staleness} must be >= 0.")
     features, payoff = _problem(config)
-    key = jax.random.key(config.seed)
-    key, init_key = jax.random.split(key)
+    key, init_key = jax.random.split(jax.random.key(config.seed))
     params = _init_params(config, init_key)
     tx = make_optimizer()
     opt_state = tx.init(params)

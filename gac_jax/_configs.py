@@ -1,10 +1,7 @@
-"""Configs that mirror a factory's arguments one to one (private helper).
-
-A component's config is a frozen dataclass whose fields are the keyword arguments of the
-function that builds the component, with the same names and defaults; a test checks the
-correspondence, so adding an argument to a transformation makes it settable from a config
-file and the command line with no other change. Validation is the factory's own: a config
-is valid exactly when its component builds.
+"""Configs that mirror a factory's arguments one to one: a frozen dataclass whose fields are
+the keyword arguments of the function that builds the component (same names and defaults,
+checked by a test), so a new argument is settable from a config file with no other change.
+Validation is the factory's own: a config is valid exactly when its component builds.
 """
 
 from __future__ import annotations

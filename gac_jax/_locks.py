@@ -1,8 +1,6 @@
-"""An exclusive lock between processes on one machine (or a shared POSIX file system).
-
-The processes of a sweep start together and each needs the same thing made once (a tfds
-dataset prepared, a warm start trained): the first to take the lock makes it, the others
-wait and then find it made.
+"""An exclusive lock between processes on one machine (or a shared POSIX file system): the
+processes of a sweep each need the same thing made once (a tfds dataset, a warm start); the
+first to take the lock makes it, the others wait and then find it made.
 """
 
 from __future__ import annotations

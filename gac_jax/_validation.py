@@ -1,8 +1,6 @@
-"""Argument checks shared by the transformation factories and the objectives.
-
-Hyperparameters may arrive as traced arrays through `optax.inject_hyperparams`; those
-cannot be inspected in Python, so only concrete numbers are checked. Strings and other
-static choices are always checked.
+"""Argument checks shared by the transformation factories and the objectives. Numbers are
+checked only when concrete (not traced arrays from `optax.inject_hyperparams`); strings and
+other static choices always are.
 """
 
 from __future__ import annotations

@@ -1,8 +1,5 @@
 """Small numerical helpers shared by `gac_jax.transforms`, `gac_jax.objectives` and the
-learner.
-
-Only JAX is imported here, so both packages can depend on this module without depending on
-each other.
+learner; only JAX is imported, so both packages can depend on it and not on each other.
 """
 
 from __future__ import annotations
@@ -15,11 +12,8 @@ import jax.numpy as jnp
 
 
 def safe_divide(numerator: jax.Array, denominator: jax.Array, fallback=0.0) -> jax.Array:
-    """`numerator / denominator`, or `fallback` where the denominator is zero.
-
-    Both branches of the `where` are finite, so the gradient is finite too (the usual
-    double-`where` trick).
-    """
+    """`numerator / denominator`, or `fallback` where the denominator is zero, with a finite
+    gradient (both branches of the `where` are finite: the double-`where` trick)."""
     is_zero = denominator == 0
     safe_denominator = jnp.where(is_zero, jnp.ones_like(denominator), denominator)
     return jnp.where(is_zero, fallback, numerator / safe_denominator)
@@ -60,9 +54,6 @@ def effective_sample_size(
     Args:
       log_weights: log importance weights, any shape (all entries are one sample set).
       where: optional boolean mask of the same shape; False entries are excluded.
-
-    Returns:
-      `EffectiveSampleSize(ess, ess_ratio, num_valid)`, float32 scalars.
     """
     log_weights = jnp.asarray(log_weights, jnp.float32)
     if where is None:
@@ -74,9 +65,6 @@ def effective_sample_size(
                 f"`where` has shape {where.shape}, expected the shape of the log weights "
                 f"{log_weights.shape}."
             )
-    # +inf log weights are the limit they are: those samples dominate every finite one, so
-    # they keep equal weights and the rest weigh nothing (k of them give ESS = k). -inf is
-    # a zero weight. NaN makes the ESS undefined and propagates rather than being dropped.
     dominant = where & (log_weights == jnp.inf)
     limit = jnp.where(dominant, 0.0, jnp.where(jnp.isnan(log_weights), jnp.nan, -jnp.inf))
     log_weights = jnp.where(jnp.any(dominant), limit, log_weights)

@@ -93,13 +93,9 @@ def evaluate_policy(
                 end = min(start + settings.batch_rows, len(rows))
                 settings.progress(f"{what}: rows {start + 1}-{end} of {len(rows)}")
             call_key, sub = jax.random.split(call_key)
+            sampling = SampleSettings(prompt_length, {"temperature": temperature})
             out = runner.sample(
-                graphdef,
-                lambda: (params, 0),
-                rows[chunk],
-                row_examples[chunk],
-                sub,
-                SampleSettings(prompt_length, {"temperature": temperature}),
+                graphdef, lambda: (params, 0), rows[chunk], row_examples[chunk], sub, sampling
             )
             items += runner.items(out)
         # Each problem's samples scored together, as training scores a group (a run's

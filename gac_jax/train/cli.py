@@ -50,6 +50,11 @@ def _failing(parser: argparse.ArgumentParser, errors=ValueError):
         _fail(parser, str(error))
 
 
+def _progress(command: str):
+    """Says on stderr, a line each, what a long command (`plan`, `eval`) does as it goes."""
+    return lambda text: print(f"{command}: {text}", file=sys.stderr, flush=True)
+
+
 def _resolve(parser: argparse.ArgumentParser, config: str, overrides: Sequence[str]):
     with _failing(parser):
         return apply_overrides(load_config(config), overrides)
@@ -118,12 +123,8 @@ def _cmd_train(args, parser) -> int:
     except (loop.RunExistsError, ValueError, FileNotFoundError) as error:
         _fail(parser, str(error))
     except TimeoutError as error:  # Before OSError, its base class.
-        _fail(
-            parser,
-            f"no batch: {error} (buffer.take_timeout): the rollout workers made nothing in "
-            "that time; is the reward hanging (reward_guard.timeout)?",
-            1,
-        )
+        why = "the rollout workers made nothing in that time; is the reward hanging"
+        _fail(parser, f"no batch: {error} (buffer.take_timeout): {why} (reward_guard.timeout)?", 1)
     except loop.InterruptedAtOnce:  # Asked twice: stopped at once, without a checkpoint.
         _fail(parser, "interrupted twice: stopped without saving this step", 128 + 2)
     except KeyboardInterrupt:  # Once, before the steps (no handler of the run's yet).
@@ -184,12 +185,8 @@ def _cmd_eval(args, parser) -> int:
         return 2
     with _failing(parser, (ValueError, FileNotFoundError)):
         run = importlib.import_module("gac_jax.train.run")  # As `loop` in `_cmd_train`.
-        metrics = run.evaluate_checkpoint(
-            config,
-            checkpoint,
-            step=args.step,
-            progress=lambda text: print(f"eval: {text}", file=sys.stderr, flush=True),
-        )
+        progress = _progress("eval")
+        metrics = run.evaluate_checkpoint(config, checkpoint, step=args.step, progress=progress)
     print(json.dumps({k: _json_value(v) for k, v in dict(metrics).items()}, indent=2))
     return 0
 
@@ -207,9 +204,7 @@ def _cmd_show_config(args, parser) -> int:
 
 
 def _cmd_plan(args, parser) -> int:
-    def progress(text: str) -> None:
-        print(f"plan: {text}", file=sys.stderr, flush=True)
-
+    progress = _progress("plan")
     progress("starting JAX and the library (each compile is named as it starts)")
     from gac_jax.train.plan import plan, with_cheap_cpu_compiles
 

@@ -111,7 +111,7 @@ def plan_learner(
     `name` tells `progress` which model it is."""
     rows = config.batch_size
     width = config.generation.prompt_length + config.generation.max_new_tokens
-    micro_batches = learner.budget_micro_batches(rows, width)
+    micro_batches = learner.micro_batching.count(rows, width)
     batch = _abstract_batch(learner, rows, width)
     step = learner.step_for(micro_batches)
     detail = f" ({rows} x {width} tokens in {micro_batches} micro-batch(es))"
@@ -145,13 +145,8 @@ def plan_sampler(config: TrainConfig, run: Run, progress: Progress = _quiet) -> 
     key = jax.eval_shape(lambda: jax.random.key(0))
     detail = f" ({rows} rows of {g.prompt_length} + {g.max_new_tokens} tokens)"
     with _said(progress, "compiling the sampler", detail):
-        lowered = run.sampler.lower(
-            run.policy.graphdef,
-            params,
-            spec((rows, g.prompt_length), jnp.int32),
-            spec((rows, g.prompt_length), bool),
-            key,
-        )
+        prompts = [spec((rows, g.prompt_length), dtype) for dtype in (jnp.int32, bool)]
+        lowered = run.sampler.lower(run.policy.graphdef, params, *prompts, key)
         memory = _memory(lowered.compile())
     return {"rows": rows, "slots": g.slots, **memory}
 

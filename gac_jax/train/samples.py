@@ -103,17 +103,9 @@ class SampleLogger(Closing):
         earlier steps (a resumed run).
     """
 
-    def __init__(
-        self,
-        out_dir: str | os.PathLike,
-        writer,
-        tokenizer,
-        *,
-        every: int,
-        limit: int | None = None,
-        start_step: int | None = None,
-        stop: Sequence[str] = (),
-    ):
+    def __init__(self, out_dir: str | os.PathLike, writer, tokenizer, *, every: int,
+                 limit: int | None = None, start_step: int | None = None,
+                 stop: Sequence[str] = ()):  # fmt: skip
         self.path = Path(out_dir) / SAMPLES_FILE
         self.writer, self.tokenizer = writer, tokenizer
         self.every, self.limit, self.stop = every, limit, tuple(stop)
@@ -164,12 +156,6 @@ def sample_logger(config, out_dir, writer, tokenizer, start_step: int | None, pr
             if not path.stat().st_size:
                 path.unlink()
         return NullSampleLogger()
-    return SampleLogger(
-        out_dir,
-        writer,
-        tokenizer,
-        every=config.samples_every,
-        limit=config.samples_per_log,
-        start_step=start_step,
-        stop=config.generation.stop,
-    )
+    every, limit, stop = config.samples_every, config.samples_per_log, config.generation.stop
+    return SampleLogger(out_dir, writer, tokenizer, every=every, limit=limit,
+                        start_step=start_step, stop=stop)  # fmt: skip

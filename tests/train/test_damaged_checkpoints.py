@@ -151,10 +151,13 @@ def test_eval_of_a_damaged_step_is_one_line_and_exit_2(straight, tmp_path, capsy
     capsys.readouterr()
     with pytest.raises(SystemExit) as exit_info:
         main(["eval", "--checkpoint", str(run), "--step", "2", "--set", "eval_size=2"])
-    err = _err_lines(capsys)
+    *progress, err = _err_lines(capsys)
     assert exit_info.value.code == 2
-    assert len(err) == 1 and "checkpoint step 2 in " in err[0] and "is damaged" in err[0], err
-    assert len(err[0]) < 500  # No tensorstore spec dump.
+    assert progress == [
+        "eval: building the run (model, tokenizer, data) and loading the checkpoint"
+    ]
+    assert err.startswith("gac-jax eval: error: checkpoint step 2 in ") and "is damaged" in err
+    assert len(err) < 500  # No tensorstore spec dump.
 
 
 def test_resume_without_a_checkpoint_says_so(digit_task, tmp_path, capsys):

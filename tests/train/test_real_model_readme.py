@@ -79,7 +79,7 @@ def _tiny_qwen3(path):
 @pytest.mark.slow
 def test_the_real_model_section_runs_step_by_step(tmp_path, monkeypatch, capsys):
     commands = _section_commands()
-    assert [c[0] for c in commands] == ["plan", "plan", "train", "eval", "export-hf"], commands
+    assert [c[0] for c in commands] == ["plan", "plan", "train", "train", "eval", "export-hf"]
     monkeypatch.chdir(tmp_path)
     _tiny_qwen3(tmp_path / "checkpoints" / "Qwen3-0.6B")  # Step 2, where the preset reads.
     # Step 3, in the run's data_dir (tfds reads $TFDS_DATA_DIR once, at import).
@@ -105,3 +105,6 @@ def test_the_real_model_section_runs_step_by_step(tmp_path, monkeypatch, capsys)
     samples = [json.loads(line) for line in (run / "samples.jsonl").read_text().splitlines()]
     assert samples and all("<think>\n\n</think>" in s["prompt"] for s in samples)
     assert (tmp_path / "exported" / "q06" / "config.json").is_file()
+    # The stale-rollout preset ran too: lagged k=8 with VCPO's ESS scaling.
+    stale = read_metrics(tmp_path / "runs" / "q06_vcpo" / "metrics.jsonl")
+    assert [r["step"] for r in stale] == [0, 1] and "ess_scale" in json.dumps(stale[-1])

@@ -111,19 +111,14 @@ class GRPOLearner(ShardedLearner):
         return self._steps[micro_batches]
 
     def _micro_batching(self, model_config) -> MicroBatching:
-        """This learner's `MicroBatching`. With `micro_batches` and the token budget unset,
-        a `Decoder` on XLA:CPU splits its steps within `cpu_tokens_per_micro_batch`, unless
-        a split costs a whole-batch pass (batch statistics) or is not allowed (a partition
-        function); elsewhere the count is 1, as on accelerators."""
+        """This learner's `MicroBatching`: a `Decoder` on XLA:CPU has its budget, unless a
+        split costs a whole-batch pass (batch statistics) or is not allowed (a partition
+        function)."""
         spec = self.objective.spec
         splits = spec.batch_statistics is None and not spec.needs_reference
         runs = isinstance(model_config, ModelConfig) and self.runs_on_cpu
         cpu_model = model_config if splits and runs else None
         return MicroBatching.of(self.config, cpu_model=cpu_model, devices=self.batch_divisor)
-
-    def budget_micro_batches(self, rows: int, width: int) -> int:
-        """Micro-batches for a placed batch of `rows` x `width` (`MicroBatching.count`)."""
-        return self.micro_batching.count(rows, width)
 
     def _trimmed(self, local_batch: TrainBatch) -> TrainBatch:
         """The host batch trimmed to its used columns (the same ones in every process)."""

@@ -135,8 +135,7 @@ class LearnerConfig:
 
 
 def _check_split(loss: LossConfig | None, m: int, k: int, e: int, rows: int | None) -> None:
-    """The rules of `m` micro-batches x `k` mini-batches x `e` epochs, for the configured
-    counts (`LearnerConfig.validate`) and for each step's (the learner may split more)."""
+    """The rules of `m` micro-batches x `k` mini-batches x `e` epochs (configured, or a step's)."""
     spec = None if loss is None else objectives.get_policy_loss_spec(loss.policy_loss)
     if spec is not None and spec.needs_reference and m * k * e > 1:
         raise ValueError(

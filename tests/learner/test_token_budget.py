@@ -205,4 +205,4 @@ def test_on_cpu_the_default_splits_a_step_to_keep_its_activations_small(monkeypa
     # A loss whose split needs a whole-batch pass keeps the batch whole.
     model = models.create_model(cfg, seed=1)
     m2po = GRPOLearner(model, optax.sgd(0.5), mesh, loss=LossConfig(policy_loss="m2po"))
-    assert m2po.budget_micro_batches(32, 16) == 1
+    assert m2po.micro_batching.count(32, 16) == 1

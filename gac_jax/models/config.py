@@ -239,18 +239,8 @@ def preset_names() -> tuple[str, ...]:
 
 
 def get_config(name: str, **overrides: Any) -> ModelConfig:
-    """The preset called `name`, with fields replaced by `overrides`.
-
-    Args:
-      name: a key of `PRESETS`, e.g. "tiny" or "qwen3_0_6b".
-      **overrides: `ModelConfig` fields to change, e.g. `dtype="float32"`.
-
-    Returns:
-      The validated `ModelConfig`.
-
-    Raises:
-      ValueError: if `name` is not a preset or an override is invalid.
-    """
+    """The preset called `name` (a key of `PRESETS`) with `ModelConfig` fields replaced
+    by `overrides`, validated; ValueError for an unknown name or an invalid override."""
     if name not in PRESETS:
         raise ValueError(f"Unknown model preset {name!r}; known presets: {preset_names()}.")
     known = [f.name for f in dataclasses.fields(ModelConfig)]

@@ -4,13 +4,8 @@ A checkpoint directory holds `config.json` and either `model.safetensors` or sha
 listed in `model.safetensors.index.json`. Import reads one tensor at a time, converts it
 to this package's layout (e.g. `q_proj.weight` [N*H, D] -> `q_dnh` [D, N, H]) and places
 it directly on its `NamedSharding` (each device receives only its slice). Export writes
-the same format back, so `transformers` loads it with `from_pretrained`.
-
-The translation of `config.json` lives in `gac_jax.models.hf_config`; its public
-functions (`config_from_hf`, `config_to_hf`, `read_hf_config`) are importable from here
-too.
-
-Needs the `safetensors` package.
+the same format back, so `transformers` loads it with `from_pretrained`. Needs the
+`safetensors` package. `config.json` is translated by `gac_jax.models.hf_config`.
 """
 
 from __future__ import annotations
@@ -259,15 +254,10 @@ def load_hf_checkpoint(
         `dtype="bfloat16"`, `remat="full"`. Without `dtype`, the model computes in the
         checkpoint's own dtype (`hf_model_config`): float32 for a float32 checkpoint.
 
-    Returns:
-      The decoder, parameters cast to `param_dtype` (float32 unless overridden).
-
-    Raises:
-      FileNotFoundError: if the directory lacks the files above.
-      ValueError: if the config is unsupported or corrupt, a tensor is missing, has the
-        wrong shape, or the checkpoint holds tensors this architecture does not use; if
-        the index maps a tensor to a file outside the directory; if a safetensors file is
-        corrupt or truncated (each message names the file or entry).
+    Parameters are cast to `param_dtype`. Raises FileNotFoundError without the files
+    above; ValueError (naming the file or entry) for an unsupported or corrupt config, a
+    missing, misshapen or unused tensor, an index entry outside the directory, or a
+    corrupt or truncated safetensors file.
     """
     path = Path(path)
     config = hf_model_config(path, **config_overrides)

@@ -135,17 +135,10 @@ def make_mesh(
     *,
     devices: Sequence[jax.Device] | None = None,
 ) -> Mesh:
-    """A mesh with axes ("data", "fsdp", "tensor"), all `AxisType.Auto`.
-
-    Args:
-      data: size of the data-parallel axis.
-      fsdp: size of the fully-sharded data-parallel axis (shards parameters' D).
-      tensor: size of the tensor-parallel axis (shards heads, MLP width, vocabulary).
-      devices: devices to use, `jax.devices()` by default; exactly data*fsdp*tensor of
-        them are taken.
-
-    Raises:
-      ValueError: if a size is not positive or there are too few devices.
+    """A mesh with axes ("data", "fsdp", "tensor"), all `AxisType.Auto`, on the first
+    data*fsdp*tensor of `devices` (`jax.devices()` by default). `fsdp` shards parameters'
+    D; `tensor` shards heads, MLP width and vocabulary. ValueError for a size that is not
+    positive or too few devices.
     """
     for name, size in (("data", data), ("fsdp", fsdp), ("tensor", tensor)):
         check_int(name, size, 1)
@@ -169,11 +162,7 @@ def fit_spec(spec: PartitionSpec, shape: Sequence[int], mesh) -> PartitionSpec:
 
     An axis is removed if the mesh does not have it, if an earlier dimension already used
     it, or if it would not divide the dimension evenly (after the axes kept before it).
-
-    Args:
-      spec: the desired PartitionSpec (at most `len(shape)` entries).
-      shape: the array's shape.
-      mesh: a `Mesh` or `AbstractMesh`.
+    `spec` has at most `len(shape)` entries; `mesh` is a `Mesh` or `AbstractMesh`.
     """
     if len(spec) > len(shape):
         raise ValueError(f"PartitionSpec {spec} has more entries than shape {tuple(shape)}.")
@@ -257,12 +246,8 @@ def create_sharded(init_fn, mesh: Mesh, rules: ShardingRules | None = None):
 
     The abstract module comes from `nnx.eval_shape`, its shardings from the logical axes,
     and the real state from `jax.jit(init, out_shardings=...)`, so no full copy of a
-    parameter ever lives on one device.
-
-    Args:
-      init_fn: a function of no arguments returning an `nnx.Module`.
-      mesh: the device mesh.
-      rules: logical-to-mesh rules; `ShardingRules()` by default.
+    parameter ever lives on one device. `init_fn` takes no arguments; `rules` are
+    `ShardingRules()` by default.
     """
     rules = ShardingRules() if rules is None else rules
     abstract = nnx.eval_shape(init_fn)

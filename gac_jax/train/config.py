@@ -42,14 +42,10 @@ class TrainConfig:
         ``(completion, example)`` and returning a float, or a built-in matcher's name
         (``boxed``, ``hashes``, ``answer_tag``, ``last_number``, ``lenient``); None keeps
         the task's own. Guarded by `reward_guard`.
-      reward_guard: the timeout of each call of `reward`, the score of a call that
-        fails or times out, and when so many fail that the run stops
-        (`gac_jax.tasks.custom.RewardGuardConfig`); it guards a multi-turn
-        environment's reward too.
-      env: a multi-turn environment by import path, ``"package.module:Name"``
-        (`gac_jax.tasks.environments`), replacing the task's own (a task with an
-        environment, such as ``calculator/muladd``, runs episodes without it); None keeps
-        the task's. Settings in `episode`.
+      reward_guard: `reward`'s timeout, failure score and failure limit
+        (`gac_jax.tasks.custom.RewardGuardConfig`); a multi-turn environment's reward too.
+      env: a multi-turn environment, ``"package.module:Name"`` (`gac_jax.tasks.environments`),
+        replacing the task's own; None keeps the task's. Settings in `episode`.
       episode: multi-turn episodes: turn limit, observation length, tool timeout
         (`gac_jax.rollout.episodes.EpisodeConfig`); the episode's token budget, policy and
         observation tokens together, is `generation.max_new_tokens`.
@@ -61,11 +57,9 @@ class TrainConfig:
       enable_thinking: the chat template's ``enable_thinking`` variable (Qwen3's thinking
         switch); None leaves it to the template. Needs a chat template.
       data_dir: tfds data dir; None for ~/tensorflow_datasets.
-      model: a `gac_jax.models` preset: the architecture of ``init=random`` and
-        ``warm_start``. With a Hugging Face `init` the architecture is the checkpoint's:
-        the default ("tiny") then means "the checkpoint's", and any other preset must match
-        its `config.json` (validation fails otherwise, rather than ignore it); `gac-jax
-        plan` builds this preset when the checkpoint is not downloaded yet.
+      model: a `gac_jax.models` preset. With a Hugging Face `init` the architecture is the
+        checkpoint's: the default ("tiny") means "the checkpoint's", any other preset must
+        match its `config.json`; `gac-jax plan` builds it before the download.
       init: "warm_start" (supervised on the task: the shipped checkpoint for countdown on
         tiny, else trained once and cached), "random", or a Hugging Face checkpoint dir.
         The Qwen3 presets name the directories of `PRESET_CHECKPOINTS`, which may be
@@ -76,9 +70,8 @@ class TrainConfig:
       seed: model initialisation (random init), prompt order and sampling.
       eval_every: held-out evaluation every this many steps; 0 disables it.
       eval_size: test problems per evaluation.
-      eval_at_start: also evaluate the initial policy before the first update (logged in
-        step 0's record as ``eval_start/...``), so a run's gain is measured on its own
-        problems.
+      eval_at_start: also evaluate the initial policy (step 0's ``eval_start/...``), so a
+        run's gain is measured on its own problems.
       eval_samples: k of pass@k.
       checkpoint_every: checkpoint every this many steps (and at the end); 0 disables it.
       keep_checkpoints: checkpoints kept.
@@ -91,13 +84,9 @@ class TrainConfig:
         project (needs ``pip install 'gac_jax[wandb]'``); None: no W&B.
       wandb_mode: "online", or "offline" (files under the run directory's ``wandb/``,
         uploaded later with ``wandb sync``).
-      compilation_cache: a directory for JAX's persistent compilation cache (``~``
-        expanded): a program compiled once is read back by later runs, ``plan`` and
-        ``eval`` of the same shapes on the same devices instead of compiled again. The
-        setting is the process's, from the run's build on. None: JAX's own setting (off
-        unless ``jax_compilation_cache_dir`` is set). The real-hardware presets set
-        ``~/.cache/gac_jax/xla``. As JAX warns, the directory is trusted: whoever can write
-        there can run code in the run.
+      compilation_cache: JAX's persistent compilation cache directory (``~`` expanded),
+        read back by later runs, ``plan`` and ``eval`` of the same shapes; process-wide from
+        the build on. None: JAX's own setting. The directory is trusted (it can run code).
     """
 
     task: str = "countdown/n3_max20"
@@ -445,9 +434,7 @@ LAB_STEPS = 1000
 LAB_LEARNING_RATE = 2e-4
 
 
-# The real-hardware presets keep compiled programs here (`TrainConfig.compilation_cache`):
-# on one H100 the 0.6B learner step took 84 s to compile and the sampler over 140 s
-# (benchmarks/ACCELERATOR.md), paid again by every run, `plan` and `eval` without it.
+# The real-hardware presets' compiled programs (compiling took minutes: benchmarks/ACCELERATOR.md).
 REAL_HARDWARE_COMPILATION_CACHE = "~/.cache/gac_jax/xla"
 
 
@@ -478,13 +465,9 @@ GSM8K_SYSTEM_PROMPT = "Please reason step by step, and put your final answer wit
 
 
 def _preset_qwen3_gsm8k_one_device(model: str, init: str, lora: bool) -> TrainConfig:
-    # One accelerator (80 GB): synchronous GRPO, since on shared devices asynchrony changes
-    # the data, not the speed (README, "Scaling out"); micro-batches of at most 4096 padded
-    # tokens (5 sequences of 768) and remat keep the learner's activations small; the
-    # sampler's 128 decode slots bound its KV cache. Checked by `gac-jax plan` on one device
-    # (README, "Will it fit?"; tests/train/test_plan.py). LoRA (rank 64 on every projection) for
-    # the 1.7B model: its full fine-tune state (fp32 params, gradients, Adam and GAC's two
-    # references) alone is about 40 GB.
+    # One 80 GB accelerator: sync GRPO (on shared devices asynchrony changes the data, not
+    # the speed); 4096-token micro-batches and remat bound activations, 128 decode slots the
+    # KV cache (checked by `gac-jax plan`). LoRA for 1.7B: its full state is about 40 GB.
     return TrainConfig(
         task="gsm8k",
         model=model,
@@ -514,12 +497,10 @@ LORA_ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "dow
 
 
 def _preset_qwen3_gsm8k_one_device_stale(cure: str) -> TrainConfig:
-    # The one-GPU 0.6B preset on stale rollouts, as the project studies them (issue 61):
-    # lagged k=8 (step t trains on the rollouts of version t - 8, reproducibly), with a cure.
-    # "vcpo": ESS step scaling and the off-policy optimal baseline, its per-sequence gradient
-    # norms by the length proxy (exact per-example gradients of 0.6B are too dear). "gac":
-    # GAC on applied updates, projecting above 0.92 and skipping above 0.96 (PPO's own median
-    # and 90th percentile in laboratory v4, a tiny model: a starting point, not a tuning).
+    # The one-GPU 0.6B preset on rollouts 8 versions stale (issue 61), with a cure. "vcpo":
+    # ESS step scaling and the off-policy optimal baseline, gradient norms by the length
+    # proxy. "gac": GAC on applied updates, thresholds 0.92/0.96 (PPO's median and 90th
+    # percentile in laboratory v4: a starting point, not a tuning).
     base = _preset_qwen3_gsm8k_one_device("qwen3_0_6b", "checkpoints/Qwen3-0.6B", lora=False)
     stale = dataclasses.replace(
         base, rollout=dataclasses.replace(base.rollout, mode="lagged", lag=8)

@@ -38,15 +38,9 @@ def _as_int_tuple(value) -> tuple[int, ...]:
 
 
 def config_from_hf(hf_config: dict[str, Any], **overrides: Any) -> ModelConfig:
-    """A `ModelConfig` from the contents of a Hugging Face `config.json`.
-
-    Args:
-      hf_config: the parsed JSON.
-      **overrides: `ModelConfig` fields to set, e.g. `dtype="float32"`.
-
-    Raises:
-      ValueError: for a model type, activation, bias or RoPE type this decoder does not
-        implement (the message names the offending key and value).
+    """A `ModelConfig` from a parsed Hugging Face `config.json`, with `overrides` (e.g.
+    `dtype="float32"`) set. ValueError naming the key and value for a model type,
+    activation, bias or RoPE type this decoder does not implement.
     """
     model_type = hf_config.get("model_type")
     if model_type not in _ARCHITECTURES:
@@ -100,12 +94,8 @@ def config_from_hf(hf_config: dict[str, Any], **overrides: Any) -> ModelConfig:
 
 
 def config_to_hf(config: ModelConfig, *, dtype: str | None = None) -> dict[str, Any]:
-    """The Hugging Face `config.json` contents for `config`.
-
-    Args:
-      config: the model configuration.
-      dtype: the stored weights' dtype name; `config.param_dtype` by default.
-    """
+    """The Hugging Face `config.json` contents for `config`, whose weights are stored in
+    `dtype` (`config.param_dtype` by default)."""
     eos = list(config.eos_token_ids)
     hf: dict[str, Any] = {
         "architectures": [_ARCHITECTURES[config.family]],
@@ -142,12 +132,8 @@ def config_to_hf(config: ModelConfig, *, dtype: str | None = None) -> dict[str, 
 
 
 def read_hf_config(path: str | os.PathLike) -> dict[str, Any]:
-    """The parsed `config.json` of a checkpoint directory.
-
-    Raises:
-      FileNotFoundError: if the directory has no `config.json`.
-      ValueError: if it is not a JSON object or lacks a key every decoder needs (the
-        message names the file).
+    """The parsed `config.json` of a checkpoint directory. FileNotFoundError without one;
+    ValueError naming the file if it is not a JSON object or lacks a `REQUIRED_KEYS` key.
     """
     config_path = Path(path) / CONFIG_FILE
     if not config_path.is_file():

@@ -69,14 +69,7 @@ class CharTokenizer:
     pad_id, bos_id, eos_id = 0, 1, 2
 
     def __init__(self, characters: str = DEFAULT_CHARACTERS):
-        """Creates the tokenizer.
-
-        Args:
-          characters: the alphabet, each character once.
-
-        Raises:
-          ValueError: if a character repeats or the alphabet is empty.
-        """
+        """`characters`: the alphabet, each character once (ValueError otherwise)."""
         if not characters:
             raise ValueError("characters is empty; give the alphabet to encode.")
         repeated = sorted({c for c in characters if characters.count(c) > 1})
@@ -93,11 +86,8 @@ class CharTokenizer:
         return len(self._special) + len(self.characters)
 
     def encode(self, text: str, *, add_bos: bool = False, add_eos: bool = False) -> list[int]:
-        """One id per character of `text`.
-
-        Raises:
-          ValueError: naming the first character outside the alphabet.
-        """
+        """One id per character of `text`; ValueError naming the first character outside
+        the alphabet."""
         ids = []
         for position, char in enumerate(text):
             if char not in self._id_of:
@@ -109,11 +99,8 @@ class CharTokenizer:
         return [self.bos_id] * add_bos + ids + [self.eos_id] * add_eos
 
     def decode(self, ids: Iterable[int], *, skip_special_tokens: bool = True) -> str:
-        """The characters of `ids`; special ids become `<pad>` etc. or are skipped.
-
-        Raises:
-          ValueError: for an id outside [0, vocab_size).
-        """
+        """The characters of `ids`; special ids become `<pad>` etc. or are skipped;
+        ValueError for an id outside [0, vocab_size)."""
         pieces = []
         for token in ids:
             token = int(token)
@@ -138,16 +125,9 @@ class HFTokenizer:
         pad_token: str | None = None,
         bos_token: str | None = None,
     ):
-        """Wraps a `tokenizers.Tokenizer`.
-
-        Args:
-          tokenizer: a `tokenizers.Tokenizer`.
-          eos_token: the end-of-sequence token's text, e.g. "<|im_end|>".
-          pad_token: the padding token's text; the EOS token if None (Llama 3 has none).
-          bos_token: the beginning-of-sequence token's text, or None.
-
-        Raises:
-          ValueError: if a named special token is not in the vocabulary.
+        """Wraps a `tokenizers.Tokenizer`. The special tokens are given by their text
+        (e.g. `eos_token="<|im_end|>"`); `pad_token` None means the EOS token (Llama 3 has
+        none). ValueError if a named special token is not in the vocabulary.
         """
         self._tokenizer = tokenizer
         self.eos_id = self._token_id(eos_token, "eos_token")
@@ -186,11 +166,8 @@ class HFTokenizer:
         """Loads `tokenizer.json` from a checkpoint directory.
 
         Special tokens not given are read from `tokenizer_config.json` (`eos_token`,
-        `pad_token`, `bos_token`) when the directory has one.
-
-        Raises:
-          FileNotFoundError: if there is no `tokenizer.json`.
-          ValueError: if no EOS token is given or found.
+        `pad_token`, `bos_token`) when the directory has one. FileNotFoundError without
+        `tokenizer.json`; ValueError if no EOS token is given or found.
         """
         path = Path(path)
         given = {"eos_token": eos_token, "pad_token": pad_token, "bos_token": bos_token}

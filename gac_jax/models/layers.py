@@ -63,13 +63,8 @@ def dense(x: jax.Array, w: jax.Array, num_contracted: int = 1) -> jax.Array:
     projection; with one row axis it multiplies in place. Reshapes that merge a sharded
     leading axis with unsharded trailing ones keep their sharding under GSPMD.
 
-    Args:
-      x: activations [..., *in_shape], in the compute dtype.
-      w: weights [*in_shape, *out_shape], already cast to the compute dtype.
-      num_contracted: how many axes `in_shape` has.
-
-    Returns:
-      [..., *out_shape] in the result dtype of `x @ w`.
+    `x` [..., *in_shape] and `w` [*in_shape, *out_shape] (`num_contracted` axes in
+    `in_shape`) are in the compute dtype; the result is [..., *out_shape].
     """
     lead = x.shape[: x.ndim - num_contracted]
     in_size = math.prod(x.shape[x.ndim - num_contracted :])
@@ -81,15 +76,8 @@ def dense(x: jax.Array, w: jax.Array, num_contracted: int = 1) -> jax.Array:
 def rope_inverse_frequencies(
     head_dim: int, theta: float, scaling: RopeScaling | None = None
 ) -> np.ndarray:
-    """Rotary inverse frequencies [H/2] (float32), with optional Llama 3 scaling.
-
-    Args:
-      head_dim: width of one head; frequencies cover its first and second halves.
-      theta: base wavelength.
-      scaling: Llama 3 scaling (HF `rope_type: "llama3"`), or None.
-
-    Returns:
-      `theta ** (-2i / head_dim)` for i in [0, head_dim / 2), rescaled by `scaling`.
+    """Rotary inverse frequencies [H/2] (float32): `theta ** (-2i / head_dim)` for i in
+    [0, head_dim / 2), rescaled by Llama 3 `scaling` (HF `rope_type: "llama3"`) if given.
     """
     exponents = np.arange(0, head_dim, 2, dtype=np.float64) / head_dim
     inv_freq = 1.0 / np.power(float(theta), exponents)
@@ -120,11 +108,10 @@ def rope_tables(
 
     With `max_position`, the tables are looked up in constant tables for positions
     `[0, max_position)` (positions outside are clipped into it), computed once with NumPy
-    at trace time. Otherwise `cos` and `sin` are evaluated in the program, and XLA fuses
-    them into every rotation that reads them: they are evaluated again for each head,
-    each layer and in the backward pass, which costs a small model's CPU train step about
-    a tenth of its time. The decoder uses the lookup whenever it derives the positions
-    from the mask itself (they are then below the sequence length).
+    at trace time. Otherwise they are evaluated in the program, and XLA fuses them into
+    every rotation (again per head, layer and backward pass: about a tenth of a small
+    model's CPU train step). The decoder looks them up whenever it derives the positions
+    from the mask (they are then below the sequence length).
     """
     check_int("max_position", max_position, 1, allow_none=True)
     if max_position is not None:
@@ -188,21 +175,14 @@ class Attention(nnx.Module):
         cache_index: jax.Array | None = None,
         layer: jax.Array | int = 0,
     ) -> tuple[jax.Array, dict[str, jax.Array] | None]:
-        """Attends from the T new tokens to the S visible keys.
+        """Attends from the T new tokens of the normalised stream `x_btd` [B, T, D] (their
+        `rope_tables`) to the S visible keys; returns `(out_btd, new_cache)`.
 
-        Args:
-          x_btd: normalised residual stream [B, T, D].
-          rope: `rope_tables(...)` of the new tokens' rotary positions [B, T].
-          mask_bts: bool [B, T, S], True where query t may attend to key s. Without a
-            cache S = T; with one S is the cache length.
-          cache: the decoder's stacked caches `{"k": [L, B, K, H, S], "v": [L, B, K, S,
-            H]}`, this layer's at index `layer`, or None.
-          cache_index: int32 [] slot where the new keys are written (with `cache`), or
-            [B], one slot per row.
-          layer: int32 [], this layer's index in `cache`.
-
-        Returns:
-          `(out_btd, new_cache)`, `new_cache` (all layers) None when `cache` is None.
+        `mask_bts`: bool [B, T, S], True where query t may attend to key s (S = T without
+        a cache, else the cache length). `cache`: the decoder's stacked caches
+        `{"k": [L, B, K, H, S], "v": [L, B, K, S, H]}` (this layer's at index `layer`) or
+        None, then `new_cache` (all layers) is None too. `cache_index`: int32 [] slot where
+        the new keys are written, or [B], one slot per row.
         """
         cfg, rules = self.config, self.rules
         dtype = cfg.compute_dtype

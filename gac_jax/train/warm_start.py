@@ -12,14 +12,11 @@ same figures:
   2021, arXiv 2107.03374, eq. 1) with c correct out of n samples, averaged over problems;
 * greedy accuracy: one greedy completion per problem.
 
-`train_sft` runs on the learner's step machinery (`gac_jax.learner.SupervisedLearner`, the
-GRPO learner's sharded, jitted, donated step) and reports through the RL loop's progress
-line and metric writer; it reads only its `SFTConfig`, which `WarmStartConfig` extends
-with the evaluation's settings. The result is an orbax checkpoint
-(`gac_jax.train.checkpoint`) whose metadata holds the config, its hash, the model config,
-the tokenizer and the measured metrics. The default config's checkpoint ships with the
-package (`SHIPPED_WARM_START_DIR`), so a fresh machine starts RL from it without
-training::
+`train_sft` runs on the learner's step machinery (`gac_jax.learner.SupervisedLearner`)
+and reads only its `SFTConfig`, which `WarmStartConfig` extends with the evaluation's
+settings. The result is an orbax checkpoint whose metadata holds the config, its hash, the
+model config, the tokenizer and the metrics. The default config's checkpoint ships with
+the package (`SHIPPED_WARM_START_DIR`)::
 
     model, tokenizer, metadata = load_warm_start()        # the shipped checkpoint
     metadata["metrics"]["pass@1"]
@@ -125,10 +122,8 @@ class SFTConfig:
       warmup_steps: linear warm-up steps.
       weight_decay: AdamW decoupled weight decay.
       clip_norm: global gradient-norm clip.
-      train_examples: train on the first this many examples of the train split; 0 for
-        all.
-      max_length: every training sequence is padded to this many tokens (one
-        compilation); a longer one is an error.
+      train_examples: train on the first this many examples of the train split; 0 for all.
+      max_length: every sequence is padded to this many tokens (one compilation).
       seed: model initialisation and batch order.
     """
 
@@ -158,8 +153,7 @@ class SFTConfig:
 @dataclasses.dataclass(frozen=True)
 class WarmStartConfig(SFTConfig):
     """Supervised warm start (`SFTConfig`'s fields) and its evaluation. The defaults make
-    the shipped checkpoint, named by the hash of these fields: do not rename or reorder
-    them.
+    the shipped checkpoint, named by the hash of these fields: do not rename or reorder them.
 
     Attributes:
       seed: as `SFTConfig`'s, and the evaluation samples.
@@ -191,21 +185,11 @@ def encode_sft_batch(
 ) -> dict[str, np.ndarray]:
     """Right-padded ``<bos> prompt completion <eos>`` rows and their masks.
 
-    Args:
-      tokenizer: a `gac_jax.models.Tokenizer` with a BOS id.
-      prompts: B prompt texts.
-      completions: B completion texts, or B multi-turn transcripts as lists of
-        ``(role, text)`` turns (`Task.reference_turns`): each turn is encoded on its own,
-        as the sampler lays an episode out, and only the "policy" turns (and the EOS) are
-        trained on; the "tool" turns are context.
-      length: T, the padded length.
-
-    Returns:
-      ``{"tokens": int32 [B, T], "mask": bool [B, T] (real tokens),
-      "loss_mask": bool [B, T] (the completion's policy tokens and its EOS)}``.
-
-    Raises:
-      ValueError: if a row is longer than `length`.
+    `completions` are B texts, or B multi-turn transcripts of ``(role, text)`` turns
+    (`Task.reference_turns`): each turn encoded on its own, as the sampler lays an episode
+    out, only the "policy" turns (and the EOS) trained on. Returns ``{"tokens": int32
+    [B, T], "mask": bool [B, T] (real tokens), "loss_mask": bool [B, T]}`` with T = `length`;
+    ValueError if a row is longer.
     """
     if len(prompts) != len(completions):
         raise ValueError(f"{len(prompts)} prompts but {len(completions)} completions.")
@@ -281,21 +265,12 @@ def train_sft(
     progress: bool = False,
     metrics_dir: str | os.PathLike | None = None,
 ):
-    """Supervised training on the task's reference completions (no evaluation, no save).
+    """Supervised training on the task's reference completions (no evaluation, no save),
+    deterministic for a config on a given machine (seeded by `config.seed`).
 
-    Deterministic for a config on a given machine: the initialisation and the batch
-    order derive from `config.seed`.
-
-    Args:
-      config: what to train.
-      data_dir: tfds data directory of the task (tfds's default if None).
-      progress: show the run's progress line (the RL loop's) with the training loss.
-      metrics_dir: if given, every step's loss and gradient norm are written there with
-        the RL loop's `MetricWriter` (JSON lines and TensorBoard).
-
-    Returns:
-      `(model, tokenizer, metrics)`: the trained `Decoder`, its `CharTokenizer`, and
-      training statistics (losses, parameter count, timings).
+    `progress` shows the RL loop's progress line; `metrics_dir`, if given, receives every
+    step's loss and gradient norm (`MetricWriter`). Returns `(model, tokenizer, metrics)`:
+    the trained `Decoder`, its `CharTokenizer`, training statistics (losses, timings).
     """
     started = time.perf_counter()
     task = get_task(config.task)
@@ -352,13 +327,9 @@ def train_sft(
 def evaluate_warm_start(
     model, tokenizer, config: WarmStartConfig, *, data_dir: str | os.PathLike | None = None
 ) -> dict[str, float]:
-    """pass@1, pass@n and greedy accuracy of `model` on the test split, measured by the RL
-    loop's own evaluation (`evaluate_policy`: see the module docstring).
-
-    Returns:
-      ``{"greedy_accuracy", "sampled_reward", "pass@1", f"pass@{n}", "eval_problems",
-      "eval_samples"}`` with n = `config.eval_samples`.
-    """
+    """pass@1, pass@n (n = `config.eval_samples`) and greedy accuracy of `model` on the
+    test split, by the RL loop's own evaluation (`evaluate_policy`), with ``eval_problems``
+    and ``eval_samples``."""
     task = get_task(config.task)
     examples = task.data_source("test", data_dir=data_dir)
     num_problems = min(config.eval_problems or len(examples), len(examples))
@@ -398,21 +369,10 @@ def warm_start(
     data_dir: str | os.PathLike | None = None,
     progress: bool = False,
 ) -> dict[str, Any]:
-    """Trains the warm start (`train_sft`), evaluates it on the test split
-    (`evaluate_warm_start`), and saves it as an orbax checkpoint with its config and
-    metrics as metadata.
-
-    Args:
-      config: what to train and how to evaluate.
-      out_dir: checkpoint directory (the checkpoint is step `config.steps`; the
-        directory must not hold that step already).
-      data_dir: tfds data directory of the task (tfds's default if None).
-      progress: show the training progress line.
-
-    Returns:
-      The metrics: "pass@1", f"pass@{n}", "greedy_accuracy", training losses and
-      timings ("total_seconds" covers data, training and evaluation),
-      "checkpoint_dir" and "checkpoint_bytes".
+    """Trains the warm start (`train_sft`), evaluates it (`evaluate_warm_start`) and saves
+    it in `out_dir` as step `config.steps` (which must not exist there yet), with its config
+    and metrics as metadata. Returns the metrics, with timings ("total_seconds": data,
+    training and evaluation), "checkpoint_dir" and "checkpoint_bytes".
     """
     started = time.perf_counter()
     model, tokenizer, metrics = train_sft(
@@ -459,22 +419,13 @@ def load_warm_start(
     mesh: jax.sharding.Mesh | None = None,
     rules: ShardingRules | None = None,
 ):
-    """Loads a warm-start checkpoint.
+    """`(model, tokenizer, metadata)` of a warm-start checkpoint written by `warm_start`
+    (the shipped one by default; the latest `step` by default).
 
-    Args:
-      directory: a directory written by `warm_start`; the shipped one by default.
-      step: which step; the latest by default.
-      mesh: if given, every parameter is restored directly onto its `NamedSharding`
-        (from the model's logical axes and `rules`); else onto the first local device.
-      rules: logical-to-mesh rules; `ShardingRules()` by default.
-
-    Returns:
-      `(model, tokenizer, metadata)`: the `Decoder` with the saved parameters, its
-      `CharTokenizer`, and the checkpoint's metadata (config, metrics, ...).
-
-    Raises:
-      FileNotFoundError: if there is no checkpoint there.
-      ValueError: if the checkpoint is not a warm start.
+    With a `mesh`, every parameter is restored directly onto its `NamedSharding` (from the
+    model's logical axes and `rules`, `ShardingRules()` by default), else onto the first
+    local device. FileNotFoundError if there is no checkpoint, ValueError if it is not a
+    warm start.
     """
     directory = SHIPPED_WARM_START_DIR if directory is None else Path(directory)
     rules = ShardingRules() if rules is None else rules
@@ -532,21 +483,11 @@ def ensure_warm_start(
 ) -> Path:
     """The checkpoint directory of `config`'s warm start, training it if needed.
 
-    A shipped checkpoint (any directory of `SHIPPED_WARM_STARTS`: the demo's 800 steps,
-    the laboratory's 300 and the calculator preset's 300) serves its own config, so every
-    machine starts from the same weights (training it again elsewhere gives other weights:
-    float reductions differ between CPUs, and so does the quality of a short run); any
-    other config is trained once and cached under `cache_dir / config_hash(config)`.
-    Processes asking for the same warm start at once (a sweep's first runs) train it
-    once: the first holds a lock on it while it trains, the others wait and then load it.
-
-    Args:
-      config: the warm start; `WarmStartConfig()` (the shipped one) by default.
-      cache_dir: where trained warm starts are kept; `default_cache_dir()` by default.
-      data_dir: tfds data directory, if training is needed.
-
-    Returns:
-      A directory for `load_warm_start`.
+    A shipped checkpoint (`SHIPPED_WARM_STARTS`) serves its own config, so every machine
+    starts from the same weights (float reductions differ between CPUs); any other config
+    (`WarmStartConfig()` by default) is trained once and cached under
+    `cache_dir / config_hash(config)` (`default_cache_dir()` by default). Processes asking
+    at once train it once: the first holds a lock while it trains, the others then load it.
     """
     config = WarmStartConfig() if config is None else config
     digest = config_hash(config)

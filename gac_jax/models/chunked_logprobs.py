@@ -182,26 +182,19 @@ def chunked_token_logps_and_entropy(
     Equal to `token_logps_from_logits(logits, tokens, mask, temperature)` and the entropy of
     `log_softmax(logits / temperature)` for `logits = hidden @ W` (float32 accumulation),
     but no more than one chunk's logits [B, C, V] exist at a time, forward or backward.
-    Differentiable in `hidden_btd`, `head_weights` and `temperature` (both outputs).
+    Differentiable in `hidden_btd`, `head_weights` and `temperature` (both outputs);
+    entry 0 of both is 0, and so is every log-prob whose token or predecessor is masked.
 
     Args:
-      hidden_btd: final hidden states [B, T, D].
       head_weights: the output projection: [D, V] for `head_layout="dv"` (an lm_head), or
         [V, D] for `"vd"` (tied input embeddings, used without a transpose).
-      tokens_bt: int ids [B, T].
-      mask_bt: bool [B, T], True for real tokens.
       chunk_size: at most this many positions per chunk. The T - 1 predicting positions are
         cut into `ceil((T - 1) / chunk_size)` chunks of equal size, padded at the end by
         fewer positions than there are chunks; a chunk_size >= T - 1 gives one chunk.
-      head_layout: "dv" or "vd", see `head_weights`.
       temperature: positive scalar (may be traced).
       compute_dtype: dtype both matmul operands are cast to (the model's compute dtype);
         the hidden states' dtype by default. Softmax statistics are always float32.
       logits_spec: sharding constraint of a chunk's logits [B, C, V] under a mesh.
-
-    Returns:
-      `(logp_bt, entropy_bt)`, float32 [B, T]; entry 0 of both is 0, and so is every
-      log-prob whose token or predecessor is masked.
     """
     _check(hidden_btd, head_weights, tokens_bt, mask_bt, chunk_size, head_layout)
     b, t, d = hidden_btd.shape

@@ -27,12 +27,8 @@ DEFAULT_CHUNK_SIZE = 512
 
 
 def logps_of_tokens(logits_bv: jax.Array, tokens_b: jax.Array) -> jax.Array:
-    """`log_softmax(logits)[token]` [..] in float32, without materialising the softmax.
-
-    Args:
-      logits_bv: logits [..., V].
-      tokens_b: int ids [...] (the leading shape of `logits_bv`).
-    """
+    """`log_softmax(logits)[token]` [...] in float32 for logits [..., V] and int ids [...],
+    without materialising the softmax."""
     logits = logits_bv.astype(jnp.float32)
     picked = jnp.take_along_axis(logits, tokens_b[..., None].astype(jnp.int32), axis=-1)
     return picked[..., 0] - jax.nn.logsumexp(logits, axis=-1)
@@ -41,17 +37,9 @@ def logps_of_tokens(logits_bv: jax.Array, tokens_b: jax.Array) -> jax.Array:
 def token_logps_from_logits(
     logits_btv: jax.Array, tokens_bt: jax.Array, mask_bt: jax.Array, temperature=1.0
 ) -> jax.Array:
-    """Shifted per-token log-probabilities [B, T] from teacher-forced logits.
-
-    Args:
-      logits_btv: logits [B, T, V] of a forward pass over `tokens_bt`.
-      tokens_bt: int ids [B, T].
-      mask_bt: bool [B, T], True for real tokens.
-      temperature: the logits are divided by it (a positive scalar).
-
-    Returns:
-      float32 [B, T]; see the module docstring for the convention.
-    """
+    """Shifted per-token log-probabilities, float32 [B, T] (the module docstring's
+    convention), from the logits [B, T, V] of a forward pass over `tokens_bt` [B, T];
+    `mask_bt` is True for real tokens, `temperature` a positive scalar."""
     b, t = tokens_bt.shape
     if logits_btv.shape[:2] != (b, t):
         raise ValueError(
@@ -76,16 +64,10 @@ def token_logps_and_entropy(
     forward and the backward pass (`chunked_token_logps_and_entropy`), so no [B, T, V]
     array exists. Differentiable in the model's parameters (both outputs).
 
-    Args:
-      model: a `gac_jax.models.Decoder` (call inside `jax.jit`, e.g. after `nnx.merge`).
-      tokens_bt: int ids [B, T].
-      mask_bt: bool [B, T], True for real tokens; positions come from it.
-      chunk_size: at most this many positions' logits at a time.
-      temperature: logits are divided by it before the softmax.
-
-    Returns:
-      `(logp_bt, entropy_bt)`, float32; entry 0 of both is 0, and so is every log-prob
-      whose token or predecessor is masked (entropies are not masked).
+    `model` is a `gac_jax.models.Decoder` (call inside `jax.jit`, e.g. after `nnx.merge`);
+    positions come from `mask_bt` (True for real tokens). Returns `(logp_bt, entropy_bt)`,
+    float32; entry 0 of both is 0, and so is every log-prob whose token or predecessor is
+    masked (entropies are not masked).
     """
     mask_bt = jnp.asarray(mask_bt).astype(bool)
     hidden_btd, _ = model.hidden_states(tokens_bt, None, mask_bt)

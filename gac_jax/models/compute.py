@@ -22,17 +22,11 @@ class ComputeConfig:
 
     Each field left None keeps the model's own value (its preset's, its Hugging Face
     checkpoint's, or its warm start's); see `ModelConfig` for their meaning.
-
-    Attributes:
-      dtype: compute dtype of activations and matmuls (logits and softmaxes stay float32).
-      param_dtype: storage dtype of the parameters (and so of the optimizer's moments).
-      remat: rematerialisation of each decoder layer in the backward pass: "none", "full"
-        (save nothing, recompute the layer) or "dots" (save matmul outputs only).
     """
 
-    dtype: str | None = None
-    param_dtype: str | None = None
-    remat: str | None = None
+    dtype: str | None = None  # Activations and matmuls; logits and softmaxes stay float32.
+    param_dtype: str | None = None  # Parameter storage (and so the optimizer's moments).
+    remat: str | None = None  # Per layer: "none", "full" (save nothing) or "dots".
 
     def validate(self) -> None:
         """Raises ValueError naming a bad field."""

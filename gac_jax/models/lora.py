@@ -12,13 +12,11 @@ the weight it replaces (``w[...]``)::
 optimizer's, GAC's and ESS's state the adapters' size. `merge_lora` folds the deltas
 back into a plain `Decoder` (what the sampler runs and `save_hf_checkpoint` writes).
 
-Why not an interception library (qwix's `LoraProvider`): it recognises a weight by
-tracing the operands of intercepted ``jnp.dot`` calls back to a module's ``nnx.Param``.
-The decoder multiplies reshaped, cast weights (`gac_jax.models.layers.dense`) and keeps
-q, k, v and o in one module, so qwix 0.1.8 created no adapters on it, and could not
-target q apart from k. The adapters here cost one weight-sized delta per adapted
-projection and forward pass, instead of the ``x @ A @ B`` side path; for the small ranks
-and models LoRA is used with here, that is a small part of a step.
+Not qwix's `LoraProvider`: it finds weights by tracing ``jnp.dot`` operands back to an
+``nnx.Param``, and the decoder multiplies reshaped, cast weights (`layers.dense`) with q,
+k, v and o in one module, so qwix 0.1.8 created no adapters on it. The cost here is one
+weight-sized delta per adapted projection and forward pass (not an ``x @ A @ B`` side
+path), a small part of a step at the ranks and sizes LoRA is used with.
 
 Reference: Hu et al., "LoRA: Low-Rank Adaptation of Large Language Models", 2021, eq. 3.
 """
@@ -136,12 +134,8 @@ def apply_lora(model: nnx.Module, config: LoraConfig, *, rngs: nnx.Rngs) -> nnx.
     """Adds adapters to `model` (a `Decoder`) in place on `config.targets`; returns it.
 
     With ``config.rank == 0`` the model is returned unchanged. The adapted model's
-    outputs equal the base's until B moves away from zero.
-
-    Args:
-      model: a `gac_jax.models.Decoder` without adapters.
-      config: rank, alpha and targets (validated here).
-      rngs: `rngs.params` draws the A factors.
+    outputs equal the base's until B moves away from zero. `rngs.params` draws the A
+    factors; `config` is validated here.
     """
     config.validate()
     if config.rank == 0:
@@ -180,10 +174,8 @@ def _merged_state(graphdef, params, frozen) -> nnx.State:
 class Policy:
     """The decoder a learner's sampler runs: its own graphdef and params, or, for a
     learner with frozen params (LoRA), the merged plain decoder's (a jitted merge, laid
-    out on the learner's mesh as a plain learner's params would be).
-
-    Attributes:
-      graphdef: the graphdef the sampler merges the params with.
+    out on the learner's mesh as a plain learner's params would be). `graphdef` is the
+    one the sampler merges the params with.
     """
 
     def __init__(self, learner):

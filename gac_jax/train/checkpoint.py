@@ -24,11 +24,6 @@ each parameter onto that model's own sharding::
                          {"step": step, "config_hash": h})
     restored = restore_model("/ckpt/run", model)   # latest step, in place
     restored.metadata["config_hash"]
-
-Over 450 lines because `CheckpointManager` is one class over one orbax manager and one
-directory: saving (with its space check), pruning by rename and restoring (with its
-fallback past damaged steps) all read the same step listing; the faults themselves live in
-`checkpoint_faults`.
 """
 
 from __future__ import annotations
@@ -97,19 +92,9 @@ def _check_jsonable(metadata: dict[str, Any]) -> None:
 
 
 def abstract_tree(tree, shardings=None):
-    """A `jax.ShapeDtypeStruct` for every leaf of `tree`, with a sharding on each.
-
-    Args:
-      tree: a pytree of arrays, `jax.ShapeDtypeStruct`s or orbax array metadata (anything
-        with `.shape` and `.dtype`).
-      shardings: a pytree of `jax.sharding.Sharding` with the structure of `tree`, or
-        one sharding for every leaf, or None. Leaves without one keep their own
-        sharding (a `jax.Array`'s, or a `ShapeDtypeStruct`'s) or get the first local
-        device.
-
-    Returns:
-      The pytree of `jax.ShapeDtypeStruct`, a restore target.
-    """
+    """A `jax.ShapeDtypeStruct` for every leaf of `tree` (anything with `.shape` and
+    `.dtype`), a restore target. `shardings`: a pytree of them shaped like `tree`, one for
+    every leaf, or None: each leaf keeps its own sharding, else the first local device."""
 
     def own_sharding(leaf):
         sharding = getattr(leaf, "sharding", None)
@@ -134,13 +119,9 @@ def _read_only_notice(record: logging.LogRecord) -> bool:
 class CheckpointManager(Closing):
     """A directory of step checkpoints, each a pytree of arrays plus JSON metadata.
 
-    A thin layer over `orbax.checkpoint.CheckpointManager` that fixes the layout (the
-    items "state" and "metadata"), keeps the last `max_to_keep` steps, and restores onto
-    given shardings (or, without a target, onto the first local device, so a checkpoint
-    written on one mesh loads on any machine).
-
-    Attributes:
-      directory: the absolute checkpoint directory.
+    Over `orbax.checkpoint.CheckpointManager`: the layout fixed, the last `max_to_keep`
+    steps kept, restores onto given shardings (without a target onto the first local
+    device, so a checkpoint written on one mesh loads anywhere). `directory` is absolute.
     """
 
     def __init__(
@@ -151,16 +132,9 @@ class CheckpointManager(Closing):
         async_save: bool = False,
         read_only: bool = False,
     ):
-        """Opens (and, unless `read_only`, creates) the checkpoint directory.
-
-        Args:
-          directory: where the step directories live.
-          max_to_keep: keep only the newest this many steps (None keeps all).
-          async_save: write in a background thread (`save` returns once the arrays are
-            copied to host); call `wait_until_finished` before depending on a save.
-          read_only: never write or delete anything (e.g. the shipped warm start inside
-            an installed package).
-        """
+        """Opens (and, unless `read_only`, creates) the directory. `async_save` writes in a
+        background thread (`save` returns once the arrays are on host; `wait_until_finished`
+        before depending on it); `read_only` never writes or deletes anything."""
         check_int("max_to_keep", max_to_keep, 1, allow_none=True)
         self.directory = Path(directory).expanduser().resolve()
         self.max_to_keep = None if read_only else max_to_keep
@@ -228,14 +202,9 @@ class CheckpointManager(Closing):
         return steps[-1] if steps else None
 
     def save(self, step: int, state, metadata: dict[str, Any] | None = None) -> None:
-        """Saves `state` (a pytree of arrays) and `metadata` (a JSON-able dict) as `step`.
-
-        Then deletes the oldest steps beyond `max_to_keep`.
-
-        Raises:
-          ValueError: if `step` is negative or already saved, or `metadata` is not
-            JSON-serialisable.
-        """
+        """Saves `state` (a pytree of arrays) and `metadata` (a JSON-able dict) as `step`,
+        then deletes the oldest steps beyond `max_to_keep`. ValueError if `step` is negative
+        or already saved, or `metadata` is not JSON-serialisable."""
         check_int("step", step, 0)
         metadata = {} if metadata is None else metadata
         _check_jsonable(metadata)
@@ -318,10 +287,8 @@ class CheckpointManager(Closing):
         return dict(metadata or {})
 
     def state_metadata(self, step: int | None = None):
-        """The saved tree of array metadata (`.shape`, `.dtype`) of `step`.
-
-        Dict keys come back as strings (orbax stores paths), e.g. a list index 0 as "0".
-        """
+        """The saved tree of array metadata (`.shape`, `.dtype`) of `step`; dict keys come
+        back as strings (orbax stores paths), e.g. a list index 0 as "0"."""
         step = self._resolve_step(step)
         with self._reading(step):
             return self._manager.item_metadata(step)[STATE_ITEM].tree
@@ -337,23 +304,10 @@ class CheckpointManager(Closing):
             raise DamagedCheckpointError(self.directory, step, error) from error
 
     def restore(self, step: int | None = None, *, target=None, shardings=None) -> Checkpoint:
-        """Restores `step` (the latest finalised one by default).
-
-        Args:
-          step: which step.
-          target: a pytree of `jax.ShapeDtypeStruct`s or arrays with the saved structure,
-            shapes and dtypes; the arrays are restored onto its shardings. Without a
-            target, the saved structure is used (dict keys as strings, see
-            `state_metadata`).
-          shardings: as `abstract_tree`'s, over `target` (or the saved tree if there is
-            none); overrides the target's.
-
-        Returns:
-          The `Checkpoint`.
-
-        Raises:
-          FileNotFoundError: if there is no such finalised step.
-          DamagedCheckpointError: if its files cannot be read back.
+        """Restores `step` (the latest finalised one by default) onto the shardings of
+        `target` (a pytree of `ShapeDtypeStruct`s or arrays with the saved structure; None:
+        the saved structure, see `state_metadata`), or of `shardings` (as `abstract_tree`'s).
+        FileNotFoundError if there is no such step, DamagedCheckpointError if unreadable.
         """
         step = self._resolve_step(step)
         return self._restore(step, self.read_metadata(step), target, shardings)
@@ -381,20 +335,10 @@ class CheckpointManager(Closing):
         *,
         check: Callable[[dict[str, Any]], None] | None = None,
     ) -> tuple[Checkpoint, list[DamagedCheckpointError]]:
-        """Restores the newest step that reads back intact, skipping damaged ones.
-
-        Args:
-          target_of: the restore target (see `restore`) of a step, from its metadata.
-          check: called on the metadata of the step about to be restored; what it raises
-            (e.g. a checkpoint of another config) propagates and stops the search.
-
-        Returns:
-          The checkpoint and the errors of the newer steps skipped, newest first.
-
-        Raises:
-          FileNotFoundError: if there is no finalised step, or none reads back intact
-            (the message names each and why).
-        """
+        """Restores the newest step that reads back intact onto `target_of(metadata)`;
+        returns it and the errors of the newer steps skipped, newest first. `check` sees
+        each step's metadata first; what it raises propagates. FileNotFoundError if no step
+        reads back intact (naming each and why)."""
         skipped: list[DamagedCheckpointError] = []
         for step in reversed(self.steps()):
             try:
@@ -468,19 +412,10 @@ def restore_model(
     *,
     params_key: str | None = None,
 ) -> Checkpoint:
-    """Restores saved parameters into `model` in place, each onto the sharding its
-    parameter has now (so a model built with `gac_jax.models.create_sharded` is filled
-    shard by shard).
-
-    Args:
-      directory: the checkpoint directory.
-      model: a model of the saved architecture (its current values are overwritten).
-      step: which step; the latest by default.
-      params_key: if the saved state is a dict holding the params under this key (e.g.
-        "params" next to an optimizer state), restore only that entry.
-
-    Returns:
-      The `Checkpoint`, whose `state` is the restored pure dict of parameters.
+    """Restores saved parameters into `model` (of the saved architecture) in place, each
+    onto the sharding its parameter has now (a `create_sharded` model is filled shard by
+    shard). `params_key`: restore only that entry of a saved dict (e.g. "params" next to an
+    optimizer state). Returns the `Checkpoint`, `state` the restored pure dict of params.
     """
     target = abstract_tree(model_params(model))
     with CheckpointManager(directory, read_only=True) as checkpoints:

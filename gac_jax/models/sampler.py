@@ -178,20 +178,12 @@ def _turn_ended(s: EpisodeSlots, tokens_b, row_b) -> jax.Array:
 def filter_logits(
     logits_bv: jax.Array, temperature_b: jax.Array, top_k_b: jax.Array, top_p_b: jax.Array
 ) -> jax.Array:
-    """The sampling distribution's logits: scaled by 1/T, then top-k and top-p filtered.
+    """The sampling distribution's logits, float32 [B, V]: scaled by 1/T, then top-k and
+    top-p filtered; removed tokens get `-inf`. Rows with `temperature == 0` are returned
+    unscaled (the caller decodes them greedily).
 
-    Removed tokens get `-inf`. Rows with `temperature == 0` are returned unscaled (the
-    caller decodes them greedily).
-
-    Args:
-      logits_bv: float logits [B, V].
-      temperature_b: float32 [B], >= 0.
-      top_k_b: int32 [B]; keep the k most likely tokens, 0 (or >= V) keeps all.
-      top_p_b: float32 [B] in (0, 1]; keep the smallest most-likely set whose probability
-        reaches p, 1 keeps all.
-
-    Returns:
-      float32 [B, V].
+    `top_k_b` keeps the k most likely tokens (0 or >= V keeps all); `top_p_b` in (0, 1]
+    keeps the smallest most-likely set whose probability reaches p (1 keeps all).
     """
     vocab = logits_bv.shape[-1]
     scaled = _scale_logits(logits_bv, temperature_b)
@@ -220,19 +212,12 @@ def sample_step(
     top_k_b: jax.Array,
     top_p_b: jax.Array,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Samples one token per row.
+    """Samples one token per row of `logits_bv` [B, V] (settings as `filter_logits`;
+    temperature 0 is greedy). `key`: one `jax.random` key for the batch, or one per row
+    ([B] typed keys or [B, 2] raw ones), so that a row's sample does not depend on its batch.
 
-    Args:
-      logits_bv: float logits [B, V].
-      key: one `jax.random` key for the batch, or one per row ([B] typed keys or [B, 2]
-        raw ones): with a key per row a row's sample does not depend on its batch.
-      temperature_b: float32 [B], >= 0 (0 is greedy).
-      top_k_b: int32 [B], see `filter_logits`.
-      top_p_b: float32 [B], see `filter_logits`.
-
-    Returns:
-      `(tokens_b, logps_b, policy_logps_b)`: int32 ids, their log-probabilities under the
-      filtered sampling distribution (0 for greedy rows) and under `log_softmax(logits)`.
+    Returns `(tokens_b, logps_b, policy_logps_b)`: int32 ids, their log-probabilities under
+    the filtered sampling distribution (0 for greedy rows) and under `log_softmax(logits)`.
     """
     logits = logits_bv.astype(jnp.float32)
     vocab = logits.shape[-1]
@@ -277,14 +262,9 @@ def _uniform_b1(key: jax.Array, batch: int) -> jax.Array:
 def left_pad(
     sequences: Sequence[Sequence[int]], pad_id: int, length: int | None = None
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Left-pads token lists into `(tokens [B, L] int32, mask [B, L] bool)`.
-
-    Args:
-      sequences: B non-empty lists of token ids.
-      pad_id: id placed before the shorter sequences.
-      length: L; the longest sequence's length by default (pad to a few fixed lengths
-        to limit recompilation).
-    """
+    """Left-pads B non-empty token lists into `(tokens [B, L] int32, mask [B, L] bool)`.
+    L is `length`, the longest sequence's by default (pad to a few fixed lengths to limit
+    recompilation)."""
     if not sequences:
         raise ValueError("left_pad needs at least one sequence; got none.")
     lengths = [len(s) for s in sequences]
@@ -341,7 +321,6 @@ class Sampler:
         """Creates the sampler and its jitted programs.
 
         Args:
-          config: the model's configuration.
           max_new_tokens: N, the most tokens generated per row (static).
           eos_ids: id or ids that end a row; the EOS token is part of the completion.
           pad_id: id written after a row has ended.
@@ -384,35 +363,21 @@ class Sampler:
         key: jax.Array,
         **sampling,
     ) -> SampleOutput:
-        """Samples completions.
+        """A `SampleOutput` of one row per prompt, in prompt order, sampled by the model
+        `nnx.split` gave `(graphdef, state)`.
 
-        Args:
-          graphdef: from `nnx.split(model)`.
-          state: the parameters, from `nnx.split(model)`.
-          prompt_tokens: int [R, P], left-padded (see `left_pad`).
-          prompt_mask: bool [R, P], True for real tokens; each row needs at least one, and
-            all its padding must come first.
-          key: a `jax.random` key; the same key gives the same tokens.
-          **sampling: `temperature`, `top_k`, `top_p`, `max_new_tokens`, as `prepare`
-            takes them (each a scalar or one value per row).
-
-        Returns:
-          A `SampleOutput`, one row per prompt, in prompt order.
+        `prompt_tokens` int [R, P] are left-padded (`left_pad`); `prompt_mask` bool [R, P]
+        is True for real tokens, at least one per row, all padding first. The same `key`
+        gives the same tokens. `**sampling`: `temperature`, `top_k`, `top_p`,
+        `max_new_tokens` as `prepare` takes them (each a scalar or one value per row).
         """
         p = self.prepare(prompt_tokens, prompt_mask, key, **sampling)
         return self._programs.sample(graphdef, state, p.tokens, p.mask, p.key, p.per_row)
 
     def lower(self, graphdef, state, prompt_tokens, prompt_mask, key, **sampling):
-        """`__call__`'s program lowered for these arguments, for ahead-of-time planning.
-
-        Args:
-          graphdef, state, prompt_tokens, prompt_mask, key: as for `__call__`; the params,
-            prompts and key may be abstract (`jax.ShapeDtypeStruct`s, with shardings).
-          **sampling: `__call__`'s `temperature`, `top_k`, `top_p`, `max_new_tokens`.
-
-        Returns:
-          A `jax.stages.Lowered`: `.compile().memory_analysis()` says whether sampling
-          fits without creating a weight.
+        """`__call__`'s program lowered for `__call__`'s arguments, which may be abstract
+        (`jax.ShapeDtypeStruct`s, with shardings), for ahead-of-time planning: its
+        `.compile().memory_analysis()` says whether sampling fits without creating a weight.
         """
         per_row = self._per_row_arrays(prompt_tokens.shape[0], **sampling)
         return self._programs.sample.lower(
@@ -435,10 +400,10 @@ class Sampler:
         max_new_tokens=None,
     ) -> Prompts:  # fmt: skip
         """A call's prompts checked and converted, with its key and [R] sampling settings;
-        ValueError in one line for a bad one.
+        ValueError in one line for a bad one. `prompt_tokens`, `prompt_mask`, `key`: as
+        for `__call__`.
 
         Args:
-          prompt_tokens, prompt_mask, key: as for `__call__`.
           temperature: scalar or [R], >= 0 (0 is greedy).
           top_k: scalar or [R] int, >= 0 (0 disables).
           top_p: scalar or [R], in (0, 1] (1 disables).

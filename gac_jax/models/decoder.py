@@ -62,14 +62,8 @@ def positions_from_mask(mask_bt: jax.Array) -> jax.Array:
 
 
 def init_cache(config: ModelConfig, batch_size: int, max_length: int, dtype=None) -> Cache:
-    """An empty KV cache for `batch_size` rows of up to `max_length` tokens.
-
-    Args:
-      config: the model's configuration.
-      batch_size: B.
-      max_length: S, prompt plus generated tokens.
-      dtype: storage dtype of keys and values; `config.dtype` by default.
-    """
+    """An empty KV cache for `batch_size` (B) rows of up to `max_length` (S: prompt plus
+    generated) tokens, keys and values stored in `dtype` (`config.dtype` by default)."""
     for name, value in (("batch_size", batch_size), ("max_length", max_length)):
         check_int(name, value, 1)
     dtype = config.compute_dtype if dtype is None else jnp.dtype(dtype)
@@ -226,14 +220,10 @@ class Decoder(nnx.Module):
         *,
         rngs: nnx.Rngs,
     ):
-        """Builds a randomly initialised decoder (normal(0.02) weights, unit norm scales).
-
-        Args:
-          config: architecture and dtypes, kept (static) as `self.config`.
-          rules: logical-to-mesh rules for activation constraints, kept (static) as
-            `self.rules`; `ShardingRules()` by default. Constraints only apply under a mesh
-            set with `jax.set_mesh`.
-          rngs: random streams; `rngs.params` initialises the weights.
+        """Builds a randomly initialised decoder (normal(0.02) weights, unit norm scales,
+        drawn from `rngs.params`). `config` and `rules` (the activation constraints'
+        logical-to-mesh rules, `ShardingRules()` by default, applied only under a mesh set
+        with `jax.set_mesh`) are kept, static, as `self.config` and `self.rules`.
         """
         if not isinstance(config, ModelConfig):
             raise ValueError(f"config must be a ModelConfig, got {type(config).__name__}.")
@@ -264,21 +254,17 @@ class Decoder(nnx.Module):
         cache: Cache | None = None,
         rope: tuple[jax.Array, jax.Array] | None = None,
     ) -> tuple[jax.Array, Cache | None]:
-        """The final-normed hidden states [B, T, D] (compute dtype), and the new cache.
+        """`(hidden_btd, new_cache)`: the final-normed hidden states [B, T, D] (compute
+        dtype) and the cache after this call (None without a `cache`, from `init_cache`
+        or a previous call).
 
         Args:
-          tokens_bt: int token ids [B, T].
           positions_bt: rotary positions [B, T]; `positions_from_mask(input_mask_bt)` by
             default (pass them explicitly when decoding with a cache).
-          input_mask_bt: bool [B, T], True for real tokens; all True by default. Padding
-            tokens are never attended to.
-          cache: a cache from `init_cache` (or a previous call), or None.
+          input_mask_bt: bool [B, T], True for real tokens (never attended to otherwise);
+            all True by default.
           rope: `self.rope_tables(positions_bt, max_position)` if the caller has them
-            already (the sampler looks them up in the cache's constant tables at each
-            step); computed here otherwise.
-
-        Returns:
-          `(hidden_btd, new_cache)`; `new_cache` is None when `cache` is None.
+            already (the sampler looks them up in constant tables); computed otherwise.
         """
         cfg, rules = self.config, self.rules
         input_mask_bt, positions_bt, max_position = _checked_inputs(

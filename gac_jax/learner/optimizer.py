@@ -45,8 +45,7 @@ class OptimizerConfig:
         (`optax.adafactor`), "lion" (`optax.lion`, whose paper uses b2=0.99 and a rate
         3-10x smaller than AdamW's), "sgd" (`optax.sgd`).
       learning_rate: the peak step size, > 0.
-      weight_decay: decoupled weight decay (adamw, lion; adafactor's `weight_decay_rate`),
-        >= 0.
+      weight_decay: decoupled weight decay, >= 0 (adafactor's `weight_decay_rate`).
       b1, b2: moment decays of adamw and lion, in [0, 1).
       momentum: sgd's momentum (None: 0.9) or adafactor's (None: none), in [0, 1).
       clip_norm: global-norm clip before anything else, > 0; None disables it.
@@ -110,12 +109,8 @@ class OptimizerConfig:
 
 def make_schedule(config: OptimizerConfig, steps: int | None = None) -> optax.Schedule:
     """The learning rate as a function of the optimizer's step count (0 for the first
-    update), from optax's schedules.
-
-    Args:
-      config: the schedule's fields.
-      steps: the run's length, used when `config.decay_steps` is None.
-    """
+    update), from optax's schedules; `steps` (the run's length) stands in for a None
+    `config.decay_steps`."""
     config.validate()
     peak, warmup = config.learning_rate, config.warmup_steps
     if config.schedule == "constant":
@@ -177,15 +172,13 @@ def make_optimizer(
     computes the same update bit for bit.
 
     Args:
-      config: optimizer, schedule and clipping (`OptimizerConfig()` by default).
       gac: Gradient Alignment Control, or None for its monitors only (both cosines, of
         raw gradients and of applied updates, are recorded either way). It wraps the
         optimizer (`GACConfig.wrap`), so a skipped step leaves the params and the whole
         optimizer state, the schedule's step included, as they were.
       ess: VCPO's ESS step scaling, or None to leave the step unscaled. The update then
         needs the extra arg `log_importance_weights`.
-      steps: the run's length: the schedule's when `config.decay_steps` is None (a
-        schedule other than "constant" then needs it).
+      steps: the run's length, for a schedule whose `config.decay_steps` is None.
       seed: the seed of `gac`'s random skips (`GACConfig.random_skip_rate`), if any.
     """
     config = OptimizerConfig() if config is None else config

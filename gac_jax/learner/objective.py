@@ -118,11 +118,8 @@ def _check_penalties(config: LossConfig) -> None:
 
 
 class Objective:
-    """What the train step computes for a `LossConfig`, by asking the registry entries.
-
-    Args:
-      config: the loss config (validated here).
-    """
+    """What the train step computes for a `LossConfig` (validated here), by asking the
+    registry entries."""
 
     def __init__(self, config: LossConfig):
         self.config = config

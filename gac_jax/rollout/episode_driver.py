@@ -74,18 +74,13 @@ class EpisodeSettings:
     observation and an episode may get, how often the params are looked at.
 
     Attributes:
-      turn_end_ids: what ends a policy turn: token ids, or sequences of ids (a stop
-        string of several tokens: the turn ends when the policy's latest tokens are
-        that sequence). Other EOS ids end the episode; an id that is both (a chat
-        template's end of turn, ``<|im_end|>``) ends the turn, and `respond` ends the
-        episode by answering None.
-      max_observation_tokens: K, the longest observation `respond` may give (a longer one
-        raises ValueError: cutting it is `respond`'s to do, where the tokens' meaning is
-        known).
-      chunk_steps: decode steps between two looks at `params_fn` and at the environments'
-        answers, >= 1 (the run's: `gac_jax.rollout.sampling.SampleSettings.chunk_steps`).
-      max_turns: an episode whose turn count reaches this ends at that turn's end
-        without asking `respond` (None: no limit).
+      turn_end_ids: token ids, or sequences of ids (a multi-token stop string), that end a
+        policy turn. Other EOS ids end the episode; an id that is both (``<|im_end|>``)
+        ends the turn, and `respond` ends the episode by answering None.
+      max_observation_tokens: K, the longest observation `respond` may give (cutting is
+        `respond`'s, where the tokens' meaning is known; longer raises ValueError).
+      chunk_steps: decode steps between two looks at `params_fn` and the environments.
+      max_turns: an episode reaching this many turns ends without asking `respond`.
     """
 
     turn_end_ids: Sequence[int | Sequence[int]]
@@ -124,21 +119,14 @@ class EpisodeSampler:
         settings: EpisodeSettings,
         sampling: Mapping[str, Any] | None = None,
     ) -> EpisodeOutput:
-        """Samples one episode per prompt.
+        """Samples one episode per prompt; an `EpisodeOutput`, rows in prompt order.
 
-        Args:
-          graphdef, prompt_tokens, prompt_mask, key: as for `Sampler.__call__`.
-          params_fn: `() -> (state, version)`, asked before the first prefill and every
-            `settings.chunk_steps` decode steps (`lambda: (state, 0)` for fixed params).
-          respond: see `Respond`; called from this thread, it must not block.
-          settings: see `EpisodeSettings`.
-          sampling: the sampler's keywords (`temperature`, `top_k`, `top_p`,
-            `max_new_tokens`) as for `Sampler.__call__`, as `SampleSettings.sampling`
-            holds them; `max_new_tokens` (scalar or [R]) is each episode's token budget,
-            policy and observation tokens together. None: the sampler's defaults.
-
-        Returns:
-          An `EpisodeOutput`, one row per prompt, in prompt order.
+        `params_fn` (`() -> (state, version)`) is asked before the first prefill and every
+        `settings.chunk_steps` decode steps; `respond` (see `Respond`) is called from this
+        thread and must not block. `sampling` holds the sampler's keywords
+        (`SampleSettings.sampling`; None: its defaults); `max_new_tokens` (scalar or [R]) is
+        each episode's token budget, policy and observation tokens together. The rest as
+        for `Sampler.__call__`.
         """
         turn_ids = jnp.asarray(_turn_end_table(settings.turn_end_ids))
         prompts = self.sampler.prepare(prompt_tokens, prompt_mask, key, **(sampling or {}))
@@ -161,52 +149,30 @@ class EpisodeSampler:
         chunks (in-flight weight updates, PipelineRL's idea): episodes with no environment,
         run by `sample`'s host loop, with the sampler's tail compaction.
 
-        The decode of `Sampler.__call__` (same slots, refill order, tail compaction and
-        per-row keys) runs in chunks of `chunk_steps` decode steps, one jitted call each;
-        the slot state, KV cache included, stays on the device between calls and the host
-        reads back three scalars per call (steps run, busy slots, next waiting row).
+        The decode of `Sampler.__call__` (same slots, refill order, per-row keys) runs in
+        chunks of `chunk_steps` decode steps (a new value does not recompile), one jitted
+        call each; the slot state stays on the device and the host reads back three scalars
+        per call (steps run, busy slots, next waiting row) before dispatching the next.
 
-        Schedule: `params_fn()` is called once before the prefill of the first B prompts
-        (chunk 0 uses those params) and once before each later chunk, never after the
-        last: with D decode steps in all (`__call__`'s loop count), it is called exactly
-        `ceil(D / chunk_steps)` times. Chunk c runs global decode steps
-        `[c * chunk_steps, (c + 1) * chunk_steps)`; tail compaction may split a chunk into
-        several calls, with no `params_fn` call between them. A row refilled during chunk
-        c is prefilled with chunk c's params. Every version's params share `graphdef`'s
-        structure, shapes and dtypes (a new version does not recompile), and a version
-        number names one set of params: a repeated version is taken as unchanged. The
-        host waits for each chunk's three scalars before it dispatches the next chunk.
+        Schedule: `params_fn()` (`() -> (state, version)`, e.g. `param_store.latest`) is
+        called before the first prefill and before each later chunk, never after the last:
+        `ceil(D / chunk_steps)` times for D decode steps. Chunk c runs global decode steps
+        `[c * chunk_steps, (c + 1) * chunk_steps)` (tail compaction may split it, with no
+        `params_fn` call between); a row refilled during chunk c is prefilled with its
+        params. Every version shares `graphdef`'s shapes (no recompile), and a repeated
+        version number is taken as unchanged.
 
-        Versions: the token sampled at global step t is drawn from logits of chunk
-        `t // chunk_steps`'s params, and `token_versions` records that version (its
-        `logps` and `policy_logps` are under those params). To make that true at the
-        first step of a chunk whose version is new, the last token fed to each busy slot
-        (the previous sample, or a fresh row's last prompt token) is fed again with the
-        new params, overwriting its KV entry, before the chunk decodes: one extra
-        one-token forward per version change. That is where vLLM-based PipelineRL stands
-        too (its forward of a sampled token runs in the next engine step, after the
-        update).
+        Versions: the token sampled at global step t is drawn under chunk
+        `t // chunk_steps`'s params, which `token_versions` records (as `logps` and
+        `policy_logps`). For that, at a chunk whose version is new, the last token fed to
+        each busy slot is fed again with the new params, overwriting its KV entry: one
+        extra one-token forward per version change, where vLLM-based PipelineRL stands too.
 
-        Stale KV cache: the keys and values of the tokens already in a slot stay those of
-        the params that computed them (prompt by the prefill's version, each later
-        position by the version of the token its logits sampled). A token sampled after
-        a swap therefore is not the new params' teacher-forced prediction of its prefix,
-        but the new params' decode over that mixed cache; PipelineRL keeps the stale
-        cache the same way rather than re-prefilling every row. A row prefilled and
-        completed within one version is exactly that version's sample.
-
-        With a `params_fn` that always returns the same params and version, the output
-        equals `Sampler.__call__`'s (tokens and both log-probs).
-
-        Args:
-          graphdef: from `nnx.split(model)`; the structure of every version's params.
-          params_fn: `() -> (state, version)`: the newest published params and their int
-            version, e.g. `lambda: param_store.latest()`.
-          prompt_tokens, prompt_mask, key, **sampling: as for `Sampler.__call__`.
-          chunk_steps: decode steps per chunk, >= 1 (a new value does not recompile).
-
-        Returns:
-          An `InflightSampleOutput`: `Sampler.__call__`'s fields and `token_versions`.
+        Stale KV cache: the keys and values already in a slot stay those of the params that
+        computed them, so a token sampled after a swap is the new params' decode over that
+        mixed cache, as in PipelineRL (no re-prefill). A row prefilled and completed within
+        one version is exactly that version's sample; with fixed params and version the
+        output equals `Sampler.__call__`'s (tokens and both log-probs).
         """
         prompts = self.sampler.prepare(prompt_tokens, prompt_mask, key, **sampling)
         return _HostLoop(self.sampler, graphdef, params_fn, prompts, None).run(chunk_steps)

@@ -69,10 +69,8 @@ class ShardedLearner:
     the gradient.
 
     Args:
-      model: a `gac_jax.models.Decoder` (its params are resharded onto `mesh`).
-      tx: the optimizer chain.
-      mesh: a mesh with axes ("data", "fsdp", "tensor").
-      rules: logical-to-mesh sharding rules.
+      model: a `gac_jax.models.Decoder` (its params are resharded onto `mesh`, a mesh with
+        axes ("data", "fsdp", "tensor")).
       trainable: None (every param trains), or an nnx filter of the params that train
         (`gac_jax.models.lora.lora_filter`): `params` (what the optimizer, GAC and ESS
         see) are those; the rest are `frozen`, sharded alike, never donated, and passed

@@ -27,9 +27,8 @@ def masked_nll(logps_bt: jax.Array, loss_mask_bt: jax.Array) -> jax.Array:
 
         L = -\frac{\sum_{b,t} m_{bt} \log p_{bt}}{\sum_{b,t} m_{bt}}
 
-    Args:
-      logps_bt: float [B, T], `log p(x_t | x_<t)`.
-      loss_mask_bt: bool [B, T], True for the tokens trained on.
+    with `logps_bt` [B, T] the `log p(x_t | x_<t)` and `loss_mask_bt` [B, T] True for the
+    tokens trained on.
     """
     return -masked_mean(logps_bt, loss_mask_bt)
 
@@ -61,14 +60,8 @@ def make_supervised_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformatio
 
 
 class SupervisedLearner(ShardedLearner):
-    """A `ShardedLearner` running `make_supervised_step`.
-
-    Args:
-      model: the policy (its params are resharded onto `mesh`).
-      tx: the optimizer chain.
-      mesh: a mesh with axes ("data", "fsdp", "tensor").
-      rules: logical-to-mesh sharding rules.
-    """
+    """A `ShardedLearner` (same arguments, all params trained) running
+    `make_supervised_step`."""
 
     def __init__(
         self,

@@ -30,9 +30,7 @@ from gac_jax.models.config import ModelConfig
 # Fields of a `TrainBatch` laid out [N, T].
 TOKEN_FIELDS = ("tokens", "attention_mask", "loss_mask", "behaviour_logp")
 # A CPU micro-batch's temporaries, and its fewest tokens (smaller matmuls run slower): the
-# fastest splits measured, 16 for the tiny laboratory policy's 1024 x 48 tokens (1.93x the
-# whole step), 8 for 3.3M and 9.6M-parameter models' 64 x 64 (1.34x, 1.23x; 16: 0.92x and
-# 0.98x the speed of 8).
+# fastest splits measured (benchmarks/README.md, b371f34).
 CPU_ACTIVATION_BYTES = 64 << 20
 CPU_MIN_TOKENS = 512
 

@@ -92,20 +92,11 @@ def keep_before(path: Path, start_step: int) -> None:
 def markdown_table(
     columns: Sequence[str], rows: Sequence[Sequence[Any]], *, escape: bool = True
 ) -> str:
-    """A Markdown table: the headers `columns`, then one line per row of cells.
-
-    Args:
-      columns: the header of each column.
-      rows: the cells, row by row; a cell that is not a string is written as the progress
-        line writes a metric.
-      escape: escape Markdown's special characters and write newlines as ``<br>``, so that
-        free text (a sampled completion's ``|``, ``*`` or newlines) neither breaks nor
-        restyles the table (TensorBoard's text tab renders it). False for cells that are
-        Markdown already (the laboratory's tables).
-
-    Returns:
-      The table's lines joined by newlines, without a final newline.
-    """
+    """A Markdown table (no final newline): the headers `columns`, then one line per row;
+    a cell that is not a string is written as the progress line writes a metric. `escape`
+    escapes Markdown's special characters and writes newlines as ``<br>``, so free text (a
+    completion's ``|`` or newlines) neither breaks nor restyles the table; False for cells
+    that are Markdown already."""
 
     def cell(value: Any) -> str:
         text = value if isinstance(value, str) else _format_value(to_json_scalar(value))
@@ -181,17 +172,13 @@ class MetricWriter(Closing):
 
     Args:
       out_dir: the run directory; created if missing.
-      start_step: the first step this writer will record. None starts a new
-        ``metrics.jsonl`` (replacing any old one). An int continues a run restored from a
-        checkpoint: records of steps >= `start_step`, written before the run stopped, are
-        dropped (from TensorBoard too, through its ``purge_step``) as they will be written
-        again; 0 is thus the same as None.
+      start_step: None starts a new ``metrics.jsonl``; an int continues a resumed run,
+        dropping the records of steps >= `start_step` (from TensorBoard too, by
+        ``purge_step``), which will be written again.
       tensorboard: also write TensorBoard events (needs ``tensorboardX``).
-      wandb_run: a W&B run (`start_wandb`) that gets the numeric metrics and the tables
-        too; finished by `close`.
-      updates_per_step: optimizer steps per step (`learner.mini_batches` x
-        `learner.epochs`). Above 1, a step writes one record per optimizer step and the
-        charts (TensorBoard, W&B) count optimizer steps: a record's ``optimizer_step``.
+      wandb_run: a W&B run (`start_wandb`) that gets the metrics and tables; `close` ends it.
+      updates_per_step: optimizer steps per step; the charts count optimizer steps (a
+        record's ``optimizer_step``).
     """
 
     def __init__(
@@ -310,12 +297,8 @@ class ProgressLine(Closing):
     CI) redrawing with ``\\r`` would pile every update onto one line, so a full line is
     printed at most every `min_interval` seconds, and always for the last step.
 
-    Args:
-      total: the number of steps.
-      quiet: show nothing (`last_line` is still kept, for tests and callers).
-      stream: where to write; defaults to stderr.
-      fields: (label, metric names) pairs; see `DEFAULT_PROGRESS_FIELDS`.
-      min_interval: seconds between printed lines when `stream` is not a terminal.
+    `quiet` shows nothing (`last_line` is still kept); `stream` defaults to stderr;
+    `fields` are (label, metric names) pairs (`DEFAULT_PROGRESS_FIELDS`).
     """
 
     def __init__(

@@ -17,29 +17,23 @@ half as many slots (down to 4) and decoding goes on there ("tail compaction").
 
 One decode step (`Sampler._decode_step`: sample a token in every busy slot, record it,
 feed it to the decoder, refill the slots that ended) sits behind one loop
-(`Sampler._decode_loop`) and two drivers, as gemma's sampler has one `_sample_step`
-behind its loops:
+(`Sampler._decode_loop`) and two drivers, as gemma's sampler has one `_sample_step`:
 
 * `__call__`: one jitted program per (rows, prompt length, slots), a batched prefill of
-  the first B prompts, then one `jax.lax.while_loop` per width. The scheduler lives on
-  the device: no host round trip per step and no program per refill batch size.
-* the slot API, which `gac_jax.rollout.episode_driver.EpisodeSampler`'s one host loop
-  drives: the same loop cut into chunks of at most `chunk_steps` decode steps, one jitted
-  call each, the slot state (KV cache included) staying on the device between calls.
-  Between chunks the host asks for the newest published params (in-flight weight
-  updates, PipelineRL's idea: a long row is finished by newer weights instead of
-  holding its batch on the old ones; each token records the version that sampled it,
-  `InflightSampleOutput`), and in multi-turn episodes a slot whose turn ends on a
-  turn-end token waits (`EpisodeSlots.waiting_b`), writing and decoding nothing, until the
-  host appends its environment's observation to its cache.
+  the first B prompts, then one `jax.lax.while_loop` per width; the scheduler lives on
+  the device (no host round trip per step, no program per refill batch size).
+* the slot API (`prepare`, `start`, `run_chunk`, `compact`, `append_observation`,
+  `end_slot`), which `gac_jax.rollout.episode_driver.EpisodeSampler`'s host loop drives:
+  the same loop in chunks of at most `chunk_steps` decode steps, one jitted call each,
+  the slot state (KV cache included) staying on the device. Between chunks the host
+  fetches the newest params (in-flight weight updates, PipelineRL's idea: a long row is
+  finished by newer weights; each token records its version, `InflightSampleOutput`),
+  and in multi-turn episodes a slot whose turn ends waits (`EpisodeSlots.waiting_b`),
+  decoding nothing, until the host appends its environment's observation.
 
-The slot API: `prepare` (the checked prompts), `start` (the first slots prefilled),
-`run_chunk` (decode steps), `compact` (tail compaction, `narrower_width`),
-`append_observation` and `end_slot` (a waiting slot's observation, or the end of its
-row), each a jitted program over a public slot state that stays on the device between
-calls. The mode is the state's type: `SlotState` (`__call__`'s), `InflightSlots` (the slot
-API's: each token's version recorded) or `EpisodeSlots` (slots that wait for an
-environment), so a step reads its mode off a type, never off a missing field.
+The mode is the state's type: `SlotState` (`__call__`'s), `InflightSlots` (each token's
+version recorded) or `EpisodeSlots` (slots that wait for an environment), never a
+missing field.
 
 Temperature, top-k, top-p and each row's length limit are array arguments (one value per
 row, or one for all), so changing them does not recompile; `(graphdef, state)` are jit

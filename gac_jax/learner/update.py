@@ -88,17 +88,13 @@ def _chain_statistics(opt_state) -> dict[str, jax.Array]:
 
 
 def select_finite_update(params, opt_state, grads, updates, new_opt_state, loss, rewards=None):
-    """`updates` applied to `params` and `new_opt_state` taken (the result of
-    ``tx.update(grads, opt_state, params)``) unless the loss, gradient norm or update norm
-    is non-finite, or a reward is (GRPO would zero that group's advantages and train on
-    silently).
-
-    Returns `(params, opt_state, metrics)`; the metrics hold `nonfinite_step` (1.0 if the
-    step was skipped), the norms and the chain's statistics of this update. A select inside
-    the step, not a Python branch: params and optimizer state are donated, so the old values
-    exist only here. It returns the new values bit for bit when the step is finite, and the
-    old ones bit for bit (Adam moments, GAC's reference and counters, ESS state) when it is
-    not, so one poisoned batch costs one skipped step, not the run.
+    """`(params, opt_state, metrics)`: `updates` applied and `new_opt_state` taken (from
+    ``tx.update(grads, opt_state, params)``) unless the loss, gradient norm, update norm
+    or a reward is non-finite (GRPO would zero that group's advantages and train on
+    silently); then the old values, bit for bit (Adam moments, GAC's reference and
+    counters, ESS state), so one poisoned batch costs one skipped step, not the run. A
+    select, not a Python branch: the donated old values exist only here. The metrics hold
+    `nonfinite_step` (1.0 if skipped), the norms and the chain's statistics of this update.
     """
     grad_norm, update_norm = optax.tree.norm(grads), optax.tree.norm(updates)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & jnp.isfinite(update_norm)

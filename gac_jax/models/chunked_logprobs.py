@@ -1,20 +1,16 @@
 r"""Per-token log-probabilities and entropies without the [B, T, V] logits.
 
-The learner needs, for every position, the log-probability of the next token and the
-entropy of the predicted distribution. Both are reductions over the vocabulary, so the
-logits never have to exist for the whole sequence at once: positions are cut into chunks of
-at most `chunk_size` and a `jax.lax.scan` computes each chunk's logits [B, C, V], reduces
-them and drops them. A `jax.custom_vjp` does the same in the backward pass, recomputing a
-chunk's logits from its hidden states rather than keeping them, so both passes hold
-O(B x chunk x V) float32 logits instead of O(B x T x V); what is kept between the passes is
-a chunked copy of the hidden states [B, T, D] and one log-normaliser per position. The
-backward accumulates the head weights' gradient over chunks in float32 and also returns
-the temperature's, so the outputs are differentiable in all three.
+The next token's log-probability and the predicted distribution's entropy are reductions
+over the vocabulary, so positions are cut into chunks of at most `chunk_size` and a
+`jax.lax.scan` computes each chunk's logits [B, C, V], reduces them and drops them. A
+`jax.custom_vjp` recomputes them chunk by chunk in the backward pass, so both passes hold
+O(B x chunk x V) float32 logits instead of O(B x T x V); kept between the passes are the
+chunked hidden states [B, T, D] and one log-normaliser per position. The backward
+accumulates the head weights' gradient in float32 and returns the temperature's too.
 
 Chunks run along the sequence, not the batch: the batch is already cut by micro-batching
-and sharded over the mesh's data axes (cutting it further would leave devices idle), and
-long completions make T, not B, the factor that grows; a chunk of positions bounds the
-memory even for a single row.
+and sharded over the data axes, and long completions make T, not B, the factor that
+grows; a chunk of positions bounds the memory even for a single row.
 
 With :math:`s = h W / \tau` the scaled logits of one position, :math:`p = \mathrm{softmax}(s)`,
 :math:`\ell = s - \operatorname{logsumexp}(s)` and target token :math:`y`:

@@ -1,10 +1,8 @@
-"""Pure-array objectives for (asynchronous, off-policy) RL of language models.
-
-Advantages, importance weights and masks, policy losses, loss aggregation, KL terms and
-off-policy diagnostics. Arrays in, arrays out: nothing here runs a model or reads a
-config. Shapes: tokens [B, T] with an explicit [B, T] mask, sequences [B], group ids [B].
-Policy losses return ``(loss, aux)``; `POLICY_LOSSES` and `ADVANTAGE_ESTIMATORS` are the
-registries configs refer to by name.
+"""Pure-array objectives for (asynchronous, off-policy) RL of language models: advantages,
+importance weights and masks, policy losses, loss aggregation, KL terms and off-policy
+diagnostics. Arrays in, arrays out: nothing here runs a model or reads a config. Shapes:
+tokens [B, T] with an explicit [B, T] mask, sequences [B], group ids [B]. Policy losses
+return ``(loss, aux)``; `registry` names them for configs.
 """
 
 from gac_jax.objectives.advantages import (

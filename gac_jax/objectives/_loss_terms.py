@@ -17,13 +17,16 @@ from gac_jax.objectives._common import (
     masked_mean,
     ppo_clip_flags,
 )
-from gac_jax.objectives.aggregation import aggregate
+from gac_jax.objectives.aggregation import aggregate, check_aggregation
 
 _sg = jax.lax.stop_gradient
 
 
-def _prepare(logp, behaviour_logp, advantages, mask):
-    """Validated f32 inputs: (logp_bt, mask_bt, adv_bt, ell_bt); adv has no gradient."""
+def _prepare(logp, behaviour_logp, advantages, mask, aggregation=None):
+    """Validated f32 inputs: (logp_bt, mask_bt, adv_bt, ell_bt); adv has no gradient. Checks
+    `aggregation` too, unless None."""
+    if aggregation is not None:
+        check_aggregation(aggregation)
     logp_bt, behaviour_bt, mask_bt = check_tokens(logp, behaviour_logp, mask)
     adv_bt = _sg(broadcast_per_token(advantages, mask_bt.shape, "advantages"))
     adv_bt = jnp.where(mask_bt, adv_bt, 0.0)
@@ -38,8 +41,8 @@ def _check_clip(eps_low, eps_high, dual_clip=None) -> None:
         raise ValueError(f"`dual_clip` must be > 1 (or None), got {dual_clip!r}.")
 
 
-def _ppo_terms(ratio_bt, adv_bt, lower, upper, dual_clip):
-    r"""Per-token clipped surrogate loss and the masks of tokens each clip silences.
+def _ppo_terms(ratio_bt, adv_bt, mask_bt, lower, upper, dual_clip):
+    r"""Per-token clipped surrogate loss, and the shares of tokens each clip silences.
 
     loss = max(-A r, -A clip(r, lower, upper)), then for A < 0 min(loss, -A c) (dual clip).
     """
@@ -48,7 +51,8 @@ def _ppo_terms(ratio_bt, adv_bt, lower, upper, dual_clip):
     loss_bt = jnp.maximum(loss1, loss2)
     if dual_clip is not None:
         loss_bt = jnp.where(adv_bt < 0, jnp.minimum(loss_bt, -adv_bt * dual_clip), loss_bt)
-    return (loss_bt, *ppo_clip_flags(ratio_bt, adv_bt, lower, upper, dual_clip))
+    flags = ppo_clip_flags(ratio_bt, adv_bt, lower, upper, dual_clip)
+    return loss_bt, clip_fraction_stats(*flags, mask_bt)
 
 
 def _ratio_aux(ratio_bt, ell_bt, mask_bt) -> dict[str, jax.Array]:

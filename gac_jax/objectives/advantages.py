@@ -79,10 +79,7 @@ def grpo_advantages(
 
 
 def dr_grpo_advantages(
-    rewards: jax.Array,
-    group_ids: jax.Array,
-    *,
-    where: jax.Array | None = None,
+    rewards: jax.Array, group_ids: jax.Array, *, where: jax.Array | None = None
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     r"""Dr. GRPO's unnormalised advantage (Liu et al., "Understanding R1-Zero-Like
     Training", arXiv 2503.20783, Sec. 3.1): GRPO without the std division, which biases
@@ -101,10 +98,7 @@ def dr_grpo_advantages(
 
 
 def rloo_advantages(
-    rewards: jax.Array,
-    group_ids: jax.Array,
-    *,
-    where: jax.Array | None = None,
+    rewards: jax.Array, group_ids: jax.Array, *, where: jax.Array | None = None
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     r"""REINFORCE leave-one-out (Ahmadian et al., "Back to Basics", arXiv 2402.14740,
     Eq. 7; Kool et al., 2019):
@@ -171,9 +165,8 @@ def vcpo_advantages(
       log_weights: [B] sequence log importance weights :math:`\log w_i`, e.g.
         `sequence_log_ratio(logp, behaviour_logp, mask)`. No gradient flows through them.
       grad_sq_norms: [B] :math:`\|\nabla\log\pi(\tau_i)\|^2 \ge 0`: exact per-example
-        squared gradient norms of the token-sum log-likelihood (the released code's
-        norm) for small models, or a proxy (`grad_sq_norm_proxy`) for large ones. The
-        caller reports which one it used.
+        squared norms (of the token-sum log-likelihood, the released code's) for small
+        models, a proxy (`grad_sq_norm_proxy`) for large ones; the caller says which.
       normalize_std, epsilon, std_ddof: as `grpo_advantages` (std_ddof 0: VCPO's code).
       baseline_weights: "paper" (:math:`w^2 \|\nabla\|^2`, the paper's formula) or
         "released" (:math:`\min(w, c)^2 w^2 \|\nabla\|^2`, the authors' code).
@@ -241,12 +234,7 @@ def grad_sq_norm_proxy(mask: jax.Array, *, proxy: str = "length") -> jax.Array:
       gradient by :math:`1/n_b` (VCPO's ``normalize_by_length`` divides by :math:`n_b^2`).
     - ``"uniform"``: 1, which reduces :math:`b^*` to a :math:`w^2`-weighted mean.
 
-    Args:
-      mask: [B, T] valid tokens.
-      proxy: one of `GRAD_NORM_PROXIES`.
-
-    Returns:
-      [B] float32, 0 for sequences without valid tokens.
+    From the [B, T] `mask`; [B] float32, 0 for sequences without valid tokens.
     """
     check_choice("proxy", proxy, GRAD_NORM_PROXIES)
     mask = jnp.asarray(mask)

@@ -91,12 +91,11 @@ def aggregate(
 def aggregation_size(mask_bt: jax.Array, aggregation: str = "token-mean") -> jax.Array:
     r"""The share a part of a batch carries in `aggregate`'s result, unnormalised.
 
-    For rows split into parts :math:`P_k`, ``aggregate(batch) = sum_k aggregate(P_k) *
-    size(P_k) / size(batch)`` exactly, with ``size`` the valid tokens for ``token-mean``,
-    the sequences with a valid token for ``seq-mean-token-mean`` and
-    ``seq-mean-token-sum``, and the rows for ``seq-mean-token-sum-norm`` (its normaliser
-    counts every row; modes of DAPO, arXiv 2503.14476). A learner weighs its micro-batches'
-    losses and gradients by it.
+    For rows split into parts :math:`P_k`, ``aggregate(batch) = sum_k aggregate(P_k) * size(P_k) /
+    size(batch)`` exactly, with ``size`` the valid tokens for ``token-mean``, the sequences with a
+    valid token for ``seq-mean-token-mean`` and ``seq-mean-token-sum``, and the rows for
+    ``seq-mean-token-sum-norm`` (its normaliser counts every row; modes of DAPO, arXiv 2503.14476).
+    A learner weighs its micro-batches' losses and gradients by it.
     """
     check_aggregation(aggregation)
     mask_bt = jnp.asarray(mask_bt) != 0

@@ -18,7 +18,6 @@ from gac_jax.objectives._common import (
     check_nonnegative,
     check_positive,
     clamped_exp,
-    clip_fraction_stats,
     is_python_number,
 )
 from gac_jax.objectives._loss_terms import _check_clip, _ppo_terms, _prepare, _ratio_aux, _sg
@@ -202,10 +201,8 @@ def bapo_loss(
         bounds = bapo_clip_bounds(logp, behaviour_logp, advantages, mask, **search)
     _, mask_bt, adv_bt, ell_bt = _prepare(logp, behaviour_logp, advantages, mask)
     ratio_bt = clamped_exp(ell_bt)
-    loss_bt, low_bt, high_bt, dual_bt = _ppo_terms(
-        ratio_bt, adv_bt, bounds.clip_low, bounds.clip_high, dual_clip
-    )
-    aux = clip_fraction_stats(low_bt, high_bt, dual_bt, mask_bt)
+    low, high = bounds.clip_low, bounds.clip_high
+    loss_bt, aux = _ppo_terms(ratio_bt, adv_bt, mask_bt, low, high, dual_clip)
     aux.update(_ratio_aux(_sg(ratio_bt), ell_bt, mask_bt))
     aux.update(
         clip_low=bounds.clip_low,

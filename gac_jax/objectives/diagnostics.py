@@ -3,7 +3,7 @@ fractions, the second moment of the log-ratio, and KL(behaviour || current).
 
 All return float32 scalars (or dicts of them) without gradient, finite for log-probabilities
 of any magnitude, over valid tokens only; with no valid token, ratio statistics are 1 and
-the others 0. Arrays as in `gac_jax.objectives.importance`.
+the others 0. Arrays as in `gac_jax.objectives.losses`.
 """
 
 from __future__ import annotations

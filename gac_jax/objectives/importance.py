@@ -3,9 +3,7 @@ built on them: truncated IS (TIS), masked IS (MIS), IcePop's band and M2PO's mas
 
 Every weight returned here carries no gradient (a correction factor, as verl's
 ``rollout_is_weights``); every mask is a new bool [B, T] array of the tokens a loss keeps.
-Sequence-level ratios are formed in log space. Arrays: `logp` [B, T] (current policy),
-`behaviour_logp` [B, T] (sampling policy), `mask` [B, T] valid tokens, `advantages` [B] or
-[B, T].
+Sequence-level ratios are formed in log space. Arrays as in `gac_jax.objectives.losses`.
 """
 
 from __future__ import annotations
@@ -63,11 +61,8 @@ class M2POHarmfulClip(NamedTuple):
 
 def token_log_ratio(logp: jax.Array, behaviour_logp: jax.Array, mask: jax.Array) -> jax.Array:
     r"""Per-token log importance ratio :math:`\ell_{bt} = \log\pi_\theta - \log\mu`,
-    the log of PPO's :math:`r_t(\theta)` (arXiv 1707.06347, Eq. 6).
-
-    Returns:
-      [B, T] float32, exactly 0 (with zero gradient) on padded tokens.
-    """
+    the log of PPO's :math:`r_t(\theta)` (arXiv 1707.06347, Eq. 6): [B, T] float32, exactly
+    0 (with zero gradient) on padded tokens."""
     logp, behaviour_logp, mask_bt = check_tokens(logp, behaviour_logp, mask)
     return masked_log_ratio(logp, behaviour_logp, mask_bt)
 
@@ -233,11 +228,7 @@ def icepop_weights(
 
 
 def m2po_mask(
-    logp: jax.Array,
-    behaviour_logp: jax.Array,
-    mask: jax.Array,
-    *,
-    tau_m2: float = 0.04,
+    logp: jax.Array, behaviour_logp: jax.Array, mask: jax.Array, *, tau_m2: float = 0.04
 ) -> M2POMask:
     r"""M2PO's second-moment mask (Zheng, Zhao, Chen, arXiv 2510.01161, Sec. 4).
 
@@ -254,10 +245,7 @@ def m2po_mask(
     with :math:`m`. Sums run from the smallest value up, so a huge value never cancels the
     small ones. When even the smallest value is :math:`\ge \tau_{M_2}` every token is
     dropped (AReaL keeps one, leaving the mean above the threshold): a zero loss, a skipped
-    step. Ties at the boundary are broken by position.
-
-    Returns:
-      `M2POMask` (no gradient flows through it).
+    step. Ties at the boundary are broken by position. Returns an `M2POMask`, no gradient.
     """
     check_nonnegative("tau_m2", tau_m2)
     logp, behaviour_logp, mask_bt = check_tokens(logp, behaviour_logp, mask)
@@ -314,12 +302,9 @@ def m2po_harmful_clip(
     ``miniclip_low``/``miniclip_high``). Under a PPO clip with these ranges a harmful token beyond
     the cap gets zero gradient, so ``mask`` marks exactly the tokens whose gradient survives.
 
-    Within budget (or with no harmful token) the bounds are unconstraining:
-    :math:`\tau = 20` (`MAX_LOG_RATIO`). The official code's 1e-12 tolerances are dropped;
-    its scripts' budget `tau_m2` is 0.04.
-
-    Returns:
-      `M2POHarmfulClip` (no gradient).
+    Within budget (or with no harmful token) the bounds are unconstraining, :math:`\tau = 20`
+    (`MAX_LOG_RATIO`). The code's 1e-12 tolerances are dropped; its scripts' `tau_m2` is 0.04.
+    Returns an `M2POHarmfulClip`, without gradient.
     """
     check_nonnegative("tau_m2", tau_m2)
     check_nonnegative("min_eps_low", min_eps_low)  # None (no minimum) passes, as arrays do.

@@ -67,8 +67,7 @@ def kl_penalty(
     `aggregation` as `aggregate`'s.
 
     Returns:
-      ``(loss, aux)``: the scaled penalty, and ``aux["kl"]`` the token-mean KL estimate
-      (unscaled, no gradient).
+      ``(loss, aux)``: the scaled penalty; ``aux["kl"]``, the unscaled token-mean KL.
     """
     check_nonnegative("coef", coef)
     check_aggregation(aggregation)

@@ -1,8 +1,6 @@
-"""Ratio-based policy losses, as pure array functions (BAPO, M2PO, VESPO/DPPO, trajectory
-balance and the naive baselines have modules of their own, with the same signature).
-
-Every loss is ``loss_fn(logp, behaviour_logp, advantages, mask, *, ...) -> (loss, aux)``:
-``logp`` [B, T] under the policy being trained (the only input a gradient flows into),
+"""Ratio-based policy losses (the other modules' losses share their signature):
+``loss_fn(logp, behaviour_logp, advantages, mask, *, ...) -> (loss, aux)``, with ``logp``
+[B, T] under the policy being trained (the only input a gradient flows into),
 ``behaviour_logp`` [B, T] under the policy that sampled the tokens, ``advantages`` [B]
 (broadcast to the tokens) or [B, T], ``mask`` [B, T] valid tokens (bool, or nonzero
 float: padded tokens contribute exactly zero to the loss and its gradient), ``aggregation``
@@ -36,7 +34,7 @@ from gac_jax.objectives._loss_terms import (
     _weighted_pg,
     _weights_bt,
 )
-from gac_jax.objectives.aggregation import aggregate, check_aggregation
+from gac_jax.objectives.aggregation import aggregate
 
 
 def reinforce_loss(
@@ -65,8 +63,7 @@ def reinforce_loss(
     Returns:
       ``(loss, aux)`` with ``weight_mean``, ``ratio_mean``, ``approx_kl``.
     """
-    check_aggregation(aggregation)
-    logp_bt, mask_bt, adv_bt, ell_bt = _prepare(logp, behaviour_logp, advantages, mask)
+    logp_bt, mask_bt, adv_bt, ell_bt = _prepare(logp, behaviour_logp, advantages, mask, aggregation)
     w_bt = clamped_exp(ell_bt) if is_weights is None else _weights_bt(is_weights, mask_bt)
     return _weighted_pg(logp_bt, mask_bt, adv_bt, ell_bt, w_bt, aggregation)
 
@@ -108,15 +105,12 @@ def ppo_clip_loss(
       ``clip_fraction_high``, ``dual_clip_fraction``, ``ratio_mean``, ``approx_kl``.
     """
     _check_clip(eps_low, eps_high, dual_clip)
-    check_aggregation(aggregation)
-    _, mask_bt, adv_bt, ell_bt = _prepare(logp, behaviour_logp, advantages, mask)
+    _, mask_bt, adv_bt, ell_bt = _prepare(logp, behaviour_logp, advantages, mask, aggregation)
     ratio_bt = clamped_exp(ell_bt)
-    loss_bt, low_bt, high_bt, dual_bt = _ppo_terms(
-        ratio_bt, adv_bt, 1.0 - eps_low, 1.0 + eps_high, dual_clip
-    )
+    lower, upper = 1.0 - eps_low, 1.0 + eps_high
+    loss_bt, aux = _ppo_terms(ratio_bt, adv_bt, mask_bt, lower, upper, dual_clip)
     if is_weights is not None:
         loss_bt = loss_bt * _weights_bt(is_weights, mask_bt)
-    aux = clip_fraction_stats(low_bt, high_bt, dual_bt, mask_bt)
     aux.update(_ratio_aux(_sg(ratio_bt), ell_bt, mask_bt))
     return aggregate(loss_bt, mask_bt, aggregation), aux
 
@@ -132,7 +126,9 @@ def decoupled_ppo_loss(
     **clip: float | str | None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     r"""AReaL's decoupled PPO objective (Fu et al., arXiv 2505.24298, Eq. 5): clip against
-    a proximal policy, correct for the behaviour policy with a separate weight.
+    a proximal policy (a recent snapshot: in AReaL, the params before this update, so the
+    trust region does not depend on how stale the behaviour policy is), correct for the
+    behaviour policy with a separate weight.
 
     .. math::
 
@@ -140,15 +136,11 @@ def decoupled_ppo_loss(
         \right] \max\!\big(-A u,\; -A\,\operatorname{clip}(u, 1-\epsilon_{\mathrm{low}},
         1+\epsilon_{\mathrm{high}})\big), \qquad u = \frac{\pi_\theta}{\pi_{\mathrm{prox}}}
 
-    The proximal policy is a recent snapshot (in AReaL, the parameters before this update),
-    so the trust region is measured from it, however stale the behaviour policy is.
-
     Args:
       proximal_logp: [B, T] proximal-policy log-probabilities.
       behaviour_weight_cap: optional cap > 0: tokens whose behaviour weight exceeds it are
         dropped (AReaL's ``behav_imp_weight_cap``), the normaliser kept, as AReaL does.
-      **clip: `ppo_clip_loss`'s ``eps_low``, ``eps_high``, ``dual_clip`` and
-        ``aggregation``; any other is a TypeError.
+      **clip: `ppo_clip_loss`'s clip ranges and aggregation; any other is a TypeError.
 
     Returns:
       ``(loss, aux)``: the clip diagnostics of `ppo_clip_loss` (against the proximal
@@ -194,13 +186,11 @@ def cispo_loss(
     and tunes :math:`\epsilon_{high}` (0.2 in verl's recipe); token-mean, as the paper.
 
     Returns:
-      ``(loss, aux)`` with the fractions of clipped weights (``clip_fraction``,
-      ``clip_fraction_low``, ``clip_fraction_high``), ``weight_mean``, ``ratio_mean``,
-      ``approx_kl``.
+      ``(loss, aux)`` with ``clip_fraction``, ``clip_fraction_low``, ``clip_fraction_high``
+      (clipped weights), ``weight_mean``, ``ratio_mean``, ``approx_kl``.
     """
     _check_clip(eps_low, eps_high)
-    check_aggregation(aggregation)
-    logp_bt, mask_bt, adv_bt, ell_bt = _prepare(logp, behaviour_logp, advantages, mask)
+    logp_bt, mask_bt, adv_bt, ell_bt = _prepare(logp, behaviour_logp, advantages, mask, aggregation)
     ratio_bt = clamped_exp(ell_bt)
     lower, upper = 1.0 - eps_low, 1.0 + eps_high
     loss, aux = _weighted_pg(
@@ -240,23 +230,18 @@ def gspo_loss(
     `eps_high` clip the sequence ratio (defaults: the paper's ranges).
 
     Returns:
-      ``(loss, aux)``: token-level clip fractions as `ppo_clip_loss`, ``ratio_mean`` (of
-      the sequence ratios over valid sequences), ``approx_kl``.
+      ``(loss, aux)``: `ppo_clip_loss`'s token clip fractions and ``approx_kl``, and
+      ``ratio_mean`` over valid sequences.
     """
     _check_clip(eps_low, eps_high)
-    check_aggregation(aggregation)
-    logp_bt, mask_bt, adv_bt, ell_bt = _prepare(logp, behaviour_logp, advantages, mask)
+    logp_bt, mask_bt, adv_bt, ell_bt = _prepare(logp, behaviour_logp, advantages, mask, aggregation)
     count_b = jnp.sum(mask_bt, axis=-1, dtype=jnp.float32)
     seq_log_b = _sg(jnp.sum(ell_bt, axis=-1) / jnp.maximum(count_b, 1.0))
     seq_ratio_b = clamped_exp(seq_log_b)
     logp_m = jnp.where(mask_bt, logp_bt, 0.0)
-    token_ratio_bt = jnp.broadcast_to(seq_ratio_b[:, None], mask_bt.shape) * jnp.exp(
-        logp_m - _sg(logp_m)
-    )
-    loss_bt, low_bt, high_bt, dual_bt = _ppo_terms(
-        token_ratio_bt, adv_bt, 1.0 - eps_low, 1.0 + eps_high, None
-    )
-    aux = clip_fraction_stats(low_bt, high_bt, dual_bt, mask_bt)
+    seq_ratio_bt = jnp.broadcast_to(seq_ratio_b[:, None], mask_bt.shape)
+    token_ratio_bt = seq_ratio_bt * jnp.exp(logp_m - _sg(logp_m))
+    loss_bt, aux = _ppo_terms(token_ratio_bt, adv_bt, mask_bt, 1.0 - eps_low, 1.0 + eps_high, None)
     aux["ratio_mean"] = _sg(masked_mean(seq_ratio_b, sequence_valid(mask_bt), fallback=1.0))
     aux["approx_kl"] = _sg(masked_mean(-ell_bt, mask_bt))
     return aggregate(loss_bt, mask_bt, aggregation), aux
@@ -289,8 +274,7 @@ def topr_loss(
       ``truncated_fraction`` (negative tokens whose sequence ratio exceeded 1),
       ``weight_mean``, ``ratio_mean``, ``approx_kl``.
     """
-    check_aggregation(aggregation)
-    logp_bt, mask_bt, adv_bt, ell_bt = _prepare(logp, behaviour_logp, advantages, mask)
+    logp_bt, mask_bt, adv_bt, ell_bt = _prepare(logp, behaviour_logp, advantages, mask, aggregation)
     seq_log_b = _sg(jnp.sum(ell_bt, axis=-1))
     neg_weight_b = jnp.exp(jnp.minimum(seq_log_b, 0.0))
     neg_weight_bt = jnp.broadcast_to(neg_weight_b[:, None], mask_bt.shape)

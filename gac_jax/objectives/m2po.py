@@ -51,9 +51,8 @@ def m2po_loss(
     Args:
       statistics: the whole batch's `m2po_batch_statistics`, when this call sees only part
         of the batch (a micro-batch); None computes them from this call's inputs.
-      **knobs: ``tau_m2``, :math:`\tau_{M_2} \ge 0` (0.04 in the paper and the official
-        scripts), and for ``harmful_budget`` ``min_eps_low`` and ``min_eps_high`` (see
-        `m2po_harmful_clip`); any other is a TypeError.
+      **knobs: ``tau_m2`` :math:`\ge 0` (0.04 in the paper), and for ``harmful_budget``
+        `m2po_harmful_clip`'s ``min_eps_low``, ``min_eps_high``; any other is a TypeError.
 
     Returns:
       ``(loss, aux)`` with ``m2_before``, ``m2_after``, ``masked_fraction``, ``ratio_mean``,

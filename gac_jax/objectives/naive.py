@@ -1,10 +1,7 @@
-"""The field's naive asynchronous baselines: stale rollouts trained as if on-policy.
-
-The stacks the asynchronous-RL papers build on train a stale batch as if the policy that
-sampled it were the current one: no importance weight (`naive_pg_loss`), or PPO's clip
-against the learner's own log-probs at the start of the batch (`ppo_recompute_loss`,
-verl's recompute default). GAC and VCPO are judged against them; `ppo_clip_loss` clips
-against the behaviour policy instead.
+"""The field's naive asynchronous baselines, which GAC and VCPO are judged against: stale
+rollouts trained as if the policy that sampled them were the current one, with no importance weight
+(`naive_pg_loss`) or with PPO's clip against the learner's own log-probs at the start of the batch
+(`ppo_recompute_loss`, verl's default; `ppo_clip_loss` clips against the behaviour policy instead).
 """
 
 from __future__ import annotations
@@ -14,7 +11,6 @@ import jax.numpy as jnp
 
 from gac_jax.objectives._common import clamped_exp, ppo_clip_flags
 from gac_jax.objectives._loss_terms import _check_clip, _prepare, _trust_region_pg
-from gac_jax.objectives.aggregation import check_aggregation
 from gac_jax.objectives.losses import ppo_clip_loss, reinforce_loss
 
 
@@ -56,8 +52,7 @@ def naive_pg_trust_region_loss(
     aggregation: str = "token-mean",
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     r"""`naive_pg_loss` inside PPO-clip's trust region: unit weights, no importance weight,
-    and no gradient for a token PPO-clip (Schulman et al., arXiv 1707.06347, Eq. 7) would
-    silence,
+    and no gradient for a token PPO-clip (Schulman et al., arXiv 1707.06347, Eq. 7) would silence,
 
     .. math::
 
@@ -73,8 +68,7 @@ def naive_pg_trust_region_loss(
       ``weight_mean`` (the kept share), ``ratio_mean``, ``approx_kl``.
     """
     _check_clip(eps_low, eps_high)
-    check_aggregation(aggregation)
-    logp_bt, mask_bt, adv_bt, ell_bt = _prepare(logp, behaviour_logp, advantages, mask)
+    logp_bt, mask_bt, adv_bt, ell_bt = _prepare(logp, behaviour_logp, advantages, mask, aggregation)
     low_bt, high_bt, _ = ppo_clip_flags(
         clamped_exp(ell_bt), adv_bt, 1.0 - eps_low, 1.0 + eps_high, None
     )
@@ -107,8 +101,7 @@ def ppo_recompute_loss(
       proximal_logp: [B, T] the log-probs of the params before the batch's first update
         (with one update a batch, the current ones without gradient: the ratio is 1, the
         gradient `naive_pg_loss`'s).
-      **clip: `ppo_clip_loss`'s ``eps_low``, ``eps_high``, ``dual_clip`` and
-        ``aggregation``; any other is a TypeError.
+      **clip: `ppo_clip_loss`'s clip ranges and aggregation; any other is a TypeError.
 
     Returns:
       ``(loss, aux)``: `ppo_clip_loss`'s diagnostics, measured against `proximal_logp`.

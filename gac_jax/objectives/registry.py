@@ -58,14 +58,12 @@ class PolicyLossSpec:
       default_aggregation: the reduction it uses when ``aggregation`` is not given (a name
         of `AGGREGATIONS`); a learner that splits the batch weighs micro-batches by it.
       needs_proximal: takes ``proximal_logp``, the log-probs of a proximal policy.
-      needs_reference: takes ``reference_logp`` (and ``group_ids``), a frozen reference
-        policy's log-probs.
+      needs_reference: takes ``reference_logp`` (a frozen policy's) and ``group_ids``.
       takes_is_weights: accepts ``is_weights``, so an importance correction can feed it.
       takes_rewards: reads raw rewards in the advantages position.
       batch_statistics: None, or ``fn(logp, behaviour_logp, advantages, mask, **kwargs) ->
-        {name: value}`` computed once on the whole batch and passed back to the loss as
-        keyword arguments (M2PO's mask, BAPO's bounds), so splitting the batch into
-        micro-batches does not change what they select.
+        {name: value}``, computed once on the whole batch and passed back to the loss
+        (M2PO's mask, BAPO's bounds), so micro-batches do not change what they select.
       forwards_to: None, or the function whose keyword-only arguments `fn` takes through
         ``**kwargs`` and passes on (directly, or through `batch_statistics`).
       unsupported: None if the learner can train with it, else why not.

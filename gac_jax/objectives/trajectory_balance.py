@@ -42,15 +42,14 @@ def trajectory_balance_loss(
     The batch-estimated partition function makes the loss the within-group variance of
     :math:`d` (VarGrad, Richter et al., 2020). It needs no importance ratio, which is what
     makes it usable on arbitrarily stale samples: ``behaviour_logp`` only validates shapes.
-    :math:`\beta` is the KL coefficient; the default 0.012 is the official GSM8K config's
+    :math:`\beta > 0` is the KL coefficient; the default 0.012 is the official GSM8K config's
     starting value (annealed there to 0.004). Sequences without valid tokens are left out.
 
     Args:
-      rewards: [B] raw rewards :math:`R_i` (in the advantages position of the common
-        signature; the other arguments as in `gac_jax.objectives.losses`).
+      rewards: [B] raw rewards :math:`R_i`, in the advantages position of the common
+        signature (`gac_jax.objectives.losses`).
       reference_logp: [B, T] reference-policy log-probabilities.
       group_ids: [B] integers, sequences of the same prompt share one.
-      beta: :math:`\beta > 0`.
 
     Returns:
       ``(loss, aux)`` with ``log_z_mean`` (mean :math:`\log\hat Z` over valid sequences)

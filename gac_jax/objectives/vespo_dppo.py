@@ -26,7 +26,6 @@ from gac_jax.objectives._loss_terms import (
     _trust_region_pg,
     _weighted_pg,
 )
-from gac_jax.objectives.aggregation import check_aggregation
 
 
 def vespo_weights(
@@ -87,20 +86,14 @@ def vespo_loss(
     Stale sequences far from the current policy fade out instead of being clipped. As the
     authors compute it: token log-ratios clamped to +-20, their sum (no length
     normalisation) clamped to +-20. The authors take the sign of a sequence's advantage
-    at its first token; here each token's own sign picks the kernel, the same for
-    per-sequence advantages.
-
-    Args:
-      **kernel: `vespo_weights`' ``k_pos``, ``lambda_pos``, ``k_neg``, ``lambda_neg``; any
-        other is a TypeError.
+    at its first token; here each token's own sign picks the kernel (the same for
+    per-sequence advantages). ``**kernel``: `vespo_weights`' keyword arguments.
 
     Returns:
-      ``(loss, aux)`` with ``weight_mean`` (:math:`\phi` over valid tokens),
-      ``log_weight_mean`` (the clamped :math:`\log w_b` over valid sequences),
-      ``ratio_mean``, ``approx_kl``.
+      ``(loss, aux)`` with ``weight_mean`` (:math:`\phi` over valid tokens), ``ratio_mean``,
+      ``approx_kl`` and ``log_weight_mean`` (the clamped :math:`\log w_b`, valid sequences).
     """
-    check_aggregation(aggregation)
-    logp_bt, mask_bt, adv_bt, ell_bt = _prepare(logp, behaviour_logp, advantages, mask)
+    logp_bt, mask_bt, adv_bt, ell_bt = _prepare(logp, behaviour_logp, advantages, mask, aggregation)
     clamp = MAX_LOG_RATIO
     seq_log_b = _sg(jnp.clip(jnp.sum(jnp.clip(ell_bt, -clamp, clamp), axis=-1), -clamp, clamp))
     phi_bt = vespo_weights(seq_log_b, adv_bt, **kernel)
@@ -112,8 +105,7 @@ def vespo_loss(
 def _dppo_loss(logp, behaviour_logp, advantages, mask, divergence, eps, ratio_cap, aggregation):
     _check_clip(*eps)
     check_positive("ratio_cap", ratio_cap)
-    check_aggregation(aggregation)
-    logp_bt, mask_bt, adv_bt, ell_bt = _prepare(logp, behaviour_logp, advantages, mask)
+    logp_bt, mask_bt, adv_bt, ell_bt = _prepare(logp, behaviour_logp, advantages, mask, aggregation)
     # The sampled token's log-probs; above 0 (never valid) they count as 0.
     lp_bt, lp_old_bt = (
         jnp.minimum(jnp.where(mask_bt, x, 0.0), 0.0)
@@ -161,14 +153,10 @@ def dppo_binary_tv_loss(
 
     :math:`m_{bt} = 0` (no gradient) where :math:`A > 0` and the token's probability rose
     past the region (:math:`D > \epsilon_{high}`), or :math:`A < 0` and it fell past it
-    (:math:`D > \epsilon_{low}`). Unlike PPO's ratio clip, a rare token may move far in
-    ratio and little in divergence. Defaults: the thresholds of the authors' verl example
-    (``examples/dppo_trainer/run_qwen30b_dppo.sh``), the cap their function falls back to
-    (that example sets 10000, no cap).
-
-    Args:
-      eps_low, eps_high: divergence thresholds for falling / rising probabilities.
-      ratio_cap: :math:`c > 0`, the truncation of the importance weight.
+    (:math:`D > \epsilon_{low}`); :math:`c > 0` is `ratio_cap`. Unlike PPO's ratio clip, a
+    rare token may move far in ratio and little in divergence. Defaults: the thresholds of
+    the authors' verl example (``examples/dppo_trainer/run_qwen30b_dppo.sh``), the cap
+    their function falls back to (that example sets 10000, no cap).
 
     Returns:
       ``(loss, aux)`` with ``clip_fraction``, ``clip_fraction_low``, ``clip_fraction_high``

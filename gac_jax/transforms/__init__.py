@@ -1,7 +1,5 @@
-"""Stateful optax transformations for asynchronous RL: GAC and VCPO's ESS step scaling.
-
-They import only jax and optax, so any optax training loop can use them.
-"""
+"""Stateful optax transformations for asynchronous RL: GAC and VCPO's ESS step scaling
+(jax and optax only, so any optax training loop can use them)."""
 
 from gac_jax.transforms.alignment import (
     REGIME_NAMES,

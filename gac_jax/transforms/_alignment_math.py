@@ -1,10 +1,7 @@
 """The per-step arithmetic of gradient alignment control, on arrays of control units.
 
 A control unit is the whole parameter tree (scope "global", U = 1) or one leaf (scope
-"per_leaf", U = leaves). These pure functions compute the inner products, the control
-coefficients, the cosine after control and the emitted update with the next reference;
-`gac_jax.transforms.alignment.gradient_alignment_control` strings them together and
-owns the state.
+"per_leaf", U = leaves); `gradient_alignment_control` strings these functions together.
 """
 
 from __future__ import annotations

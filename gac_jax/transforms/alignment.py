@@ -17,10 +17,9 @@ still moves the params on; the paper's skip, params and optimizer state kept, is
 `alignment_controlled(adamw(...), gradient_alignment_control())` (`GACConfig.wrap`), what
 the learner runs.
 
-Cost, with the default "gradient" reference: two inner products per leaf, `<g, r>` and
-`|g|^2` (`|r|^2` is the previous step's `|g|^2`, carried in the state), one pass emitting
-the update (fused into the optimizer after it) and one writing the next reference. "ema",
-and "update" under control, also measure `|r|^2`.
+Cost, with the default "gradient" reference: `<g, r>` and `|g|^2` per leaf (`|r|^2` is the
+previous `|g|^2`, carried), one pass emitting the update (fused into the optimizer after
+it) and one writing the next reference; "ema", and "update" under control, measure `|r|^2`.
 """
 
 from __future__ import annotations
@@ -79,9 +78,7 @@ class GradientAlignmentControlState(NamedTuple):
     gac_stats_count: jax.Array  # int32 []: steps that entered the two EMAs above.
     gac_tau_low: jax.Array  # f32 []: lower threshold in force at the last step.
     gac_tau_high: jax.Array  # f32 []: upper threshold in force at the last step.
-    # f32 []: |g - emitted| / |g| at the last step: how much of the gradient the control
-    # removed (0 passed, 1 skipped, between for a projection; NaN if non-finite).
-    gac_removed_fraction: jax.Array
+    gac_removed_fraction: jax.Array  # f32 []: |g - emitted| / |g| (NaN if non-finite).
     gac_skip_streak: jax.Array  # int32 []: consecutive skipped steps up to the last (0: applied).
     gac_skip_streak_longest: jax.Array  # int32 []: the longest such streak so far.
 
@@ -91,10 +88,9 @@ def set_gac_reference(
 ) -> GradientAlignmentControlState:
     """`state` with its reference direction replaced by `reference` (and its norms updated).
 
-    The reference's squared norms are part of the state, so set a reference through this
-    function rather than `state._replace(gac_reference=...)`: a stale norm would silently
-    give wrong cosines. `reference` must have the structure of the state's reference; its
-    leaves are cast to the stored dtypes.
+    Set a reference through this function rather than `state._replace(gac_reference=...)`:
+    a stale norm would silently give wrong cosines. `reference` must have the structure of
+    the state's reference; its leaves are cast to the stored dtypes.
     """
     old_leaves, treedef = jax.tree.flatten(state.gac_reference)
     new_leaves = treedef.flatten_up_to(reference)
@@ -210,10 +206,8 @@ def gradient_alignment_control(
       tau_low: cosine at or below which the gradient passes, in [0, 1). Projection brings
         the cosine down to it.
       tau_high: cosine above which the step is skipped, in (tau_low, 1]; 1 never skips.
-      projection: "partial" (to `tau_low`) or "full" (remove the whole aligned component).
-      skip: whether `c > tau_high` skips the step instead of projecting it: this
-        transformation then emits zeros and reports the regime "skip"; the true skip
-        (params and optimizer state kept) is `alignment_controlled`'s.
+      skip: whether `c > tau_high` skips the step (emits zeros, regime "skip"; the true
+        skip is `alignment_controlled`'s) instead of projecting it.
       reference: the direction `r` the next step is compared with: "gradient" (this step's
         raw gradient, the paper's signal), "update" (the update this transformation
         emitted; a skipped step keeps the previous reference, since a zero update has no
@@ -234,8 +228,7 @@ def gradient_alignment_control(
         reference frozen). Why 8: benchmarks/README.md.
 
     Returns:
-      An `optax.GradientTransformationExtraArgs` with `GradientAlignmentControlState`;
-      read statistics with `optax.tree.get(state, "gac_cosine")` and friends.
+      A transformation with `GradientAlignmentControlState` (`optax.tree.get` reads it).
     """
     check_range("tau_high", tau_high, -1.0, 1.0)
     check_range("tau_low", tau_low, 0.0, 1.0, high_open=True)
@@ -305,10 +298,9 @@ def gradient_alignment_control(
         control = control_coefficients(unit, low, high, finite, may_skip, projection, monitor_only)
         cosine_after = cosine_after_control(unit, control, total.ref_sq[0], finite)
 
+        next_ref_sq = state.gac_reference_sq
         if cache_norms:  # |r|^2 of the next reference, per leaf, with no pass over it.
-            next_ref_sq = jnp.where(finite, per_leaf.grad_sq, state.gac_reference_sq)
-        else:
-            next_ref_sq = state.gac_reference_sq
+            next_ref_sq = jnp.where(finite, per_leaf.grad_sq, next_ref_sq)
         leaf_control = per_leaf_control(control, len(grads), scope)
         emitted, new_refs = emitted_and_next_references(
             grads, refs, leaf_control, finite, reference, ema_decay, monitor_only

@@ -25,16 +25,16 @@ persistently aligned run into skipping until `max_consecutive_skips`).
         scale_by_ess(),
     )
 
-Its measured effect is in experiments/RESULTS.md (laboratory v4). Thresholds below a
-problem's own synchronous cosine skip nearly every step: choose them from a synchronous
-run's `gac_cosine` / `gac_update_cosine`. `random_skip`, in GAC's place, skips at random
-at a chosen rate and streak length: the control of the skip. Cost over the bare
-optimizer: the two alignment passes, and a select over its state when the control can skip.
+Thresholds below a problem's own synchronous cosine skip nearly every step: choose them from
+a synchronous run's `gac_cosine` / `gac_update_cosine`. `random_skip`, in GAC's place, is
+the control of the skip. Cost over the bare optimizer: the two alignment passes, and a
+select over its state when the control can skip.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -90,8 +90,7 @@ def alignment_controlled(
     """`inner` (an optimizer) under Gradient Alignment Control with a true skip.
 
     Args:
-      inner: the optimizer, e.g. `optax.adamw(...)` or an `optax.inject_hyperparams` one;
-        it receives the extra args.
+      inner: the optimizer (an `optax.inject_hyperparams` one too); it gets the extra args.
       control: a `gradient_alignment_control` (or `random_skip`); None: monitors only.
       acts_on: where `control` acts: "gradient" (the raw gradient, before `inner`) or
         "update" (`inner`'s update, against the previous applied update: give `control`
@@ -106,12 +105,8 @@ def alignment_controlled(
     check_choice("acts_on", acts_on, ACTS_ON)
     check_choice("reference_after_skip", reference_after_skip, REFERENCES_AFTER_SKIP)
     inner = optax.with_extra_args_support(inner)
-    levels = {
-        "gradient": alignment.gradient_alignment_monitor(reference_dtype=monitor_dtype),
-        "update": alignment.gradient_alignment_monitor(
-            reference="update", reference_dtype=monitor_dtype
-        ),
-    }
+    monitor = functools.partial(alignment.gradient_alignment_monitor, reference_dtype=monitor_dtype)
+    levels = {"gradient": monitor(), "update": monitor(reference="update")}
     if control is not None:
         levels[acts_on] = control
     gradient, update = levels["gradient"], levels["update"]
@@ -139,6 +134,7 @@ def alignment_controlled(
             gradient_state = _with_reference_of(
                 gradient_state, state.gac_gradient_alignment, skipped
             )
+        steps = state.gac_skipped_steps
         new_state = AlignmentControlledState(
             gac_inner_state=_select(skipped, state.gac_inner_state, inner_state),
             gac_gradient_alignment=gradient_state,
@@ -146,9 +142,7 @@ def alignment_controlled(
                 update_state, state.gac_update_alignment, skipped
             ),
             gac_skipped=skipped,
-            gac_skipped_steps=jnp.where(
-                skipped, optax.safe_increment(state.gac_skipped_steps), state.gac_skipped_steps
-            ),
+            gac_skipped_steps=jnp.where(skipped, optax.safe_increment(steps), steps),
         )
         applied = jax.tree.map(lambda u: jnp.where(skipped, jnp.zeros_like(u), u), applied)
         return applied, new_state
@@ -179,9 +173,8 @@ def random_skip(
 ) -> GradientTransformationExtraArgs:
     r"""Skips steps at random, whatever the gradient: the control of GAC's skip.
 
-    In GAC's place, `alignment_controlled(inner, random_skip(0.44, 3.7))` skips as GAC does,
-    at a chosen rate and streak length: a two-state Markov chain on whether step t-1 was
-    skipped,
+    In GAC's place, `alignment_controlled(inner, random_skip(0.44, 3.7))` skips as GAC does, at a
+    chosen rate and streak length: a two-state Markov chain on whether step t-1 was skipped,
 
     .. math::
 
@@ -197,9 +190,8 @@ def random_skip(
       mean_streak: L, the mean length of a streak of skips, >= max(1, p / (1 - p));
         None: i.i.d. draws.
       seed: the draws' PRNG seed (the state carries the key: same seed, same skips).
-      monitor: the `gradient_alignment_monitor` the gradient passes through, whose cosines
-        are recorded as GAC's are and whose regime, counts and streaks are the draws'.
-        None: a monitor of raw gradients.
+      monitor: the `gradient_alignment_monitor` the gradient passes through (None: one of
+        raw gradients); its regime, counts and streaks are the draws'.
     """
     _check_random_skip(rate, mean_streak)
     monitor = alignment.gradient_alignment_monitor() if monitor is None else monitor
@@ -234,9 +226,8 @@ def alignment_statistics(opt_state) -> dict[str, jax.Array]:
     With an `alignment_controlled` in the chain: ``gac_cosine``, ``gac_cosine_after``,
     ``gac_regime``, ``gac_removed_fraction`` and ``gac_tau_low`` of the raw gradients, the
     same four with a ``gac_update_`` prefix for the applied updates, ``gac_skipped`` (1.0
-    if the step was skipped), ``gac_skip_streak`` (skipped steps in a row up to this one)
-    and ``gac_skip_streak_longest``. A chain with a bare `gradient_alignment_control` gives
-    its own four, its threshold and streaks; a chain without either, nothing.
+    if skipped), ``gac_skip_streak`` and ``gac_skip_streak_longest``. A bare
+    `gradient_alignment_control` gives its own four, its threshold and streaks.
     """
     get = optax.tree.get
     wrapped = get(opt_state, "gac_gradient_alignment", None)
@@ -260,10 +251,7 @@ def alignment_statistics(opt_state) -> dict[str, jax.Array]:
 @dataclasses.dataclass(frozen=True)
 class GACConfig:
     """Gradient Alignment Control as the learner runs it: `gradient_alignment_control`'s
-    arguments one to one, and where it acts.
-
-    ``monitor_only=True`` records the cosines without touching anything (the baseline runs
-    of a comparison use it, so every run reports the same cosines).
+    arguments one to one, and where it acts (``monitor_only=True``: the baselines' cosines).
 
     Attributes:
       acts_on, reference_after_skip: `alignment_controlled`'s ("gradient", the raw gradient

@@ -67,16 +67,14 @@ def scale_by_ess(
     r"""Scales updates by `min(1, rho / rho_base) ** p` (VCPO, arXiv 2602.17616).
 
     The update takes, as keyword-only extra args, either `log_importance_weights` ([B]:
-    per-sequence `sum_t (logp_theta - logp_behaviour)`, with an optional boolean
-    `sequence_mask` [B] excluding padded sequences) or a precomputed scalar `ess_ratio`.
-    Infinite log weights are taken at their limit (`effective_sample_size`). A NaN weight
-    gives a NaN scale, so the update is NaN rather than silently rescaled (the learner's
-    step then skips it); the EMA skips such steps.
+    per-sequence `sum_t (logp_theta - logp_behaviour)`, with an optional boolean `sequence_mask` [B]
+    excluding padded sequences) or a precomputed scalar `ess_ratio`. Infinite log weights are taken
+    at their limit (`effective_sample_size`). A NaN weight gives a NaN scale, so the update is NaN
+    rather than silently rescaled (the learner's step then skips it); the EMA skips such steps.
 
     Args:
-      rho_base: ESS ratio at and above which the step is not scaled, in (0, 1]. VCPO's
-        released GSM8K and MATH configurations use 1.0 (always scale by `rho ** p`), its
-        multi-turn tool-use run 0.55.
+      rho_base: ESS ratio at and above which the step is not scaled, in (0, 1] (VCPO's
+        released GSM8K and MATH runs: 1.0, always scaled; its multi-turn tool-use run 0.55).
       power: exponent `p`: "sqrt" (0.5, for Adam-style optimisers), "linear" (1.0, for
         SGD), or any positive number.
       ema_decay: decay of `ess_ratio_ema`, in [0, 1).
@@ -85,7 +83,7 @@ def scale_by_ess(
         with (their ``use_clipped=True`` switch). Applies to `log_importance_weights` only.
 
     Returns:
-      An `optax.GradientTransformationExtraArgs` with `ScaleByEssState`.
+      A transformation with `ScaleByEssState`.
     """
     check_range("rho_base", rho_base, 0.0, 1.0, low_open=True)
     check_range("ema_decay", ema_decay, 0.0, 1.0, high_open=True)

@@ -1,12 +1,8 @@
 """`collate`: rollout groups laid out as the host-side arrays a train step consumes.
 
-It returns a plain dict of NumPy arrays keyed by the field names of
-`gac_jax.learner.TrainBatch`, so the learner builds its batch with
-`TrainBatch(**collate(rollouts, prompt_length))` and neither package imports the other
-(the learner may not import rollout: see DESIGN.md's package table).
-
-(The module is not named `collate`: `gac_jax.rollout.collate` is the function, and a
-submodule of the same name would be shadowed by it.)
+It returns a plain dict keyed by `gac_jax.learner.TrainBatch`'s fields
+(`TrainBatch(**collate(...))`), so neither package imports the other (DESIGN.md). The
+module is not named `collate`: the function `gac_jax.rollout.collate` would shadow it.
 """
 
 from __future__ import annotations
@@ -78,25 +74,15 @@ def collate(
     """Stacks groups into N = groups x G rows of length T = prompt_length + completion length.
 
     Each row is the left-padded prompt followed by the completion, exactly as the sampler
-    laid it out, so teacher-forced log-probabilities line up with the behaviour ones.
+    laid it out, so teacher-forced log-probabilities line up with the behaviour ones. The
+    groups share group size and completion length; longer prompts are an error.
 
-    Args:
-      rollouts: groups with equal group size and completion length.
-      prompt_length: the left-padded prompt length (longer prompts are an error).
-      overlong: shapes the rewards and masks of completions at the length limit.
-
-    Returns:
-      A dict with the keys `BATCH_KEYS`:
-      tokens: int32 [N, T], 0 where padded.
-      attention_mask: bool [N, T], real tokens (prompt, completion and, in multi-turn
-        episodes, the environment's observations).
-      loss_mask: bool [N, T], the policy's completion tokens, the ones trained on (never
-        an observation, nor a truncated completion under `overlong.filter`).
-      behaviour_logp: float32 [N, T], behaviour log-prob on completion tokens, else 0.
-      rewards: float32 [N], with `overlong`'s punishment.
-      group_ids: int32 [N], the GRPO group of each row: the index of its rollout in
-        `rollouts` (so numbered from 0 in every call).
-      versions: int32 [N], the policy version that sampled each row's group.
+    Returns a dict with the keys `BATCH_KEYS`: tokens int32 [N, T] (0 where padded);
+    attention_mask bool [N, T] (prompt, completion, observations); loss_mask bool [N, T]
+    (the policy's tokens trained on: no observation, no truncated completion under
+    `overlong.filter`); behaviour_logp float32 [N, T] (0 off the completion); rewards
+    float32 [N] (with `overlong`'s punishment); group_ids int32 [N] (the rollout's index
+    in `rollouts`); versions int32 [N] (the policy version of each row's group).
     """
     if not rollouts:
         raise ValueError("collate needs at least one rollout group.")

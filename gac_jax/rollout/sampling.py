@@ -36,10 +36,8 @@ class SampleSettings:
       prompt_length: the prompts are left-padded to this many tokens.
       sampling: the sampler's keywords (`temperature`, `top_k`, `top_p`, `max_new_tokens`).
       chunk_steps: decode steps between two looks at `params_fn` (in flight) and at the
-        environments' answers (in an episode). This default is the library's one: the
-        run's `RolloutConfig.inflight_chunk_steps` and `DecodeSetup` take it from here.
-      place_inputs: puts the prompts on the sampler's mesh (`RolloutPlacement.place_inputs`);
-        None leaves them to the jit.
+        environments' answers; the library's default (`RolloutConfig` takes it from here).
+      place_inputs: puts the prompts on the sampler's mesh; None leaves them to the jit.
       inflight: in-flight updates: the sampler asks `params_fn` before its first chunk and
         every `chunk_steps` decode steps; else a single answer asks it once.
     """
@@ -84,14 +82,8 @@ def cut_at_stop(
     by default: the completion ends with the first token after which its text holds a stop
     string (the shortest such prefix, found by bisection); the text is cut before the stop
     string, the mask keeps the tokens through that last one (the policy sampled them).
-
-    Args:
-      tokenizer: decodes the row (`decode_completion`: special tokens skipped).
-      tokens: [L] int, the sampled row; mask: [L] bool, its generated tokens (a prefix).
-      stop: stop strings; none keeps the row whole.
-
-    Returns:
-      `(text, mask)`, `mask` itself when no stop string occurs.
+    `tokens` [L] and `mask` [L] (its generated prefix) are one row; returns `(text, mask)`,
+    `mask` itself when no stop string occurs.
     """
     ids = tokens[mask]
     text = decode_completion(tokenizer, ids)

@@ -56,51 +56,30 @@ class ModelConfig:
     """Architecture and numerics of a Qwen3- or Llama-3-family decoder.
 
     Shape letters used across `gac_jax.models`: V = `vocab_size`, D = `embed_dim`,
-    N = `num_heads`, K = `num_kv_heads`, H = `head_dim`, F = `mlp_dim`.
-
-    Attributes:
-      family: "qwen3" (q/k RMSNorm on each head) or "llama".
-      vocab_size: number of token ids (V).
-      embed_dim: model width (HF `hidden_size`, D).
-      num_layers: decoder layers (HF `num_hidden_layers`).
-      num_heads: query heads (N).
-      num_kv_heads: key/value heads (K); `num_heads` must be a multiple of it.
-      head_dim: width of one head (H); need not equal `embed_dim / num_heads`.
-      mlp_dim: SwiGLU hidden width (HF `intermediate_size`, F).
-      rope_theta: rotary base wavelength.
-      rope_scaling: Llama 3 frequency scaling, or None for plain RoPE.
-      rms_norm_eps: epsilon inside every RMSNorm.
-      tie_word_embeddings: whether the output projection reuses the embedding table.
-      max_position_embeddings: longest context the checkpoint was trained for (kept for
-        export; not enforced).
-      dtype: compute dtype of activations and matmuls ("bfloat16" by default); logits and
-        softmaxes are always float32.
-      param_dtype: storage dtype of parameters.
-      remat: rematerialisation of each decoder layer in the backward pass: "none",
-        "full" (save nothing) or "dots" (save matmul outputs without batch dims).
-      bos_token_id: beginning-of-sequence id, or None.
-      eos_token_ids: ids that end a completion.
-      pad_token_id: padding id, or None.
+    N = `num_heads`, K = `num_kv_heads`, H = `head_dim`, F = `mlp_dim`. HF names in
+    parentheses.
     """
 
-    family: str
+    family: str  # "qwen3" (q/k RMSNorm on each head) or "llama".
     vocab_size: int
-    embed_dim: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    mlp_dim: int
-    rope_theta: float = 10_000.0
-    rope_scaling: RopeScaling | None = None
+    embed_dim: int  # Model width (`hidden_size`).
+    num_layers: int  # (`num_hidden_layers`)
+    num_heads: int  # Query heads.
+    num_kv_heads: int  # Key/value heads; `num_heads` is a multiple of it.
+    head_dim: int  # Need not equal `embed_dim / num_heads`.
+    mlp_dim: int  # SwiGLU hidden width (`intermediate_size`).
+    rope_theta: float = 10_000.0  # Rotary base wavelength.
+    rope_scaling: RopeScaling | None = None  # Llama 3 frequency scaling; None: plain RoPE.
     rms_norm_eps: float = 1e-6
-    tie_word_embeddings: bool = False
-    max_position_embeddings: int = 4096
-    dtype: str = "bfloat16"
-    param_dtype: str = "float32"
+    tie_word_embeddings: bool = False  # The output projection reuses the embedding table.
+    max_position_embeddings: int = 4096  # The trained context; kept for export, not enforced.
+    dtype: str = "bfloat16"  # Activations and matmuls; logits and softmaxes are float32.
+    param_dtype: str = "float32"  # Parameter storage.
+    # Per layer in the backward pass: "none", "full" (save nothing) or "dots" (save matmul
+    # outputs without batch dims).
     remat: str = "none"
     bos_token_id: int | None = None
-    eos_token_ids: tuple[int, ...] = ()
+    eos_token_ids: tuple[int, ...] = ()  # Ids that end a completion.
     pad_token_id: int | None = None
 
     def __post_init__(self):

@@ -41,9 +41,8 @@ class OptimizerConfig:
     clipping (GAC and ESS scaling have their own configs).
 
     Attributes:
-      name: the optimizer, one of `OPTIMIZERS`: "adamw" (`optax.adamw`), "adafactor"
-        (`optax.adafactor`), "lion" (`optax.lion`, whose paper uses b2=0.99 and a rate
-        3-10x smaller than AdamW's), "sgd" (`optax.sgd`).
+      name: one of `OPTIMIZERS`, optax's function of that name (lion's paper uses b2=0.99
+        and a rate 3-10x smaller than AdamW's).
       learning_rate: the peak step size, > 0.
       weight_decay: decoupled weight decay, >= 0 (adafactor's `weight_decay_rate`).
       b1, b2: moment decays of adamw and lion, in [0, 1).

@@ -53,17 +53,11 @@ lora_filter = nnx.LoRAParam
 
 @dataclasses.dataclass(frozen=True)
 class LoraConfig:
-    """Low-rank adapters on chosen projections (`apply_lora`).
+    """Low-rank adapters on chosen projections (`apply_lora`)."""
 
-    Attributes:
-      rank: r, the adapters' rank; 0 turns LoRA off (all params train).
-      alpha: the delta's scale is alpha / r.
-      targets: names of `PROJECTIONS` to adapt, e.g. ("q_proj", "v_proj").
-    """
-
-    rank: int = 0
-    alpha: float = 16.0
-    targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
+    rank: int = 0  # r; 0 turns LoRA off (all params train).
+    alpha: float = 16.0  # The delta's scale is alpha / r.
+    targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")  # `PROJECTIONS` names.
 
     def validate(self) -> None:
         """Raises ValueError naming a bad field."""

@@ -334,14 +334,10 @@ def save_hf_checkpoint(
     dtype: str | None = None,
     max_shard_bytes: int = 4 * 1024**3,
 ) -> None:
-    """Writes `model` as a Hugging Face checkpoint directory (config + safetensors).
-
-    Args:
-      model: the decoder to save.
-      path: output directory (created if needed; existing checkpoint files are replaced).
-      dtype: dtype name to store the weights in; the parameters' dtype by default.
-      max_shard_bytes: above this many bytes the weights are split into
-        `model-0000i-of-0000n.safetensors` files listed in `model.safetensors.index.json`.
+    """Writes `model` as a Hugging Face checkpoint directory (config + safetensors),
+    created if needed, its checkpoint files replaced, the weights stored in `dtype` (the
+    parameters' by default). Above `max_shard_bytes` the weights are split into
+    `model-0000i-of-0000n.safetensors` files listed in `model.safetensors.index.json`.
     """
     if not isinstance(model, Decoder):
         raise ValueError(f"model must be a gac_jax Decoder; got {type(model).__name__}.")

@@ -1,10 +1,6 @@
-"""Tokenizers behind one small interface: `encode`, `decode`, `pad_id`, `eos_id`, `bos_id`,
-`vocab_size`.
-
-* `CharTokenizer`: one id per character, for the embedded arithmetic and countdown tasks
-  and the tiny models (its vocabulary fits the "tiny" preset's 128 ids).
-* `HFTokenizer`: a Hugging Face `tokenizer.json` through the `tokenizers` package, for
-  real checkpoints.
+"""Tokenizers behind one small interface (`Tokenizer`): `CharTokenizer`, one id per
+character, for the embedded tasks and the tiny models (its vocabulary fits the "tiny"
+preset's 128 ids), and `HFTokenizer`, a `tokenizer.json` for real checkpoints.
 """
 
 from __future__ import annotations

@@ -1,24 +1,18 @@
 """Rollout workers as Ray actors: separate processes, each with its own devices and JAX runtime.
 
-`RayRolloutPool` is a `GenerateGroups`, so it plugs into the existing `RolloutWorker`
-(and `AsyncRollouts`): the worker threads keep doing the reservations, the version choice,
-the group numbering and the puts into the learner's host-side `RolloutBuffer`; each thread
-hands its call to one actor process and waits for the rollouts.
+`RayRolloutPool` is a `GenerateGroups`, so it plugs into `RolloutWorker` (and
+`AsyncRollouts`): the worker threads keep the reservations, version choice, numbering and
+buffer puts; each hands its call to one actor process and waits for the rollouts.
 
-Weights travel by version through Ray's object store: the first call that asks for a
-version copies the params to host memory and `ray.put`s them once; every actor that samples
-with that version fetches the same object (zero-copy on the learner's node) and places it on
-its own devices, once per version. Actor deaths arrive as Ray's `RayActorError` at the
-waiting thread (see `on_actor_failure`); a `RolloutActorDied` becomes a failed buffer in the
-worker, so the learner's next `take` raises `RolloutWorkerError` at once.
+Weights travel by version through Ray's object store: the first call for a version
+`ray.put`s the host params once; every actor fetches that object (zero-copy on the
+learner's node) and places it on its devices, once per version. An actor's death reaches
+the waiting thread as `RayActorError` (see `on_actor_failure`); a `RolloutActorDied` fails
+the buffer, so the learner's next `take` raises `RolloutWorkerError` at once.
 
-In-flight updates (`follow=store`) post each version on a small board actor that a thread
-in each actor waits on, so a call started on version v may finish on a later one, and every
-token keeps its version (`EpisodeSampler.sample_inflight`). Weight transfers are timed on
-both sides (`put_seconds`, `transfer_seconds`), calls by `call_intervals`.
-
-Ray's engine does the process management, the transport and the failure detection; there is
-no hand-written RPC and no polling of files for weights.
+In-flight updates (`follow=store`) post each version on a small board actor that each
+actor's thread waits on; every token keeps its version (`EpisodeSampler.sample_inflight`).
+Transfers are timed (`put_seconds`, `transfer_seconds`), calls by `call_intervals`.
 
 Example::
 
@@ -191,39 +185,26 @@ class RayRolloutPool(Closing):
     """Rollout generation in `num_actors` Ray actor processes; a `GenerateGroups`.
 
     Each calling thread is bound to one actor: its first call claims the actor with the
-    fewest live threads (ties: the lowest index), and the claim ends with the thread. So
-    `RolloutWorker(num_threads=num_actors)` gives one thread per actor, and more threads
-    share actors (an actor runs its calls one at a time).
+    fewest live threads (ties: the lowest index) until the thread ends; an actor runs its
+    calls one at a time.
 
-    Ray must be initialised before the pool is built (`LocalRayCluster.connect` for a local
-    cluster that does not fork this JAX process, or `ray.init(address=...)`); otherwise Ray
-    starts a local cluster from this process as it does by default. Actors start in the
-    background; the first call to each waits for its `factory` to finish (`pids()` waits for
-    all of them).
+    Initialise Ray first (`LocalRayCluster.connect`, which does not fork this JAX process,
+    or `ray.init(address=...)`). Actors start in the background; the first call to each
+    waits for its `factory` (`pids()` waits for all).
 
     Args:
-      factory: a picklable zero-argument callable, run inside each actor process, that
-        returns `(generate_groups, place)` (see `ActorFactory`). It builds everything that
-        touches devices (model, sampler, compiled functions) on the actor's side.
-      num_actors: actor processes.
-      on_actor_failure: what a call does when its actor's process dies: "replace" logs a
-        warning, starts a new actor in its place and retries the same groups on it (at most
-        `max_replacements` times over the pool's life); "stop" raises `RolloutActorDied`.
-        An actor whose `factory` raises is never replaced (a new one would fail the same
-        way): the call raises `RolloutActorDied` with the cause.
-      max_replacements: replacements allowed in total under "replace"; one more death
-        raises `RolloutActorDied`.
-      actor_options: extra `ray.remote` options for the actors (`num_gpus`, `resources`,
-        `scheduling_strategy`, ...). `num_cpus` defaults to 1.
-      env: environment variables of the actor processes (`runtime_env["env_vars"]`), e.g.
-        ``{"JAX_PLATFORMS": "cpu"}`` or the `XLA_FLAGS` of the actor's devices.
-      keep_versions: how many versions' params the pool keeps in the object store (the
-        newest ones). A call for an evicted version puts it again, so this bounds memory,
-        not correctness.
-      follow: in-flight updates: the learner's `ParamStore`. Each version published there
-        is put into the object store by a thread of the pool and posted to the actors,
-        whose generators (they need a `latest_params` attribute, as `TaskGroupGenerator`
-        has) swap to it between decode chunks.
+      factory: a picklable zero-argument callable, run inside each actor, returning
+        `(generate_groups, place)` (`ActorFactory`); it builds everything that touches
+        devices on the actor's side.
+      on_actor_failure: when an actor dies, "replace" warns, starts a new actor and retries
+        the same groups on it (at most `max_replacements` times in the pool's life); "stop"
+        raises `RolloutActorDied`, as does an actor whose `factory` raises (never replaced).
+      actor_options: extra `ray.remote` options (`num_gpus`, ...); `num_cpus` defaults to 1.
+      env: the actors' environment variables, e.g. ``{"JAX_PLATFORMS": "cpu"}``.
+      keep_versions: the newest versions kept in the object store (an evicted one is put
+        again: this bounds memory, not correctness).
+      follow: in-flight updates: the learner's `ParamStore`, whose versions are posted to
+        the actors; their generators (with `latest_params`) swap between decode chunks.
     """
 
     def __init__(

@@ -14,8 +14,7 @@ from gac_jax.rollout.staleness import staleness
 class Rollout:
     """G completions of one prompt, the atomic unit the buffer stores and the learner trains on.
 
-    Host-side NumPy arrays (the learner puts them on devices), G completions of padded
-    length L:
+    Host-side NumPy arrays, G completions of padded length L:
 
     Attributes:
       prompt_id: index of the prompt in its task split.
@@ -36,18 +35,14 @@ class Rollout:
         as the run's `reward_guard.failure_score`).
       reward_timeouts: completions whose reward call timed out.
       created_at: `time.monotonic()` when the group was finished.
-      observation_mask: multi-turn episodes: [G, L] bool, True on the environment's
-        tokens, which sit between the policy's turns in `completion_tokens`: context for
-        the tokens after them, never trained on or counted (disjoint from
-        `completion_mask`); None for single-turn completions.
-      turns: multi-turn episodes: [G] int, the policy turns that ended in an environment
-        call.
+      observation_mask: multi-turn episodes: [G, L] bool, the environment's tokens between
+        the policy's turns: context, never trained on (disjoint from `completion_mask`).
+      turns: multi-turn episodes: [G] int, the policy turns that called the environment.
       tool_calls, tool_errors, tool_timeouts: environment steps of the group, those that
         raised or returned no observation, those that timed out.
       tool_seconds: summed latency of the steps that answered in time.
-      truncated: [G] bool, the completions the length limit cut: every column used
-        (`generation.max_new_tokens`) with no end of sequence, stop string or episode end
-        (all False when not given).
+      truncated: [G] bool, the completions the length limit cut (every column used, no
+        end of sequence, stop string or episode end); all False when not given.
     """
 
     prompt_id: int

@@ -55,24 +55,19 @@ class RolloutConfig:
       groups_per_batch: prompts per learner step.
       num_workers: async mode: worker threads.
       groups_per_call: async mode: groups each worker generates in one sampler call.
-      version_choice: async mode: "latest" (each call samples with the newest version) or
-        "oldest_allowed" (with the oldest version the staleness bound allows: reproducible
-        with one worker, and resumable exactly when groups_per_call divides
-        groups_per_batch; needs the buffer's block policy). See `RolloutWorker`.
-      backend: async mode: "threads" samples in this process (on its rollout devices, or
-        the learner's: `PlacementConfig`); "ray" in `num_workers` Ray actor processes, each
-        with its own devices and JAX runtime (`RayRolloutPool`, set by `RayConfig`).
+      version_choice: async mode: "latest" (the newest version) or "oldest_allowed" (the
+        oldest the staleness bound allows: reproducible with one worker, resumable exactly
+        when groups_per_call divides groups_per_batch; block policy). See `RolloutWorker`.
+      backend: async mode: "threads" samples in this process (`PlacementConfig`); "ray" in
+        `num_workers` Ray actor processes (`RayRolloutPool`, set by `RayConfig`).
       inflight_updates: async mode: a worker swaps to a newly published version between
-        decode chunks instead of finishing its call on the old one (PipelineRL); every
-        token records its version, and the staleness bound applies to a group's oldest
-        token.
+        decode chunks (PipelineRL); every token records its version, and the staleness
+        bound applies to a group's oldest token.
       inflight_chunk_steps: decode steps between two looks at the newest version.
       dynamic_sampling: drop groups whose completions all got one reward (no GRPO
-        gradient) and draw replacements before a batch is formed (DAPO's dynamic sampling,
-        verl's ``filter_groups``); the staleness bound still holds. `RolloutBuffer`.
+        gradient) and draw replacements (DAPO's dynamic sampling, verl's ``filter_groups``).
       max_draws: with dynamic sampling, a batch draws at most this many times
-        groups_per_batch groups; past that, groups without signal are kept (a policy whose
-        groups all score alike still trains, and a batch never waits for ever).
+        groups_per_batch groups; past that, groups without signal are kept.
     """
 
     mode: str = "lagged"

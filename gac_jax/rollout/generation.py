@@ -103,14 +103,9 @@ class TaskGroupGenerator:
     `prompt_length` so the sampler compiles once. The behaviour log-probabilities kept
     are the temperature-1 policy's (`policy_logps`), what the learner recomputes.
 
-    Args:
-      graphdef: the model's (params arrive per call).
-      sampler: the run's `Sampler`; `config.max_new_tokens` must be its length.
-      task, examples, tokenizer: the task, its split and the tokenizer.
-      config: the generation settings.
-      decode: see `DecodeSetup`; its fields stay settable as attributes.
-      episodes: a multi-turn task's `EpisodeRunner`; None: an `AnswerRunner` (one answer
-        per row, scored by `task.reward`). Either is `self.runner`.
+    `sampler`'s length must be `config.max_new_tokens`; params arrive per call. `decode`:
+    see `DecodeSetup` (its fields stay settable as attributes). `episodes`: a multi-turn
+    task's `EpisodeRunner`; None: an `AnswerRunner` scored by `task.reward` (`self.runner`).
     """
 
     def __init__(

@@ -129,19 +129,11 @@ class RolloutWorker:
     `stop()` ends every thread within a poll interval (plus the call in progress).
     `state()` is what a resumed worker continues from (see `AsyncRollouts.state`).
 
-    Args:
-      generate_groups: see `GenerateGroups`.
-      store: where the learner publishes params.
-      buffer: where groups go.
-      prompts: the prompt order.
-      num_threads: generation threads.
-      groups_per_call: groups generated together (one sampler batch) by a thread.
-      numbering: the group ids to hand out and their sampling keys (`GroupNumbering`).
-      version_choice: "latest" samples with the newest published version (which version
-        a group gets depends on thread timing); "oldest_allowed" with the oldest one the
-        block policy allows for the call's last slot (`staleness.oldest_allowed_version`):
-        with one thread the run is then a function of the seed. It needs a store history
-        of max_staleness + 1 versions.
+    `groups_per_call` groups are one sampler batch; `numbering` hands out the group ids
+    and their sampling keys (`GroupNumbering`). `version_choice`: "latest" samples with the
+    newest published version (timing decides); "oldest_allowed" with the oldest one the
+    block policy allows for the call's last slot (`staleness.oldest_allowed_version`), so
+    one thread's run is a function of the seed (needs a store history of max_staleness + 1).
     """
 
     def __init__(

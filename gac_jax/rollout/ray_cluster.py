@@ -1,20 +1,16 @@
 """The Ray side of a run: its settings (`RayConfig`), and a local cluster started from a
 clean interpreter (`LocalRayCluster`).
 
-`ray.init()` with no cluster to join starts the GCS, the raylet and Ray's agents from the
-calling process with a Python `preexec_fn`, which runs Python code in a forked child of
-that process. In a process where JAX has started its threads that is the fork-without-exec
-JAX warns about ("os.fork() was called ... will likely lead to a deadlock"). Here the
-cluster is started by `ray start --head --block` in a fresh interpreter, launched without a
-`preexec_fn` (so CPython forks and execs at once, running no Python in between), and the
-caller joins it with `connect`. Ending the `LocalRayCluster` stops its whole process group.
+`ray.init()` with no cluster starts Ray's daemons through a Python `preexec_fn`, Python in a
+forked child: in a process where JAX has started its threads, the fork-without-exec JAX
+warns about (a likely deadlock). Here `ray start --head --block` runs in a fresh
+interpreter launched without a `preexec_fn` (fork and exec at once), the caller joins it
+with `connect`, and ending the `LocalRayCluster` stops its whole process group.
 
-Ray's token authentication is on, as for the local cluster `ray.init()` would start: both
-sides read the token from Ray's default place, and `RAY_AUTH_MODE` says so explicitly to the
-joining process too (a process joining by address does not turn it on by itself). `ray
-start` does not create the token (`ray.init()` does): on a machine that has none yet, the
-cluster creates it first with `ray get-auth-token --generate` (Ray 2.5x and later; without
-token authentication the command does not exist and nothing is needed).
+Ray's token authentication is on, as `ray.init()` would have it: both sides read the token
+from Ray's default place (`RAY_AUTH_MODE` tells the joining process). `ray start` does not
+create a missing token, so the cluster first runs `ray get-auth-token --generate` (Ray 2.5x
+and later; older Rays have no token authentication).
 """
 
 from __future__ import annotations

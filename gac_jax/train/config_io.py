@@ -1,9 +1,8 @@
 """Configs to and from YAML, JSON and ``--set key=value`` overrides, with draccus.
 
-draccus (the dataclass config library Levanter and LeRobot use) decodes nested dicts into
-the frozen dataclasses with their annotated types, reports a bad value with its dotted path,
-and dumps YAML; this module adds the messages users rely on (an unknown key names its
-section's valid keys and the closest one) and the ``--set`` syntax.
+draccus decodes nested dicts into the frozen dataclasses by their annotated types and
+dumps YAML; this module adds the messages (an unknown key names its section's valid keys
+and the closest one) and the ``--set`` syntax.
 
 An override is ``dotted.key=value``; the value is read as YAML (``8``, ``1e-3``, ``true``,
 ``null`` or ``none``, ``{}``, a string), so ``rollout.lag=8``, ``ess={}`` (ESS scaling with

@@ -79,10 +79,8 @@ def ema_smooth(values: Sequence[float], weight: float = DEFAULT_SMOOTHING) -> li
 
     ``s_n = (1 - w) * sum_{i<=n} w^(n-i) x_i / (1 - w^n)`` over the first n finite values,
     so the first point is the first value rather than a pull towards zero. A non-finite
-    value stays as it is (a gap) and does not enter the average.
-
-    Raises:
-      ValueError: if `weight` is not in [0, 1).
+    value stays as it is (a gap) and does not enter the average. ValueError unless
+    `weight` is in [0, 1).
     """
     if not 0.0 <= weight < 1.0:
         raise ValueError(f"smoothing={weight!r} must be in [0, 1).")
@@ -209,9 +207,7 @@ def run_figure(
     (value, label) reference levels drawn on its panel, each in its own grey line style
     (None: GAC's thresholds, `threshold_lines`, of the run's config.json). The title is
     `title` over `describe_config` of the run's config.json, where the run has one.
-
-    Raises:
-      ValueError: if none of `keys` has a numeric value in the run, listing the keys it has.
+    ValueError if none of `keys` has a numeric value in the run, listing the keys it has.
     """
     records = read_metrics(metrics_jsonl_path)
     panels = {key: series(records, key) for key in keys}
@@ -273,10 +269,7 @@ def runs_figure(
 
     Training metrics are smoothed with `ema_smooth` (weight `smoothing`) over their faint
     per-step values; held-out ones are drawn point by point with markers, from the
-    evaluation before training on.
-
-    Raises:
-      ValueError: if no run has any of `keys`.
+    evaluation before training on. ValueError if no run has any of `keys`.
     """
     records = {label: read_metrics(path) for label, path in runs.items()}
     panels = {key: {label: series(r, key) for label, r in records.items()} for key in keys}

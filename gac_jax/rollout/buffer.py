@@ -107,13 +107,8 @@ class RolloutBuffer:
     `max_filtered` were discarded since the last batch was taken; past that every group is
     kept, so a collapsed policy still trains. A discarded group gives its reservation back.
 
-    Args:
-      capacity: most groups held at once (>= groups_per_batch); `put` blocks when full.
-      groups_per_batch: groups per learner step.
-      max_staleness: largest allowed version gap, or None for no bound.
-      stale_policy: "drop" or "block".
-      max_filtered: dynamic sampling's bound on groups discarded per batch; None for no
-        dynamic sampling.
+    `capacity` (>= groups_per_batch) bounds the groups held (`put` blocks when full);
+    `max_staleness` None: no bound; `max_filtered` None: no dynamic sampling.
     """
 
     def __init__(

@@ -17,14 +17,9 @@ from gac_jax.tasks.custom import score_group
 
 class AnswerRunner:
     """One completion per row, cut at the stop strings, scored by the task's reward. Its
-    rows have no observation, turn or tool fields (None): a single-turn rollout.
-
-    Args:
-      sampler: the run's `Sampler`.
-      tokenizer: decodes the completions.
-      reward: the task's reward (`task.reward`: `(completions, example) -> rewards`, the run's
-        guard around it when it has one).
-      stop: stop strings: a completion ends at the first it holds (`cut_at_stop`).
+    rows have no observation, turn or tool fields (None): a single-turn rollout. `reward`
+    is `task.reward` (`(completions, example) -> rewards`, guarded when the run guards it);
+    a completion ends at the first of the `stop` strings it holds (`cut_at_stop`).
     """
 
     def __init__(self, sampler: Sampler, tokenizer: Tokenizer, reward, stop: Sequence[str] = ()):

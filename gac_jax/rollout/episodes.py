@@ -132,17 +132,9 @@ class _Telemetry:
 
 
 class EpisodeRunner:
-    """Samples episodes for prompts of one task, its environment guarded.
-
-    Args:
-      sampler: the run's `Sampler`.
-      tokenizer: encodes observations, decodes turns.
-      environment: the task's environment (`gac_jax.tasks.environments.Environment`).
-      config: the run's `EpisodeConfig`.
-      name: what warnings call the environment.
-      reward_guard: how the environment's `reward` is guarded (`GuardedReward`).
-      chat: the run's chat template's turns (`ChatTurns`), or None (observations are
-        appended as plain text).
+    """Samples episodes for prompts of one task on the run's `Sampler`, its environment
+    guarded (`reward_guard`: `GuardedReward`'s settings; `name`: what warnings call it).
+    `chat`: the chat template's turns (`ChatTurns`); None appends observations as text.
     """
 
     def __init__(

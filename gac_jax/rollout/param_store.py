@@ -18,12 +18,8 @@ class ParamStore:
     Params are held as they are given (device arrays stay on device, and are immutable, so
     readers never see a half-written version); `memory_bytes()` states the cost.
 
-    Waiters that are not blocked on the store itself (a buffer's reservation, which reads
-    the latest version inside its own condition) `subscribe` to be told of each publish.
-
-    Args:
-      history: how many of the newest versions stay readable (>= 1). Lagged mode with lag k
-        needs k + 1.
+    Waiters not blocked on the store itself (a buffer's reservation) `subscribe` to be told
+    of each publish. `history` newest versions stay readable (>= 1; lag k needs k + 1).
     """
 
     def __init__(self, history: int = 1):

@@ -1,11 +1,8 @@
 """The parts of a run, each built from the run's `TrainConfig`.
 
-`gac_jax.train.run.build_run` assembles them into a `Run` for the loop, `plan` and the
-exporter; the Ray rollout actors build their own side of the same run here too
-(`ActorGenerator`: task, model layout, sampler and generator on the actor's devices), so
-every role reads the config the same way. With `abstract=True` no weight is created or
-loaded: the model is `nnx.eval_shape`'d, which is how `plan` compiles a run's programs
-without its memory.
+`gac_jax.train.run.build_run` assembles them into a `Run`; the Ray rollout actors build
+their side here too (`ActorGenerator`), so every role reads the config the same way. With
+`abstract=True` no weight is made (`nnx.eval_shape`): how `plan` compiles without memory.
 """
 
 from __future__ import annotations

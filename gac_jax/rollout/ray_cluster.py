@@ -82,8 +82,8 @@ def _ensure_auth_token(env: dict[str, str]) -> None:
 class LocalRayCluster:
     """A one-node Ray cluster of this machine, in its own process group.
 
-    Its ports are drawn free (the GCS and the dashboard agent have fixed
-    defaults that two clusters on one machine would both claim), so several can run at once.
+    Its ports are drawn free (not the GCS's and dashboard agent's fixed defaults), so
+    several can run at once.
 
     Example::
 

@@ -93,14 +93,8 @@ class GroupNumbering:
 
     Ids run `first_group_id`, `first_group_id + stride`, ... (with P learner processes
     each takes its own residue class mod P), leaving out `skip_group_ids`; a call's
-    sampling key is `key(first id of the call)`, so a group is a function of its id.
-
-    Args:
-      first_group_id: group ids continue from here (for resumed runs).
-      skip_group_ids: ids at or after `first_group_id` that are never generated (groups a
-        run already handed out before it was resumed).
-      stride: ids advance by this much.
-      seed: sampling seed (keys are `group_key(seed, group_id)`).
+    sampling key is `group_key(seed, first id of the call)`, so a group is a function of its
+    id. A resumed run continues from `first_group_id` and skips the ids it handed out.
     """
 
     first_group_id: int = 0

@@ -36,12 +36,10 @@ class GenerationConfig:
       top_k: keep the k most likely tokens; 0 keeps all.
       top_p: nucleus mass in (0, 1]; 1 keeps all.
       greedy: decode greedily (temperature 0). RL needs samples, so this must be asked for.
-      slots: the sampler's decode slots (a row that ends hands its slot to the next
-        waiting one); None decodes all rows of a call together.
-      stop: stop strings: a completion ends at the first one it holds, besides EOS and
-        `max_new_tokens` (cut on the host after sampling: `cut_at_stop`).
-      overlong: DAPO's overlong filtering and soft punishment of completions near or at
-        `max_new_tokens` (`OverlongConfig`; off by default).
+      slots: the sampler's decode slots (a finished row hands its slot on); None decodes
+        all rows of a call together.
+      stop: stop strings: a completion also ends at the first it holds (`cut_at_stop`).
+      overlong: DAPO's overlong filtering and soft punishment (`OverlongConfig`; off).
     """
 
     group_size: int = 8

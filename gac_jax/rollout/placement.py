@@ -5,17 +5,15 @@ Three layouts (DESIGN.md, "Scale"):
 - **Shared** (`placement.devices=0`, one process): the sampler runs on the learner's mesh.
   Publishing copies the params (the learner donates its own to the next step).
 - **Split** (`placement.devices=N`): every process gives the last N of its local devices to
-  sampling; the learner's mesh is built on the rest (`split_devices`). The sampler has its
-  own mesh, ``("data", "fsdp", "tensor")`` with fsdp 1 (params sharded over `tensor`,
-  replicated over `data`; prompts sharded over `data`). Publishing is one
-  `jax.device_put` from the learner's shardings to the sampler's: a device-to-device copy
-  that is dispatched asynchronously, so the learner's next step starts while it lands.
-- **Many processes** (`jax.distributed`): a sampler must never launch a program that spans
-  processes (worker threads on different hosts would launch them in different orders:
-  gloo's "collective mismatch"). So the sampler's mesh is always process-local (its split
-  devices, or all its local devices when shared), and publishing first replicates the
-  params over the learner's mesh (one all-gather, run by every process in the same order
-  from the learner's thread), then places each process's local replica on its mesh.
+  sampling, the learner's mesh the rest (`split_devices`). The sampler's own mesh is
+  ``("data", "fsdp", "tensor")`` with fsdp 1 (params over `tensor`, prompts over `data`).
+  Publishing is one asynchronous `jax.device_put` between the two meshes' shardings, so
+  the learner's next step starts while it lands.
+- **Many processes** (`jax.distributed`): a sampler never launches a program spanning
+  processes (threads on different hosts would order them differently: gloo's "collective
+  mismatch"), so its mesh is process-local, and publishing first replicates the params
+  over the learner's mesh (one all-gather, from the learner's thread in every process),
+  then places each process's local replica on its mesh.
 """
 
 from __future__ import annotations

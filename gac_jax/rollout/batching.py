@@ -29,10 +29,9 @@ BATCH_KEYS = (
 
 @dataclasses.dataclass(frozen=True)
 class OverlongConfig:
-    """DAPO's overlong reward shaping (Yu et al., arXiv 2503.14476, Sec. 3.4), applied as
-    `collate` lays a batch out: the rollouts keep the task's rewards (samples, dynamic
-    sampling and the ``overlong/task_*`` metrics read them); the learner's batch, and so
-    its ``reward`` and ``accuracy``, holds the shaped ones.
+    """DAPO's overlong reward shaping (Yu et al., arXiv 2503.14476, Sec. 3.4), applied by
+    `collate`: the rollouts keep the task's rewards; the learner's batch (and its
+    ``reward`` and ``accuracy``) holds the shaped ones.
 
     Attributes:
       filter: overlong filtering: a completion the length limit cut (`Rollout.truncated`)

@@ -9,15 +9,13 @@
   worker and the block policy, each group's version is fixed by its place in the
   consumption order, so the run is reproducible and resumes exactly.
 
-All three put the same `Rollout` records through a `RolloutBuffer` and take them out with
-the learner's version, so staleness is measured (and bounded) the same way in each.
-The learner publishes version `step` to the `ParamStore` before asking for that step's
-batch, and trains the params of version `step`.
+All three pass the same `Rollout` records through a `RolloutBuffer`, taken out with the
+learner's version, so staleness is measured (and bounded) the same way in each. The
+learner publishes version `step` before asking for that step's batch.
 
-Each source's `state()` is a JSON-serialisable dict that its constructor's `resume_from`
-continues (a checkpoint stores it beside the params): the buffer's counters and, in async
-mode, the group numbering. Groups waiting in the buffer or in flight are not carried; a
-resumed async source generates them again (same group ids and prompts, fresh samples).
+Each source's `state()` (JSON; a checkpoint stores it) is what `resume_from` continues:
+the buffer's counters and, in async mode, the group numbering. Groups waiting or in
+flight are generated again on resume (same group ids and prompts, fresh samples).
 """
 
 from __future__ import annotations

@@ -38,10 +38,9 @@ class TrainConfig:
 
     Attributes:
       task: a `gac_jax.tasks` name, or ``jsonl:TRAIN_PATH[,TEST_PATH]`` for one's own data.
-      reward: replaces the task's reward: ``"package.module:function"`` taking
-        ``(completion, example)`` and returning a float, or a built-in matcher's name
-        (``boxed``, ``hashes``, ``answer_tag``, ``last_number``, ``lenient``); None keeps
-        the task's own. Guarded by `reward_guard`.
+      reward: replaces the task's reward: ``"package.module:function"`` of
+        ``(completion, example) -> float``, or a built-in matcher's name (``boxed``,
+        ``last_number``, ...); None keeps the task's own.
       reward_guard: `reward`'s timeout, failure score and failure limit
         (`gac_jax.tasks.custom.RewardGuardConfig`); a multi-turn environment's reward too.
       env: a multi-turn environment, ``"package.module:Name"`` (`gac_jax.tasks.environments`),
@@ -60,10 +59,9 @@ class TrainConfig:
       model: a `gac_jax.models` preset. With a Hugging Face `init` the architecture is the
         checkpoint's: the default ("tiny") means "the checkpoint's", any other preset must
         match its `config.json`; `gac-jax plan` builds it before the download.
-      init: "warm_start" (supervised on the task: the shipped checkpoint for countdown on
-        tiny, else trained once and cached), "random", or a Hugging Face checkpoint dir.
-        The Qwen3 presets name the directories of `PRESET_CHECKPOINTS`, which may be
-        absent until a run builds its model (`require_init`).
+      init: "warm_start" (supervised on the task: shipped for countdown on tiny, else
+        trained once and cached), "random", or a Hugging Face checkpoint dir (the Qwen3
+        presets' `PRESET_CHECKPOINTS` may be absent until a run builds, `require_init`).
       warm_start_steps: supervised steps of ``init=warm_start`` (each value is its own
         cached warm start; 800 is the shipped one). Fewer steps leave RL more to learn.
       steps: learner updates.
@@ -75,9 +73,8 @@ class TrainConfig:
       eval_samples: k of pass@k.
       checkpoint_every: checkpoint every this many steps (and at the end); 0 disables it.
       keep_checkpoints: checkpoints kept.
-      samples_every: write sampled completions (prompt, completion, reward, version gap)
-        to ``samples.jsonl`` and a TensorBoard text table every this many steps, at step 0
-        and at the last step; 0 disables it.
+      samples_every: write sampled completions to ``samples.jsonl`` and a TensorBoard
+        table every this many steps, at step 0 and at the last; 0 disables it.
       samples_per_log: completions written each time, the first ones of the batch in
         order (whole groups first); None writes the whole batch (process 0's share).
       wandb_project: also log metrics and the sample tables to this Weights & Biases

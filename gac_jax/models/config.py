@@ -78,6 +78,9 @@ class ModelConfig:
     # Per layer in the backward pass: "none", "full" (save nothing) or "dots" (save matmul
     # outputs without batch dims).
     remat: str = "none"
+    # The layers as one `jax.lax.scan` (compile time flat in depth), or unrolled (faster on
+    # XLA:CPU for small models: a loop copies each layer's weights and activations).
+    scan_layers: bool = True
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()  # Ids that end a completion.
     pad_token_id: int | None = None
@@ -100,6 +103,8 @@ class ModelConfig:
                 raise ValueError(f"{name}={getattr(self, name)!r} must be positive.")
         if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
             raise ValueError(f"rope_scaling={self.rope_scaling!r} must be a RopeScaling or None.")
+        if not isinstance(self.scan_layers, bool):
+            raise ValueError(f"scan_layers={self.scan_layers!r} must be a bool.")
         for name, allowed in CHOICES.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name}={getattr(self, name)!r} is not one of {allowed}.")
@@ -165,7 +170,7 @@ _LLAMA3_2 = dict(
     bos_token_id=128_000,
     eos_token_ids=(128_001, 128_008, 128_009),
 )
-# Tiny models for CPU tests and demos. Vocabulary 128 holds the character tokenizer.
+# Tiny models for CPU tests and demos, unrolled. Vocabulary 128 holds the character tokenizer.
 _TINY = ModelConfig(
     family="qwen3",
     vocab_size=128,
@@ -179,6 +184,7 @@ _TINY = ModelConfig(
     tie_word_embeddings=True,
     max_position_embeddings=2048,
     dtype="float32",
+    scan_layers=False,
     bos_token_id=1,
     eos_token_ids=(2,),
     pad_token_id=0,

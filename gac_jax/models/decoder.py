@@ -7,8 +7,10 @@ left-padded prompt is encoded exactly as the unpadded one.
 The layers are one `DecoderLayer` whose parameters are stacked on a leading axis of
 `num_layers` (logical axis "layers", never sharded), run by `jax.lax.scan` as MaxText's
 `scan_layers` and levanter's stacked blocks run theirs: a program traces and compiles one
-layer, so its compile time does not grow with depth. The layers are built one by one and
-then stacked (`_stacked`), so they draw the random numbers separate layers drew.
+layer, so its compile time does not grow with depth (`ModelConfig.scan_layers=False`
+unrolls the scan instead, as the tiny presets do: same parameters, same values). The
+layers are built one by one and then stacked (`_stacked`), so they draw the random numbers
+separate layers drew.
 Parameters saved per layer (`layers/0/attn/q_dnh`, before the scan) are stacked as they
 are read (`stack_layers`, in `gac_jax.train.checkpoint`'s restore).
 
@@ -299,7 +301,8 @@ class Decoder(nnx.Module):
             policy = saveable if cfg.remat == "dots" else None  # "full": recompute all.
             layer = jax.checkpoint(layer, policy=policy, prevent_cse=False)
         carry = (x_btd, layer_caches, jnp.zeros((), jnp.int32))
-        (x_btd, layer_caches, _), _ = jax.lax.scan(layer, carry, stacked)
+        unroll = 1 if cfg.scan_layers else cfg.num_layers
+        (x_btd, layer_caches, _), _ = jax.lax.scan(layer, carry, stacked, unroll=unroll)
         x_btd = self.final_norm(x_btd)
         if cache is None:
             return x_btd, None

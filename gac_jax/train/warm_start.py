@@ -405,7 +405,7 @@ def warm_start(
 
 
 def _model_config_from_dict(fields: Mapping[str, Any]) -> ModelConfig:
-    fields = dict(fields)
+    fields = {"scan_layers": False, **fields}  # Saved before the field: tiny, unrolled.
     if fields.get("rope_scaling") is not None:
         fields["rope_scaling"] = RopeScaling(**fields["rope_scaling"])
     fields["eos_token_ids"] = tuple(fields.get("eos_token_ids", ()))

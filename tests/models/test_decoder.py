@@ -15,6 +15,7 @@ from gac_jax.models import (
     rope_inverse_frequencies,
 )
 from gac_jax.models.layers import RMSNorm, apply_rope, rope_tables
+from tests.conftest import USERS_COMPILE_OPTIONS
 
 
 def _forward(model, tokens, positions=None, mask=None):
@@ -110,9 +111,38 @@ def test_default_positions_equal_explicit_ones(model):
     np.testing.assert_allclose(default, explicit, rtol=1e-5, atol=1e-5)
 
 
-@pytest.fixture(scope="module", params=["tiny", "tiny_llama"])
+@pytest.fixture(scope="module", params=["tiny", "tiny_llama", "tiny scanned"])
 def model(request):
-    return create_model(get_config(request.param), seed=3)
+    name, *scanned = request.param.split()
+    return create_model(get_config(name, scan_layers=bool(scanned)), seed=3)
+
+
+@pytest.mark.parametrize("remat", ["none", "full", "dots"])
+def test_the_scanned_layers_compute_the_unrolled_layers_bits(remat):
+    """One program loops over the stacked layers, the other runs them one after another:
+    the same logits, gradients and cached decode, bit for bit as users compile them."""
+    cfg = get_config("tiny", num_layers=3, remat=remat)
+    tokens = jax.random.randint(jax.random.key(5), (2, 7), 0, cfg.vocab_size)
+    mask = jnp.ones((2, 7), bool).at[0, :2].set(False)
+
+    def run(graphdef, state):
+        loss = lambda s: jnp.mean(nnx.merge(graphdef, s)(tokens, None, mask)[0] ** 2)  # noqa: E731
+        decoder = nnx.merge(graphdef, state)
+        cache = init_cache(cfg, 2, 9) | {"index": jnp.array([0, 2], jnp.int32)}
+        prefill, cache = decoder(
+            tokens[:, :5], positions_from_mask(mask)[:, :5], mask[:, :5], cache
+        )
+        step, _ = decoder(tokens[:, 5:7], jnp.asarray([[3, 4], [5, 6]]), None, cache)
+        return jax.grad(loss)(state), prefill, step
+
+    outs = {}
+    for scan in (False, True):
+        graphdef, state = nnx.split(create_model(cfg.replace(scan_layers=scan), seed=1))
+        compiled = jax.jit(run, compiler_options=USERS_COMPILE_OPTIONS)
+        assert ("while" in compiled.lower(graphdef, state).as_text()) == scan
+        outs[scan] = compiled(graphdef, state)
+    for a, b in zip(jax.tree.leaves(outs[True]), jax.tree.leaves(outs[False]), strict=True):
+        np.testing.assert_array_equal(a, b)
 
 
 def test_cached_decoding_equals_full_forward(model):

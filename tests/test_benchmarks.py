@@ -258,3 +258,16 @@ def test_tool_episodes_run_on_the_pinned_split(tmp_path):
     result = json.loads((tmp_path / "split.json").read_text())
     assert result["workload"] == "tools" and result["medians"]["episodes_per_s"] > 0
     assert "weight transfer per version" in out
+
+
+@pytest.mark.slow
+def test_compiling_the_one_gpu_preset_takes_at_most_twice_as_long_at_full_depth():
+    # Issue 61's bound, on this process's CPU seconds (a busy machine disturbs them less
+    # than the wall clock): 28 layers against 2, with XLA's own fusion emitters (the
+    # suite's older ones compile these 0.6B-wide programs slower, see test_plan.py).
+    env = process_env(1)
+    env["XLA_FLAGS"] = env["XLA_FLAGS"].replace("--xla_cpu_use_fusion_emitters=false", "")
+    out = _run("compile_depth.py", env=env)
+    ratio = out.splitlines()[-1]
+    assert ratio.startswith("ratio 28 / 2 layers:"), out
+    assert float(ratio.split()[-2]) <= 2.0, out

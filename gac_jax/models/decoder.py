@@ -95,34 +95,29 @@ def _per_layer(layers) -> bool:
 
 
 def _map_layers(fn, tree):
-    """`tree` with each mapping holding "layers" (a decoder's params) a dict, its "layers"
-    entry replaced by `fn` of it."""
-
-    def visit(node):
-        if isinstance(node, Mapping) and "layers" in node:
-            return {**node, "layers": fn(node["layers"])}
-        return node
-
-    return jax.tree.map(visit, tree, is_leaf=lambda x: isinstance(x, Mapping) and "layers" in x)
+    """`tree` with each mapping holding "layers" (a decoder's params) a dict whose "layers"
+    entry is `fn` of it."""
+    holds = lambda x: isinstance(x, Mapping) and "layers" in x  # noqa: E731
+    return jax.tree.map(
+        lambda x: {**x, "layers": fn(x["layers"])} if holds(x) else x, tree, is_leaf=holds
+    )
 
 
 def saved_per_layer(tree) -> bool:
-    """Whether `tree` holds a decoder's params per layer (`{"layers": {"0": ..., "1": ...}}`,
-    as checkpoints saved before the scan hold them)."""
+    """Whether `tree` holds a decoder's params per layer, `{"layers": {"0": ..., "1": ...}}`,
+    as checkpoints saved before the scan do."""
     found = []
     _map_layers(lambda layers: found.append(_per_layer(layers)), tree)
     return any(found)
 
 
 def stack_layers(tree):
-    """`tree` with each decoder's per-layer params (`saved_per_layer`) stacked on a new
-    leading axis, as the decoder holds them; `unstack_layers` undoes it."""
+    """`tree` with each decoder's per-layer params stacked on a new leading axis, as the
+    decoder holds them; `unstack_layers` undoes it."""
 
     def stack(layers):
-        if not _per_layer(layers):
-            return layers
-        per_layer = [layers[key] for key in sorted(layers, key=int)]
-        return jax.tree.map(lambda *xs: jnp.stack(xs), *per_layer)
+        per_layer = [layers[key] for key in sorted(layers, key=int)] if _per_layer(layers) else []
+        return jax.tree.map(lambda *xs: jnp.stack(xs), *per_layer) if per_layer else layers
 
     return _map_layers(stack, tree)
 
@@ -140,10 +135,8 @@ def unstack_layers(tree):
         return jax.ShapeDtypeStruct(x.shape[1:], x.dtype, sharding=sharding)
 
     def unstack(layers):
-        if _per_layer(layers):
-            return layers
-        count = jax.tree.leaves(layers)[0].shape[0]
-        return {i: jax.tree.map(lambda x, i=i: layer(x, i), layers) for i in range(count)}
+        count = 0 if _per_layer(layers) else jax.tree.leaves(layers)[0].shape[0]
+        return {i: jax.tree.map(lambda x, i=i: layer(x, i), layers) for i in range(count)} or layers
 
     return _map_layers(unstack, tree)
 

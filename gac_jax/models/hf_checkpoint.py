@@ -65,10 +65,16 @@ class TensorMapping(NamedTuple):
     to_hf: Callable[[np.ndarray], np.ndarray]  # This package's layout -> HF layout.
 
     def hf_names(self, num_layers: int) -> list[str]:
-        """The tensors' names: one, or one per layer."""
-        if "{}" not in self.hf_name:
-            return [self.hf_name]
-        return [self.hf_name.format(i) for i in range(num_layers)]
+        """The tensors' names: one, or one per layer (`per_layer`)."""
+        return (
+            [self.hf_name.format(i) for i in range(num_layers)]
+            if self.per_layer
+            else [self.hf_name]
+        )
+
+    @property
+    def per_layer(self) -> bool:
+        return "{}" in self.hf_name
 
 
 def _same(path, hf_name) -> TensorMapping:
@@ -125,8 +131,8 @@ def _weight_files(path: Path) -> dict[str, Path]:
         return _indexed_files(path, weight_map)
     single = path / SINGLE_FILE
     if single.is_file():
-        with _SafetensorsFile(single) as f:
-            return {name: single for name in f.keys()}
+        with _TensorReader({}) as reader:
+            return {name: single for name in reader.opened(single).keys()}
     raise FileNotFoundError(
         f"Checkpoint directory {str(path)!r} has neither {SINGLE_FILE} nor {INDEX_FILE}."
     )
@@ -162,43 +168,28 @@ def _named_errors(file: Path):
         ) from error
 
 
-class _SafetensorsFile(Closing):
-    """An open safetensors file whose errors name it."""
-
-    def __init__(self, file: Path):
-        _, safe_open = _safetensors()
-        self.file = file
-        with _named_errors(file):
-            self._handle = safe_open(file, framework="numpy").__enter__()
-
-    def close(self) -> None:
-        self._handle.__exit__(None, None, None)
-
-    def keys(self) -> list[str]:
-        return list(self._handle.keys())
-
-    def get_tensor(self, name: str) -> np.ndarray:
-        with _named_errors(self.file):
-            return self._handle.get_tensor(name)
-
-
 class _TensorReader(Closing):
     """Reads tensors by name, keeping each safetensors file open once."""
 
     def __init__(self, files: dict[str, Path]):
         self.files = files
-        self._open: dict[Path, _SafetensorsFile] = {}
+        self._open: dict[Path, Any] = {}
 
     def close(self) -> None:
         for handle in self._open.values():
-            handle.close()
+            handle.__exit__(None, None, None)
         self._open.clear()
 
-    def read(self, name: str) -> np.ndarray:
-        file = self.files[name]
+    def opened(self, file: Path):
         if file not in self._open:
-            self._open[file] = _SafetensorsFile(file)
-        return self._open[file].get_tensor(name)
+            with _named_errors(file):
+                self._open[file] = _safetensors()[1](file, framework="numpy").__enter__()
+        return self._open[file]
+
+    def read(self, name: str) -> np.ndarray:
+        handle = self.opened(self.files[name])
+        with _named_errors(self.files[name]):
+            return handle.get_tensor(name)
 
 
 def _place(array: np.ndarray, sharding) -> jax.Array:
@@ -284,22 +275,21 @@ def load_hf_checkpoint(
     values = {}
     with _TensorReader(files) as reader:
         for m in mapping:
-            names, target = m.hf_names(config.num_layers), expected[m.path]
+            target = expected[m.path]
+            shape = tuple(target.shape)[m.per_layer :]
             arrays = []
-            for name in names:
+            for name in m.hf_names(config.num_layers):
                 if name not in files:
                     raise ValueError(f"Checkpoint {str(path)!r} has no tensor {name!r}.")
-                arrays.append(_converted(reader.read(name), name, target, m.to_ours, len(names)))
-            array = arrays[0] if len(names) == 1 else np.stack(arrays)
-            values[m.path] = _place(array, shardings.get(m.path))
+                arrays.append(_converted(reader.read(name), name, shape, m.to_ours))
+            array = np.stack(arrays) if m.per_layer else arrays[0]
+            values[m.path] = _place(array.astype(target.dtype, copy=False), shardings.get(m.path))
     nnx.replace_by_pure_dict(abstract_state, traverse_util.unflatten_dict(values))
     return nnx.merge(graphdef, abstract_state)
 
 
-def _converted(hf_array, hf_name, target, to_ours, num_tensors: int) -> np.ndarray:
-    """One tensor in this package's layout; `target` is the parameter, of `num_tensors`
-    tensors stacked if more than one."""
-    shape = tuple(target.shape)[1:] if num_tensors > 1 else tuple(target.shape)
+def _converted(hf_array, hf_name, shape, to_ours) -> np.ndarray:
+    """One tensor in this package's layout, checked to have `shape` (one layer's)."""
     try:
         array = np.asarray(to_ours(hf_array))
     except ValueError:  # The sizes do not even reshape.
@@ -309,7 +299,7 @@ def _converted(hf_array, hf_name, target, to_ours, num_tensors: int) -> np.ndarr
             f"Tensor {hf_name!r} has shape {tuple(hf_array.shape)}, which does not fit the "
             f"expected parameter shape {shape} for this config."
         )
-    return array.astype(target.dtype, copy=False)
+    return array
 
 
 def _flat(state: nnx.State) -> dict[tuple, Any]:
@@ -322,9 +312,8 @@ def _hf_tensors(model: Decoder, dtype) -> Iterator[tuple[str, np.ndarray]]:
     for m in parameter_mapping(model.config):
         array = host_array(params[m.path])
         array = array if dtype is None else array.astype(dtype)
-        names = m.hf_names(layers)
-        for i, name in enumerate(names):
-            yield name, m.to_hf(array if len(names) == 1 else array[i])
+        for i, name in enumerate(m.hf_names(layers)):
+            yield name, m.to_hf(array[i] if m.per_layer else array)
 
 
 def save_hf_checkpoint(

@@ -141,12 +141,6 @@ def rotate(x_btnh: jax.Array, rope: tuple[jax.Array, jax.Array]) -> jax.Array:
     return rotated.astype(x_btnh.dtype)
 
 
-def apply_rope(x_btnh: jax.Array, positions_bt: jax.Array, inv_freq_h: np.ndarray) -> jax.Array:
-    """Queries or keys [B, T, N, H] rotated by their integer positions [B, T] (inverse
-    frequencies [H/2] from `rope_inverse_frequencies`), same shape and dtype; see `rotate`."""
-    return rotate(x_btnh, rope_tables(positions_bt, inv_freq_h))
-
-
 class Attention(nnx.Module):
     """Grouped-query self-attention with rotary embeddings, optional q/k norm and KV cache."""
 

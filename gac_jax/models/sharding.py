@@ -206,22 +206,15 @@ def logical_axes_of(variable: nnx.Variable) -> tuple[str | None, ...] | None:
     return variable.get_metadata().get("out_sharding")
 
 
-def state_partition_specs(state: nnx.State, rules: ShardingRules, mesh) -> nnx.State:
-    """A PartitionSpec for every variable in `state` (fitted to its shape and `mesh`)."""
-
-    def spec_of(variable):
-        axes = logical_axes_of(variable)
-        if not axes:
-            return variable.replace(PartitionSpec())
-        return variable.replace(fit_spec(rules.spec(*axes), variable.get_value().shape, mesh))
-
-    return jax.tree.map(spec_of, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
-
-
 def state_shardings(state: nnx.State, mesh: Mesh, rules: ShardingRules) -> nnx.State:
-    """A NamedSharding on `mesh` for every variable in `state` (abstract or concrete)."""
-    specs = state_partition_specs(state, rules, mesh)
-    return jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs)
+    """A NamedSharding on `mesh` for every variable in `state` (abstract or concrete), from
+    its logical axes fitted to its shape (`fit_spec`)."""
+
+    def sharding_of(variable):
+        spec = fit_spec(rules.spec(*(logical_axes_of(variable) or ())), variable.shape, mesh)
+        return variable.replace(NamedSharding(mesh, spec))
+
+    return jax.tree.map(sharding_of, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
 def abstract_with_shardings(tree, shardings):

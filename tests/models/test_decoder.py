@@ -14,7 +14,7 @@ from gac_jax.models import (
     positions_from_mask,
     rope_inverse_frequencies,
 )
-from gac_jax.models.layers import RMSNorm, apply_rope, rope_tables
+from gac_jax.models.layers import RMSNorm, rope_tables, rotate
 from tests.conftest import USERS_COMPILE_OPTIONS
 
 
@@ -63,12 +63,14 @@ def test_rope_frequencies_plain_and_llama3():
     assert ((got > base / 7.9) & (got < base * 0.999)).any()
 
 
-def test_apply_rope_rotates_halves():
+def test_rotate_turns_the_halves_by_the_positions_angles():
     rng = np.random.RandomState(1)
     x = rng.randn(2, 3, 2, 8)
     positions = np.array([[0, 1, 5], [7, 2, 3]])
     inv_freq = rope_inverse_frequencies(8, 100.0)
-    got = jax.jit(apply_rope)(jnp.asarray(x, jnp.float32), jnp.asarray(positions), inv_freq)
+    got = jax.jit(lambda x, p: rotate(x, rope_tables(p, inv_freq)))(
+        jnp.asarray(x, jnp.float32), jnp.asarray(positions)
+    )
     angle = positions[:, :, None, None] * inv_freq.astype(np.float64)[None, None, None, :]
     x1, x2 = x[..., :4], x[..., 4:]
     want = np.concatenate(

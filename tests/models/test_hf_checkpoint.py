@@ -16,6 +16,8 @@ from flax import nnx
 from gac_jax.models import (
     Sampler,
     config_from_hf,
+    create_model,
+    get_config,
     left_pad,
     load_hf_checkpoint,
     rope_inverse_frequencies,
@@ -189,6 +191,18 @@ def test_export_reimport_round_trips_exactly(hf, tokens, tmp_path):
     # transformers loads the export and computes the same logits.
     reloaded = type(hf_model).from_pretrained(tmp_path).eval()
     np.testing.assert_array_equal(_torch_logits(reloaded, tokens), _torch_logits(hf_model, tokens))
+
+
+def test_a_one_layer_model_round_trips(tmp_path):
+    # Its layers' params are stacked [1, ...]: one tensor per layer, still.
+    model = create_model(get_config("tiny_llama", num_layers=1, scan_layers=True), seed=2)
+    save_hf_checkpoint(model, tmp_path)
+    assert "model.layers.0.mlp.up_proj.weight" in _safetensors_tensors(tmp_path)
+    again = load_hf_checkpoint(tmp_path)
+    for a, b in zip(
+        jax.tree.leaves(nnx.state(again)), jax.tree.leaves(nnx.state(model)), strict=True
+    ):
+        np.testing.assert_array_equal(a, b)
 
 
 def test_sharded_safetensors_with_index(hf, tokens, tmp_path):

@@ -231,24 +231,17 @@ def load_hf_checkpoint(
     rules: ShardingRules | None = None,
     **config_overrides: Any,
 ) -> Decoder:
-    """Loads a Hugging Face Qwen3 or Llama checkpoint directory into a `Decoder`.
+    """Loads a Hugging Face Qwen3 or Llama checkpoint directory (`config.json` and
+    `model.safetensors`, or `model.safetensors.index.json` and shards) into a `Decoder`.
 
-    Args:
-      path: directory with `config.json` and `model.safetensors` or
-        `model.safetensors.index.json` plus shards.
-      mesh: if given, every parameter is placed directly on its NamedSharding on this
-        mesh (from `rules`): each device receives only its slice, and in a multi-process
-        run each process places only its addressable shards. Otherwise the parameters go
-        to the default device.
-      rules: logical-to-mesh rules; `ShardingRules()` by default.
-      **config_overrides: `ModelConfig` fields to change, e.g. `param_dtype="bfloat16"`,
-        `dtype="bfloat16"`, `remat="full"`. Without `dtype`, the model computes in the
-        checkpoint's own dtype (`hf_model_config`): float32 for a float32 checkpoint.
-
-    Parameters are cast to `param_dtype`. Raises FileNotFoundError without the files
-    above; ValueError (naming the file or entry) for an unsupported or corrupt config, a
-    missing, misshapen or unused tensor, an index entry outside the directory, or a
-    corrupt or truncated safetensors file.
+    With a `mesh`, each parameter goes straight onto its NamedSharding there (from `rules`,
+    `ShardingRules()` by default): each device, or process, receives only its slices;
+    otherwise onto the default device. `config_overrides` change `ModelConfig` fields (e.g.
+    `param_dtype`, `remat`); without `dtype` the model computes in the checkpoint's own
+    (`hf_model_config`). Parameters are cast to `param_dtype`. Raises FileNotFoundError
+    without those files; ValueError (naming the file or entry) for an unsupported or
+    corrupt config, a missing, misshapen or unused tensor, an index entry outside the
+    directory, or a corrupt or truncated safetensors file.
     """
     path = Path(path)
     config = hf_model_config(path, **config_overrides)

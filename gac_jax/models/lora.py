@@ -141,9 +141,8 @@ def apply_lora(model: nnx.Module, config: LoraConfig, *, rngs: nnx.Rngs) -> nnx.
     targets = list(_adapted(model, config))
     keys = [[rngs.params() for _ in targets] for _ in range(model.config.num_layers)]
     for j, (module, attribute, num_in) in enumerate(targets):
-        weight = LoraWeight(
-            getattr(module, attribute), num_in, config.rank, config.alpha, keys=[k[j] for k in keys]
-        )
+        weight = LoraWeight(getattr(module, attribute), num_in, config.rank, config.alpha,
+                            keys=[layer_keys[j] for layer_keys in keys])  # fmt: skip
         setattr(module, attribute, weight)
     return model
 

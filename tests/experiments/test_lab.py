@@ -97,7 +97,7 @@ def test_the_quick_subset_trains_every_sweep_once(quick_lab):
         for folder in (runs / "lagged", runs / "async", runs / "tools")
         for p in folder.glob("**/summary.json")
     }
-    assert found == expected and len(expected) == 24
+    assert found == expected and len(expected) == 26  # v5: two quick runs
 
 
 def test_the_report_tables_are_the_runs_numbers(quick_lab):

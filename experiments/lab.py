@@ -35,6 +35,7 @@ other code is refused unless --rerun-stale or --allow-stale.
 
     python experiments/lab.py                        # everything: 2 processes, ~2 h here
     python experiments/lab.py --only sync staleness  # some sweeps
+    python experiments/lab.py --only v5 --arms ppo sync  # some arms of them
     python experiments/lab.py --quick --root /tmp/lab_quick   # a few minutes: the plumbing
     python experiments/report.py                     # tables, plots and RESULTS.md
 """
@@ -584,13 +585,17 @@ SWEEPS = {
 OWN_BASE = {"tools": "calculator"}
 
 
-def specs_of(names: Sequence[str], seeds: Sequence[int] | None, quick: bool) -> list[RunSpec]:
-    """The runs of the sweeps `names` (each with its own seeds unless `seeds`), once each."""
+def specs_of(
+    names: Sequence[str], seeds: Sequence[int] | None, quick: bool, arms: Sequence[str] = ()
+) -> list[RunSpec]:
+    """The runs of the sweeps `names` (each with its own seeds unless `seeds`), once each;
+    with `arms`, only the runs whose arm (the label's second part) is one of them."""
     found: dict[tuple[str, int], RunSpec] = {}
     for name in names:
         chosen = seeds if seeds is not None else range(1 if quick else SEEDS[name])
         for spec in SWEEPS[name](list(chosen), quick):
-            found.setdefault((spec.label, spec.seed), spec)
+            if not arms or spec.label.split("/")[1] in arms:
+                found.setdefault((spec.label, spec.seed), spec)
     return list(found.values())
 
 
@@ -601,6 +606,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--only", nargs="+", choices=list(SWEEPS), default=list(SWEEPS))
     parser.add_argument(
         "--quick", action="store_true", help="a few short runs of every sweep (the plumbing)"
+    )
+    parser.add_argument(
+        "--arms", nargs="+", default=(), help="only these arms of the sweeps, e.g. ppo sync"
     )
     return parser
 
@@ -627,7 +635,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             if args.shard is not None and set(names) != set(args.only):
                 continue  # A child runs the group its parent started.
             run_sweep(
-                specs_of(names, args.seeds, args.quick),
+                specs_of(names, args.seeds, args.quick, args.arms),
                 base,
                 Path(args.root) / folder,
                 # The last --only wins (argparse).

@@ -91,13 +91,15 @@ def paired(a: dict[int, dict], b: dict[int, dict], key: str = "score") -> tuple[
     return mean, half, len(diffs)
 
 
-def verdict(mean: float, half: float) -> str:
+def verdict(mean: float, half: float, seeds: int) -> str:
+    """``+0.012 ± 0.020 within (5 seeds)``: the paired mean, its 95% half-width, and whether
+    the interval lies above 0, below it, or holds it."""
     if math.isnan(mean):
         return "-"
     if math.isnan(half):
         return f"{mean:+.3f} (1 seed)"
     word = "above" if mean - half > 0 else "below" if mean + half < 0 else "within"
-    return f"{mean:+.3f} ± {half:.3f} {word}"
+    return f"{mean:+.3f} ± {half:.3f} {word} ({seeds} seeds)"
 
 
 def _cell(values: Sequence[float], digits: int = 3) -> str:
@@ -115,7 +117,7 @@ def cell_table(found: dict, baselines: Sequence[str]) -> str:
             row.append(
                 "-"
                 if name == base or base not in found
-                else verdict(*paired(seeds, found[base])[:2])
+                else verdict(*paired(seeds, found[base]))
             )
         row += [
             f"{np.nanmedian([x['kl_applied'] for x in v]):.4f}",
@@ -150,7 +152,7 @@ def answers(cell: dict, harsh: dict, floor: float) -> str:
     def vs(a, b, found):
         if a not in found or b not in found:
             return "not run yet"
-        return verdict(*paired(found[a], found[b])[:2])
+        return verdict(*paired(found[a], found[b]))
 
     lines = [
         f"- Rounding floor (largest |score difference| of PPO and its rounding-only re-run): "

@@ -115,9 +115,7 @@ def cell_table(found: dict, baselines: Sequence[str]) -> str:
         row = [name, str(len(v)), _cell([x["start"] for x in v]), _cell([x["score"] for x in v])]
         for base in baselines:
             row.append(
-                "-"
-                if name == base or base not in found
-                else verdict(*paired(seeds, found[base]))
+                "-" if name == base or base not in found else verdict(*paired(seeds, found[base]))
             )
         row += [
             f"{np.nanmedian([x['kl_applied'] for x in v]):.4f}",

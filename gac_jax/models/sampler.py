@@ -587,9 +587,14 @@ class Sampler:
                 busy = jnp.sum(s.row_b < rows, dtype=jnp.int32)
                 return (step < budget) & (busy > 0) & ((busy > narrower) | (s.next_row < rows))
 
+        # Unrolled layers are cut once here: cut in the loop, each step copies each weight.
+        unrolled = not self.config.scan_layers
+        layers = nnx.merge(graphdef, state).layer_slices() if unrolled else None
+
         def body(carry):
             s, step = carry
-            return self._decode_step(nnx.merge(graphdef, state), s, prompts, refill), step + 1
+            model = _SlicedLayers(nnx.merge(graphdef, state), layers)
+            return self._decode_step(model, s, prompts, refill), step + 1
 
         return jax.lax.while_loop(cond, body, (s, jnp.zeros((), jnp.int32)))
 
@@ -811,6 +816,20 @@ def _narrower(width: int) -> int:
     """The tail compaction schedule, written once: the width a state of `width` slots
     moves to once no row waits and its busy slots fit (0: none, `width` is the last)."""
     return (width + 1) // 2 if width > _MIN_WIDTH else 0
+
+
+class _SlicedLayers:
+    """`model`, whose `hidden_states` runs `layers` (`Decoder.layer_slices`, cut before a
+    decode loop; None: its own scan)."""
+
+    def __init__(self, model, layers):
+        self.model, self.layers = model, layers
+
+    def hidden_states(self, *args, **kwargs):
+        return self.model.hidden_states(*args, layers=self.layers, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
 
 
 def _compacted(s: SlotState, width: int) -> SlotState:

@@ -123,6 +123,8 @@ def _measured_bandwidth(nbytes: int = 256 << 20) -> float:
 def model_config(shape: dict, param_dtype: str) -> models.ModelConfig:
     """The benchmark's model: a Qwen3-0.6B-shaped one, or a tiny one under --smoke."""
     extra = SMOKE_MODEL if shape["model"] == "tiny" else {}
+    if "scan_layers" in shape:
+        extra = {**extra, "scan_layers": shape["scan_layers"]}
     return models.get_config(
         shape["model"], dtype="bfloat16", param_dtype=param_dtype, remat=shape["remat"], **extra
     )

@@ -78,6 +78,7 @@ def test_the_gpu_check_runs_every_part_in_its_smoke_form(tmp_path):
     assert steps["timed_steps"] == 1 and steps["recompiles"] == []
     assert 0 < steps["learner_mfu"] < 1 and 0 < steps["sampling_fraction_of_roofline"]
     assert result["sampler"]["fraction_of_roofline"] > 0
+    assert result["sampler_unrolled"]["fraction_of_roofline"] > 0  # The other decode layout.
     # plan serves at least the sampler from the run's cache (its learner step: issue 61).
     planned = result["plan"]["programs"]
     assert [p["program"] for p in planned] == [p["program"] for p in run_programs]
@@ -178,6 +179,11 @@ def test_the_speed_canary_runs_its_smoke_form():
     # Its decode is checked token for token against the plain scan's inside the script.
     out = _run("canary.py", "--smoke", env=process_env(1))
     assert "canary (tiny, 1 rounds" in out and "sampler " in out and "learner step " in out
+
+
+def test_the_sampler_seconds_script_runs_its_smoke_form():
+    out = _run("sampler_seconds.py", "--smoke", "--calls", "1", env=process_env(1))
+    assert "temperature 0: CPU s" in out and "least: greedy" in out
 
 
 @pytest.mark.slow

@@ -73,22 +73,18 @@ def init_cache(config: ModelConfig, batch_size: int, max_length: int, dtype=None
     for name, value in (("batch_size", batch_size), ("max_length", max_length)):
         check_int(name, value, 1)
     dtype = config.compute_dtype if dtype is None else jnp.dtype(dtype)
-    k, h = config.num_kv_heads, config.head_dim
+    k, h, n = config.num_kv_heads, config.head_dim, config.num_layers
 
     def kv(layers: int) -> dict[str, jax.Array]:
         shape = (layers, batch_size, k)
-        return {
-            "k": jnp.zeros((*shape, h, max_length), dtype),
-            "v": jnp.zeros((*shape, max_length, h), dtype),
-        }
+        return {"k": jnp.zeros((*shape, h, max_length), dtype),
+                "v": jnp.zeros((*shape, max_length, h), dtype)}  # fmt: skip
 
     return {
         "index": jnp.zeros((), jnp.int32),
         "key_mask": jnp.zeros((batch_size, max_length), bool),
         # Unrolled: one [1, ...] cache a layer (a stacked one's slices are copies on CPU).
-        "layers": kv(config.num_layers)
-        if config.scan_layers
-        else tuple(kv(1) for _ in range(config.num_layers)),
+        "layers": kv(n) if config.scan_layers else tuple(kv(1) for _ in range(n)),
     }
 
 
@@ -294,13 +290,10 @@ class Decoder(nnx.Module):
             rope = self.rope_tables(positions_bt, max_position)  # Shared by every layer.
         if isinstance(layer_caches, tuple):  # Unrolled decoding: one cache a layer.
             graphdef, per_layer = self.layer_slices() if layers is None else layers
-            caches = []
-            for state, layer_cache in zip(per_layer, layer_caches, strict=True):
-                x_btd, layer_cache = nnx.merge(graphdef, state)(
-                    x_btd, rope, mask_bts, layer_cache, cache_index, 0
-                )
-                caches.append(layer_cache)
-            caches = tuple(caches)
+            caches = ()
+            for state, one in zip(per_layer, layer_caches, strict=True):
+                x_btd, one = nnx.merge(graphdef, state)(x_btd, rope, mask_bts, one, cache_index)
+                caches += (one,)
             return self._finished(x_btd, cache, tokens_bt.shape[1], key_mask, caches)
         graphdef, stacked = nnx.split(self.layers)
 

@@ -81,11 +81,13 @@ def test_verdicts_by_hand():
 
 
 def test_the_blocks_are_rebuilt_from_the_kept_runs():
-    """The kept runs (sync and naive, seed 0) give the figures RESULTS.md quotes."""
+    """The kept runs give the figures RESULTS.md quotes."""
     root = EXPERIMENTS / "results" / "lab5_runs" / "lagged"
     blocks = report_v5.main(["--root", str(root), "--results-md", "none"])
     assert "naive -0.154 (1 seed)" in blocks["v5_answers"]
-    assert "| sync | 1 | 0.062 | 0.175 |" in blocks["v5_cell"]
+    assert "PPO + GAC on updates vs PPO +0.002 ± 0.017 within (5 seeds)" in blocks["v5_answers"]
+    assert "| sync | 5 | 0.065 ± 0.005 | 0.180 ± 0.005 |" in blocks["v5_cell"]
+    assert "PPO and its rounding-only re-run): 0.015." in blocks["v5_answers"]
     results = (EXPERIMENTS / "RESULTS.md").read_text()
     for name, block in blocks.items():  # RESULTS.md holds what the kept runs give.
         assert f"<!-- BEGIN {name} -->\n{block}\n<!-- END {name} -->" in results, name

@@ -71,10 +71,16 @@ def budget_micro_batches(
 ) -> int:
     """The fewest micro-batches m (a divisor of `rows`, at least `minimum`, leaving each
     device whole rows) with rows / (m * devices) * width <= `max_tokens`; the most there
-    are (one row per device) when even that exceeds the budget."""
+    are (one row per device) when even that exceeds the budget. A `minimum` above that
+    most is refused: it cannot be honoured."""
     candidates = [m for m in range(1, rows + 1) if rows % m == 0 and (rows // m) % devices == 0]
     if not candidates:
         raise ValueError(f"{rows} rows cannot be split evenly over {devices} devices.")
+    if minimum > candidates[-1]:
+        raise ValueError(
+            f"micro_batches={minimum} leaves less than one row a device: {rows} rows over "
+            f"{devices} devices split into at most {candidates[-1]} micro-batches."
+        )
     for m in candidates:
         if m >= minimum and rows // (m * devices) * width <= max_tokens:
             return m

@@ -31,21 +31,22 @@ from tests.conftest import USERS_COMPILE_OPTIONS
     devices=st.sampled_from([1, 2, 4]),
 )
 def test_the_fewest_micro_batches_that_fit(rows, width, max_tokens, minimum, devices):
-    if rows % devices:
-        with pytest.raises(ValueError, match="cannot be split evenly"):
+    def splits(k):
+        return rows % k == 0 and (rows // k) % devices == 0
+
+    if rows % devices or not any(splits(k) for k in range(minimum, rows + 1)):
+        why = "cannot be split evenly" if rows % devices else f"micro_batches={minimum} leaves"
+        with pytest.raises(ValueError, match=why):
             budget_micro_batches(rows, width, max_tokens, minimum=minimum, devices=devices)
         return
     m = budget_micro_batches(rows, width, max_tokens, minimum=minimum, devices=devices)
     assert rows % m == 0 and (rows // m) % devices == 0  # Whole rows on every device.
 
-    def splits(k):
-        return rows % k == 0 and (rows // k) % devices == 0
-
     def fits(k):
         return rows // (k * devices) * width <= max_tokens
 
-    # Within the budget (or, when nothing fits, one row a device: the most there are)...
-    assert fits(m) and m >= minimum or m == rows // devices
+    # At least the minimum, within the budget (or, when nothing fits, one row a device)...
+    assert m >= minimum and (fits(m) or m == rows // devices)
     # ...and no valid count from the minimum up to it would have fitted.
     assert not any(splits(k) and fits(k) for k in range(minimum, m))
 
@@ -61,8 +62,8 @@ def test_the_fewest_micro_batches_that_fit(rows, width, max_tokens, minimum, dev
 def test_one_rule_decides_the_count(micro_batches, max_tokens, mini_batches, rows, width):
     """`MicroBatching.of` reads the three settings once: the configured count (1 unset)
     without a budget; within the configured budget, else within the CPU model's where
-    both are unset; each count at least the configured one, or one row a device when that
-    is the most there are (`budget_micro_batches`)."""
+    both are unset; each count at least the configured one, and a configured count above
+    one row a device refused under a budget (`budget_micro_batches`)."""
     settings = dict(micro_batches=micro_batches, max_tokens_per_micro_batch=max_tokens)
     config = LearnerConfig(**settings, mini_batches=mini_batches)
     cpu = models.get_config("tiny")
@@ -74,12 +75,16 @@ def test_one_rule_decides_the_count(micro_batches, max_tokens, mini_batches, row
         budget, why = token_budget.cpu_tokens_per_micro_batch(cpu, width), "XLA:CPU"
     else:
         budget, why = None, f"micro_batches={micro_batches}"
+    assert why in str(rule)
+    most = rows // mini_batches // 2  # One row on each of the 2 devices.
+    if budget is not None and least > most:
+        with pytest.raises(ValueError, match=f"micro_batches={least} leaves less than one row"):
+            rule.count(rows, width)
+        return
     want = least if budget is None else budget_micro_batches(
         rows // mini_batches, width, budget, minimum=least, devices=2
     )  # fmt: skip
-    most = rows // mini_batches // 2  # One row on each of the 2 devices.
-    assert rule.count(rows, width) == want and (want >= least or want == most < least)
-    assert why in str(rule)
+    assert rule.count(rows, width) == want >= least
     assert MicroBatching.of(config, devices=2).count(rows, width) == (
         want if max_tokens is not None else least
     )

@@ -84,7 +84,7 @@ def test_the_blocks_are_rebuilt_from_the_kept_runs():
     """The kept runs give the figures RESULTS.md quotes."""
     root = EXPERIMENTS / "results" / "lab5_runs" / "lagged"
     blocks = report_v5.main(["--root", str(root), "--results-md", "none"])
-    assert "naive -0.154 (1 seed)" in blocks["v5_answers"]
+    assert "naive -0.158 ± 0.006 below (5 seeds)" in blocks["v5_answers"]
     assert "PPO + GAC on updates vs PPO +0.002 ± 0.017 within (5 seeds)" in blocks["v5_answers"]
     assert "| sync | 5 | 0.065 ± 0.005 | 0.180 ± 0.005 |" in blocks["v5_cell"]
     assert "PPO and its rounding-only re-run): 0.015." in blocks["v5_answers"]

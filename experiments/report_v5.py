@@ -177,12 +177,17 @@ def answers(cell: dict, harsh: dict, floor: float) -> str:
             f"{vs('gac_update', 'random_skip', found)} (i.i.d.), "
             f"{vs('gac_update', 'random_skip_streaks', found)} (streaks)."
         )
-        near = [
-            f"{name} {vs(name, 'sync', found)}"
-            for name in found
-            if name not in ("sync", "ppo_floor")
-        ]
+        lines.append(
+            f"- {where}, the 2026 cures and VCPO: VESPO vs PPO {vs('vespo', 'ppo', found)}; "
+            f"DPPO binary TV vs PPO {vs('dppo_binary_tv', 'ppo', found)}; VESPO vs DPPO "
+            f"{vs('vespo', 'dppo_binary_tv', found)}; VCPO vs PPO {vs('vcpo', 'ppo', found)}."
+        )
+        cures = [name for name in found if name not in ("sync", "ppo_floor")]
+        near = [f"{name} {vs(name, 'sync', found)}" for name in cures]
         lines.append(f"- {where}, each arm vs sync (paired): " + "; ".join(near) + ".")
+        if "sync" in found and cures:
+            best = max(cures, key=lambda name: paired(found[name], found["sync"])[0])
+            lines.append(f"- {where}, closest to sync: {best} {vs(best, 'sync', found)}.")
     return "\n".join(lines)
 
 

@@ -88,6 +88,8 @@ def test_the_blocks_are_rebuilt_from_the_kept_runs():
     assert "PPO + GAC on updates vs PPO +0.002 ± 0.017 within (5 seeds)" in blocks["v5_answers"]
     assert "| sync | 5 | 0.065 ± 0.005 | 0.180 ± 0.005 |" in blocks["v5_cell"]
     assert "PPO and its rounding-only re-run): 0.015." in blocks["v5_answers"]
+    assert "VESPO vs DPPO +0.005 ± 0.009 within (5 seeds)" in blocks["v5_answers"]
+    assert "closest to sync: vespo -0.024 ± 0.008 below (5 seeds)." in blocks["v5_answers"]
     results = (EXPERIMENTS / "RESULTS.md").read_text()
     for name, block in blocks.items():  # RESULTS.md holds what the kept runs give.
         assert f"<!-- BEGIN {name} -->\n{block}\n<!-- END {name} -->" in results, name

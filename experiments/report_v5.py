@@ -186,7 +186,8 @@ def answers(cell: dict, harsh: dict, floor: float) -> str:
         near = [f"{name} {vs(name, 'sync', found)}" for name in cures]
         lines.append(f"- {where}, each arm vs sync (paired): " + "; ".join(near) + ".")
         if "sync" in found and cures:
-            best = max(cures, key=lambda name: paired(found[name], found["sync"])[0])
+            gap = {name: paired(found[name], found["sync"])[0] for name in cures}
+            best = max(cures, key=lambda name: -math.inf if math.isnan(gap[name]) else gap[name])
             lines.append(f"- {where}, closest to sync: {best} {vs(best, 'sync', found)}.")
     return "\n".join(lines)
 

@@ -144,6 +144,32 @@ def floor_table(found: dict) -> tuple[str, float]:
     return markdown_table(headers, rows), (max(diffs) if diffs else math.nan)
 
 
+# The answers' comparisons, a line a topic: (topic, ((text, arm, baseline), ...)). A cell's
+# line names only the comparisons whose two arms that cell runs (the harsher cell runs fewer).
+QUESTIONS = (
+    ("GAC on a clipped loss", (
+        ("PPO + GAC on updates vs PPO", "ppo_gac_update", "ppo"),
+        ("PPO + GAC on gradients vs PPO", "ppo_gac", "ppo"),
+        ("PPO + GAC on updates vs PPO at half the step", "ppo_gac_update",
+         f"ppo_lr{lab.V4_LR / 2:g}"),
+    )),
+    ("bias against drift", (
+        ("REINFORCE + token TIS 2 vs naive", "reinforce_tis2", "naive"),
+        ("trust region with unit weights vs naive", "naive_trust_region", "naive"),
+    )),
+    ("GAC against random skips at its rate", (
+        ("GAC on updates vs i.i.d. random skips", "gac_update", "random_skip"),
+        ("vs random skips in streaks", "gac_update", "random_skip_streaks"),
+    )),
+    ("the 2026 cures and VCPO", (
+        ("VESPO vs PPO", "vespo", "ppo"),
+        ("DPPO binary TV vs PPO", "dppo_binary_tv", "ppo"),
+        ("VESPO vs DPPO", "vespo", "dppo_binary_tv"),
+        ("VCPO vs PPO", "vcpo", "ppo"),
+    )),
+)  # fmt: skip
+
+
 def answers(cell: dict, harsh: dict, floor: float) -> str:
     """The few lines at the top: each question read from its paired interval."""
 
@@ -158,30 +184,17 @@ def answers(cell: dict, harsh: dict, floor: float) -> str:
         if math.isfinite(floor)
         else "- Rounding floor: not run yet.",
     ]
-    for found, where in (
-        (cell, "main cell (k=16, lr 5e-4)"),
-        (harsh, f"harsher cell ({lab.V5_HARSH})"),
+    for found, where, design in (
+        (cell, "main cell (k=16, lr 5e-4)", set(lab.V5_CELL)),
+        (harsh, f"harsher cell ({lab.V5_HARSH})", set(lab.V5_HARSH_ARMS)),
     ):
         if not found:
             lines.append(f"- {where}: no runs yet.")
             continue
-        lines.append(
-            f"- {where}: PPO + GAC on updates vs PPO {vs('ppo_gac_update', 'ppo', found)}; "
-            f"PPO + GAC on gradients vs PPO {vs('ppo_gac', 'ppo', found)}; "
-            f"vs PPO at half the step {vs('ppo_gac_update', f'ppo_lr{lab.V4_LR / 2:g}', found)}."
-        )
-        lines.append(
-            f"- {where}, bias against drift: REINFORCE + token TIS 2 vs naive "
-            f"{vs('reinforce_tis2', 'naive', found)}; trust region with unit weights vs naive "
-            f"{vs('naive_trust_region', 'naive', found)}; GAC on updates vs random skips "
-            f"{vs('gac_update', 'random_skip', found)} (i.i.d.), "
-            f"{vs('gac_update', 'random_skip_streaks', found)} (streaks)."
-        )
-        lines.append(
-            f"- {where}, the 2026 cures and VCPO: VESPO vs PPO {vs('vespo', 'ppo', found)}; "
-            f"DPPO binary TV vs PPO {vs('dppo_binary_tv', 'ppo', found)}; VESPO vs DPPO "
-            f"{vs('vespo', 'dppo_binary_tv', found)}; VCPO vs PPO {vs('vcpo', 'ppo', found)}."
-        )
+        for topic, comparisons in QUESTIONS:
+            said = [f"{text} {vs(a, b, found)}" for text, a, b in comparisons if {a, b} <= design]
+            if said:
+                lines.append(f"- {where}, {topic}: " + "; ".join(said) + ".")
         cures = [name for name in found if name not in ("sync", "ppo_floor")]
         near = [f"{name} {vs(name, 'sync', found)}" for name in cures]
         lines.append(f"- {where}, each arm vs sync (paired): " + "; ".join(near) + ".")

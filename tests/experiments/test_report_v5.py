@@ -93,3 +93,18 @@ def test_the_blocks_are_rebuilt_from_the_kept_runs():
     results = (EXPERIMENTS / "RESULTS.md").read_text()
     for name, block in blocks.items():  # RESULTS.md holds what the kept runs give.
         assert f"<!-- BEGIN {name} -->\n{block}\n<!-- END {name} -->" in results, name
+
+
+def test_a_cells_answers_name_only_the_comparisons_it_runs():
+    """The harsher cell runs no bias-against-drift arm and no half step: its lines do not
+    say those are "not run yet"; its arms not yet run are."""
+    scores = {"sync": 0.18, "ppo": 0.10, "ppo_gac_update": 0.12}
+    harsh = {arm: {s: {"score": x + 0.01 * s} for s in range(3)} for arm, x in scores.items()}
+    text = report_v5.answers({}, harsh, math.nan)
+    harsh_lines = [line for line in text.splitlines() if "harsher cell" in line]
+    assert "PPO + GAC on updates vs PPO +0.020 ± 0.000 above (3 seeds)" in harsh_lines[0]
+    assert "half the step" not in text and "bias against drift" not in text
+    assert "random skips" not in text and "VESPO vs PPO not run yet" in text
+    assert harsh_lines[-1].endswith(
+        "closest to sync: ppo_gac_update -0.060 ± 0.000 below (3 seeds)."
+    )

@@ -89,6 +89,8 @@ def test_the_blocks_are_rebuilt_from_the_kept_runs():
     assert "| sync | 5 | 0.065 ± 0.005 | 0.180 ± 0.005 |" in blocks["v5_cell"]
     assert "PPO and its rounding-only re-run): 0.015." in blocks["v5_answers"]
     assert "VESPO vs DPPO +0.005 ± 0.009 within (5 seeds)" in blocks["v5_answers"]
+    assert "i.i.d. random skips +0.022 ± 0.018 above (5 seeds)" in blocks["v5_answers"]
+    assert "in streaks +0.008 ± 0.016 within (5 seeds)" in blocks["v5_answers"]
     assert "closest to sync: vespo -0.024 ± 0.008 below (5 seeds)." in blocks["v5_answers"]
     results = (EXPERIMENTS / "RESULTS.md").read_text()
     for name, block in blocks.items():  # RESULTS.md holds what the kept runs give.

@@ -76,9 +76,9 @@ def init_cache(config: ModelConfig, batch_size: int, max_length: int, dtype=None
     k, h, n = config.num_kv_heads, config.head_dim, config.num_layers
 
     def kv(layers: int) -> dict[str, jax.Array]:
-        shape = (layers, batch_size, k)
-        return {"k": jnp.zeros((*shape, h, max_length), dtype),
-                "v": jnp.zeros((*shape, max_length, h), dtype)}  # fmt: skip
+        shape = (layers, batch_size, k)  # Keys [.., h, S] (transposed), values [.., S, h].
+        keys = jnp.zeros((*shape, h, max_length), dtype)
+        return {"k": keys, "v": jnp.zeros((*shape, max_length, h), dtype)}
 
     return {
         "index": jnp.zeros((), jnp.int32),

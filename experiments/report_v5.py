@@ -160,6 +160,7 @@ QUESTIONS = (
     ("GAC against random skips at its rate", (
         ("GAC on updates vs i.i.d. random skips", "gac_update", "random_skip"),
         ("vs random skips in streaks", "gac_update", "random_skip_streaks"),
+        ("vs random skips at its own v5 rate and streaks", "gac_update", "random_skip_matched"),
     )),
     ("the 2026 cures and VCPO", (
         ("VESPO vs PPO", "vespo", "ppo"),

@@ -149,6 +149,7 @@ def floor_table(found: dict) -> tuple[str, float]:
 QUESTIONS = (
     ("GAC on a clipped loss", (
         ("PPO + GAC on updates vs PPO", "ppo_gac_update", "ppo"),
+        ("PPO + GAC on updates at the cell's own thresholds vs PPO", "ppo_gac_update_own", "ppo"),
         ("PPO + GAC on gradients vs PPO", "ppo_gac", "ppo"),
         ("PPO + GAC on updates vs PPO at half the step", "ppo_gac_update",
          f"ppo_lr{lab.V4_LR / 2:g}"),

@@ -31,8 +31,8 @@ the control of the skip. Cost over the bare optimizer: the two alignment passes,
 select over its state when the control can skip.
 
 Measured (experiments/RESULTS.md, an 82k-parameter policy): it cured no collapse of naive
-stale rollouts (v4; v5: its skips beat i.i.d. random ones, +0.022 ± 0.018, not random
-streaks); on PPO-clip at lag 16 it neither helped nor hurt (v5: +0.002 ± 0.017 on updates,
+stale rollouts (v4; v5: its skips beat random ones at its rate and streaks, +0.018 ±
+0.017); on PPO-clip at lag 16 it neither helped nor hurt (v5: +0.002 ± 0.017 on updates,
 5 seeds); on a delayed quadratic it converges where Adam diverges.
 """
 

@@ -32,8 +32,8 @@ select over its state when the control can skip.
 
 Measured (experiments/RESULTS.md, an 82k-parameter policy): it cured no collapse of naive
 stale rollouts (v4; v5: its skips beat random ones at its rate and streaks, +0.018 ±
-0.017); on PPO-clip at lag 16 it neither helped nor hurt (v5: +0.002 ± 0.017 on updates,
-5 seeds); on a delayed quadratic it converges where Adam diverges.
+0.017); on PPO-clip it neither helped nor hurt (v5, on updates, 5 seeds: +0.002 ± 0.017 at
+lag 16, -0.001 ± 0.007 at lag 64); on a delayed quadratic it converges where Adam diverges.
 """
 
 from __future__ import annotations

@@ -95,6 +95,8 @@ def test_the_blocks_are_rebuilt_from_the_kept_runs():
     harsh = "harsher cell (k64), GAC on a clipped loss: PPO + GAC on updates vs PPO -0.002 ± 0.005"
     assert harsh in blocks["v5_answers"]
     assert "own thresholds vs PPO -0.001 ± 0.007 within (5 seeds)" in blocks["v5_answers"]
+    assert "VESPO vs DPPO -0.011 ± 0.007 below (5 seeds)" in blocks["v5_answers"]
+    assert "closest to sync: dppo_binary_tv -0.042 ± 0.007 below (5 seeds)." in blocks["v5_answers"]
     assert "closest to sync: vespo -0.024 ± 0.008 below (5 seeds)." in blocks["v5_answers"]
     results = (EXPERIMENTS / "RESULTS.md").read_text()
     for name, block in blocks.items():  # RESULTS.md holds what the kept runs give.

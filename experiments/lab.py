@@ -174,13 +174,8 @@ GAC_SYNC_BAND = (ACTIVE, "gac.tau_low=0.15", "gac.tau_high=0.45")
 # On applied updates (after Adam): consecutive applied updates of synchronous training have
 # a cosine of 0.88-0.91 (pilot, 10-step medians; momentum), the stale runs' 0.93-0.97.
 # Project down to synchronous training's level, skip beyond what the stale runs reached.
-GAC_UPDATE = (
-    ACTIVE,
-    "gac.acts_on=update",
-    "gac.reference=update",
-    "gac.tau_low=0.9",
-    "gac.tau_high=0.97",
-)
+ON_UPDATES = (ACTIVE, "gac.acts_on=update", "gac.reference=update")
+GAC_UPDATE = (*ON_UPDATES, "gac.tau_low=0.9", "gac.tau_high=0.97")
 V4_SMALL_LR = V4_LR / 4  # Naive's per-step KL there (pilot: 0.0074) is close to sync's.
 V4_CELL = {  # label -> overrides on the regime (lag 16 unless they say).
     "sync": ("rollout.lag=0",),
@@ -241,8 +236,7 @@ PPO = "loss.policy_loss=ppo"
 # Thresholds from PPO's own cosines in v4's cell (5 seeds, 740 steps: applied updates median
 # 0.919, 90th percentile 0.963; raw gradients' c_t median 0.318, 90th percentile 0.571):
 # project above the median, skip above the 90th percentile.
-PPO_GAC_UPDATE = (ACTIVE, "gac.acts_on=update", "gac.reference=update", "gac.tau_low=0.92",
-                  "gac.tau_high=0.96")  # fmt: skip
+PPO_GAC_UPDATE = (*ON_UPDATES, "gac.tau_low=0.92", "gac.tau_high=0.96")
 PPO_GAC_GRAD = (ACTIVE, "gac.tau_low=0.32", "gac.tau_high=0.57")
 # v4's gac_update (naive_pg) skipped 43.6% of its steps (5 seeds), in 88 streaks of mean
 # length 3.7 (longest 58): the random-skip controls skip as often, i.i.d. or in streaks.
@@ -291,10 +285,16 @@ V5_HARSH = "k64"
 # At k=64 PPO's applied updates are less aligned than at k=16 (5 seeds, 745 steps: median
 # 0.896, 90th percentile 0.946), so the main cell's thresholds skipped 3% of its steps:
 # `ppo_gac_update_own` takes this cell's own quantiles, as the main cell's arm took its own.
-V5_HARSH_ONLY = {"ppo_gac_update_own": (PPO, *PPO_GAC_UPDATE[:3], "gac.tau_low=0.90",
-                                        "gac.tau_high=0.95")}  # fmt: skip
-V5_HARSH_ARMS = ("sync", "ppo", "ppo_gac_update", "ppo_gac_update_own", "vcpo", "vespo",
-                 "dppo_binary_tv")  # fmt: skip
+V5_HARSH_ONLY = {"ppo_gac_update_own": (PPO, *ON_UPDATES, "gac.tau_low=0.90", "gac.tau_high=0.95")}
+V5_HARSH_ARMS = (
+    "sync",
+    "ppo",
+    "ppo_gac_update",
+    "ppo_gac_update_own",
+    "vcpo",
+    "vespo",
+    "dppo_binary_tv",
+)
 # The rounding floor: `ppo` re-run with its step in two micro-batches, which changes only
 # the order of the sums (the same gradient in exact arithmetic), seeds 0-2.
 V5_FLOOR = ("learner.micro_batches=2",)
